@@ -1,0 +1,80 @@
+"""Input validation that survives ``python -O``.
+
+Every error names the argument, the value it got, and what is allowed. Library code validates with
+these helpers (or raises ValueError/TypeError itself), never with ``assert``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+INT32_MAX = 2**31 - 1
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(items: Iterable) -> str:
+    return ", ".join(str(i).replace("torch.", "") for i in items)
+
+
+def check_tensor(name: str, value, *, kind: str = "a torch.Tensor") -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected {kind}, got {type(value).__name__}")
+    return value
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: dtype {str(t.dtype).replace('torch.', '')} is not supported; allowed: "
+                        f"{_names(allowed)}")
+
+
+def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def check_same_device(names_and_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    items = [(n, t) for n, t in names_and_tensors if t is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name}: on device {t.device}, but {first_name} is on {first.device}; "
+                             "all inputs must be on one device")
+
+
+def check_same_dtype(names_and_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    items = [(n, t) for n, t in names_and_tensors if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {first_name}'s {first.dtype}; "
+                            "they must match")
+
+
+def check_choice(name: str, value, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}: got {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+
+
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: got {value}; must be >= {minimum}")
+    return value
+
+
+def normalize_dim(name: str, dim: int, ndim: int) -> int:
+    check_int(name, dim)
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}: {dim} is out of range for a tensor of {ndim} dims "
+                         f"(allowed: {-ndim} to {ndim - 1})")
+    return dim % ndim

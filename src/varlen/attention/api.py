@@ -1,0 +1,243 @@
+"""``varlen.attention``: validate once, pick a backend, run the autograd function."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _backend
+from .._checks import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_dtype,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from ..jagged import JaggedTensor, as_jagged, check_same_offsets
+from . import backends
+from .function import attention_function
+from .options import AttentionOptions, Problem
+
+ALIGNS = ("top_left", "bottom_right")
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    align: str = "top_left",
+    scale: float | None = None,
+    bias: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Fused scaled-dot-product attention over dense or jagged batches, with its backward.
+
+    Args:
+        q: dense ``(B, Sq, H, D)`` tensor, or a JaggedTensor (or ``torch.nested`` jagged tensor) of
+            logical shape ``(B, j, H, D)``.
+        k: ``(B, Sk, Hkv, D)``, or jagged ``(B, j, Hkv, D)`` with the batch size of q (its lengths may
+            differ from q's). ``H`` must be a multiple of ``Hkv`` (GQA/MQA).
+        v: ``(B, Sk, Hkv, Dv)``, or jagged with the offsets of k. ``Dv`` may differ from ``D``.
+        causal: query i sees key j only if ``j <= i + shift``.
+        window: ``(left, right)``; query i sees key j only if ``i + shift - left <= j <= i + shift + right``.
+            None or -1 leaves a side unbounded. Combines with ``causal`` by intersection.
+        align: ``"top_left"`` (shift = 0) or ``"bottom_right"`` (shift = Lk - Lq), per sequence.
+        scale: multiplies ``q.k``; default ``D ** -0.5``.
+        bias: additive score bias broadcastable to ``(B, H, Sq, Sk)``; for jagged inputs
+            ``(B, H, max_Lq, max_Lk)`` (entries past a sequence's lengths are ignored). Float (gets a
+            gradient of its own shape and dtype when it requires grad) or bool (True keeps).
+        alibi_slopes: ``(H,)`` or ``(B, H)``: adds ``-slope * |i + shift - j|`` to the scores.
+        softcap: when > 0, scores become ``softcap * tanh(s / softcap)`` before bias and masking.
+        dropout_p: probability of dropping an attention weight (training); the kept ones are scaled
+            by ``1 / (1 - dropout_p)``. The mask is a function of a seed and offset drawn from
+            ``generator`` (torch's default when None): the same generator state gives the same mask,
+            and the backward replays it. Pass 0.0 in evaluation.
+        deterministic: bitwise-reproducible gradients (also on when
+            ``torch.are_deterministic_algorithms_enabled()``).
+        return_lse: also return the logsumexp of the scores (natural log, float32): ``(B, H, Sq)``
+            dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        The output in q's layout with head dim ``Dv`` (a JaggedTensor for jagged inputs), and the lse
+        when ``return_lse``. A query that sees no key gets output 0, lse -inf and zero gradient.
+    """
+    call = _prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
+                    alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
+                    deterministic=deterministic, backend=backend)
+    out, lse = attention_function(*call.args)
+    if not call.problem.dense:
+        out = JaggedTensor._trusted(out, call.q_jagged.offsets, call.q_jagged.max_len,
+                                    call.q_jagged._host_offsets)
+    return (out, lse) if return_lse else out
+
+
+class _Call:
+    __slots__ = ("args", "problem", "q_jagged")
+
+    def __init__(self, args, problem, q_jagged):
+        self.args = args
+        self.problem = problem
+        self.q_jagged = q_jagged
+
+
+def _is_jagged(x) -> bool:
+    return isinstance(x, JaggedTensor) or (isinstance(x, torch.Tensor) and x.is_nested)
+
+
+def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softcap, dropout_p, generator,
+             deterministic, backend) -> _Call:
+    kinds = [_is_jagged(t) for t in (q, k, v)]
+    if any(kinds) and not all(kinds):
+        raise TypeError("q, k, v: mix dense tensors and jagged tensors; pass all three dense "
+                        "(B, S, H, D) or all three jagged (JaggedTensor / torch.nested)")
+    jagged = kinds[0]
+    q_jagged = None
+    if jagged:
+        qj, kj, vj = as_jagged(q, "q"), as_jagged(k, "k"), as_jagged(v, "v")
+        if kj.batch_size != qj.batch_size:
+            raise ValueError(f"k: batch size {kj.batch_size} differs from q's {qj.batch_size}")
+        check_same_offsets("v", vj, "k", kj)
+        qt, kt, vt = qj.values, kj.values, vj.values
+        for name, t in (("q", qt), ("k", kt), ("v", vt)):
+            if t.dim() != 3:
+                raise ValueError(f"{name}: expected a jagged tensor of logical shape (B, j, heads, dim), "
+                                 f"got values of shape {tuple(t.shape)}")
+        B, max_q, max_k = qj.batch_size, qj.max_len, kj.max_len
+        q_jagged = qj
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t)
+            if t.dim() != 4:
+                raise ValueError(f"{name}: expected 4 dims (batch, seq, heads, dim), got shape "
+                                 f"{tuple(t.shape)}")
+        qt, kt, vt = q, k, v
+        B, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
+        if k.shape[0] != B or v.shape[0] != B:
+            raise ValueError(f"k, v: batch sizes {k.shape[0]}, {v.shape[0]} must equal q's {B}")
+        if v.shape[1] != max_k:
+            raise ValueError(f"v: sequence length {v.shape[1]} differs from k's {max_k}")
+    H, D = qt.shape[-2], qt.shape[-1]
+    Hkv, Dk, Dv = kt.shape[-2], kt.shape[-1], vt.shape[-1]
+    if Dk != D:
+        raise ValueError(f"k: head dim {Dk} differs from q's {D}")
+    if vt.shape[-2] != Hkv:
+        raise ValueError(f"v: {vt.shape[-2]} heads differ from k's {Hkv}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"q: {H} heads are not a multiple of k/v's {Hkv} heads (GQA/MQA needs "
+                         "H % Hkv == 0)")
+    for name, t in (("q", qt), ("k", kt), ("v", vt)):
+        check_dtype(name, t, FLOAT_DTYPES)
+    check_same_dtype([("q", qt), ("k", kt), ("v", vt)])
+    check_same_device([("q", qt), ("k", kt), ("v", vt), ("bias", bias), ("alibi_slopes", alibi_slopes)])
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_choice("align", align, ALIGNS)
+    window_left, window_right = _parse_window(window)
+    if scale is None:
+        scale = D ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
+            softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+
+    opts = AttentionOptions(scale=float(scale), causal=causal, window_left=window_left,
+                            window_right=window_right, bottom_right=align == "bottom_right",
+                            softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic)
+    if jagged:
+        cu_q = _int32_offsets(q_jagged.offsets, "q")
+        cu_k = cu_q if kj.offsets is qj.offsets else _int32_offsets(kj.offsets, "k")
+    else:
+        cu_q = cu_k = None
+    problem = Problem(batch=B, heads=H, kv_heads=Hkv, head_dim=D, head_dim_v=Dv, max_q=max_q, max_k=max_k,
+                      dense=not jagged, cu_q=cu_q, cu_k=cu_k)
+    bias = _check_bias(bias, problem)
+    alibi = _check_alibi(alibi_slopes, problem)
+
+    check_choice("backend", backend, _backend.BACKENDS)
+    impl = backends.select(backend, qt, kt, vt, bias, alibi, problem, opts)
+    seed = backends.draw_dropout_seed(opts, generator, qt.device)
+    return _Call((qt, kt, vt, bias, alibi, problem, opts, impl, seed), problem, q_jagged)
+
+
+def _parse_window(window) -> tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected None or (left, right), got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is None:
+            side = -1
+        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
+            raise ValueError(f"window: {name} = {side!r}; allowed: an int >= 0, or None / -1 for unbounded")
+        sides.append(side)
+    return sides[0], sides[1]
+
+
+def _int32_offsets(offsets: torch.Tensor, name: str) -> torch.Tensor:
+    # Kernels index rows with int32 offsets; JaggedTensor already rejects int32 overflow, and an int64
+    # batch of more than 2**31 rows would not fit the lse/out buffers' int32 row index either.
+    if offsets.dtype == torch.int32:
+        return offsets
+    return offsets.to(torch.int32)
+
+
+def _check_bias(bias, problem: Problem):
+    if bias is None:
+        return None
+    check_tensor("bias", bias)
+    if bias.dtype != torch.bool:
+        check_dtype("bias", bias, FLOAT_DTYPES)
+    if bias.dim() > 4:
+        raise ValueError(f"bias: expected at most 4 dims (B, H, Sq, Sk), got shape {tuple(bias.shape)}")
+    full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    for axis, (got, want, what) in enumerate(zip(shape, full, ("B", "H", "Sq", "Sk"))):
+        ok = got in (1, want) or (not problem.dense and axis >= 2 and got >= want)
+        if not ok:
+            allowed = f"1 or {want}" + ("" if problem.dense or axis < 2 else f" (or more, jagged)")
+            raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to "
+                             f"(B, H, Sq, Sk) = {full}: dim {what} is {got}, allowed {allowed}")
+    bias = bias.reshape(shape)
+    if bias.dtype == torch.bool:
+        if bias.requires_grad:
+            raise ValueError("bias: a bool mask has no gradient")
+        bias = torch.zeros(shape, dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
+    return bias
+
+
+def _check_alibi(slopes, problem: Problem):
+    if slopes is None:
+        return None
+    check_tensor("alibi_slopes", slopes)
+    check_dtype("alibi_slopes", slopes, FLOAT_DTYPES)
+    if slopes.requires_grad:
+        raise ValueError("alibi_slopes: gradients with respect to the slopes are not computed; pass "
+                         "slopes that don't require grad (e.g. slopes.detach())")
+    B, H = problem.batch, problem.heads
+    if slopes.shape == (H,):
+        slopes = slopes.unsqueeze(0).expand(B, H)
+    elif slopes.shape != (B, H):
+        raise ValueError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {tuple(slopes.shape)}")
+    return slopes.to(torch.float32)

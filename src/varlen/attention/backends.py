@@ -1,0 +1,59 @@
+"""The attention backends, what each can take, and how a call picks one.
+
+A backend is a module with ``NAME``, ``unsupported_reasons(...) -> list[str]``, ``forward(...)`` and
+``backward(...)`` (see ``function.py`` for the calling convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import AttentionOptions, DropoutSeed, Problem
+
+
+def _modules():
+    from . import torch_backend
+    from .triton import backend as triton_backend
+
+    return {"triton": triton_backend, "torch": torch_backend}
+
+
+def select(name: str, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions):
+    """The backend module that runs this call; ValueError listing every reason when none can."""
+    modules = _modules()
+    if name == "auto":
+        order = ["triton", "torch"] if q.device.type == "cuda" else ["torch"]
+    else:
+        order = [name]
+    reasons = {}
+    for candidate in order:
+        why = modules[candidate].unsupported_reasons(q, k, v, bias, alibi, problem, opts)
+        if not why:
+            return modules[candidate]
+        reasons[candidate] = why
+    listed = "; ".join(f"backend={n!r}: {', '.join(r)}" for n, r in reasons.items())
+    raise ValueError(f"backend: no attention backend can run these inputs ({listed})")
+
+
+def draw_dropout_seed(opts: AttentionOptions, generator: torch.Generator | None,
+                      device: torch.device) -> DropoutSeed | None:
+    """The Philox key of one call, drawn from ``generator`` on the host (no device sync).
+
+    A CUDA generator gives its seed and current offset, then advances the offset, as PyTorch's own
+    dropout does; a CPU generator gives a random 63-bit seed. Either way the generator's state moves,
+    so consecutive calls get different masks and a restored state replays the same one.
+    """
+    if opts.dropout_p == 0.0:
+        return None
+    if generator is None:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            generator = torch.cuda.default_generators[index]
+        else:
+            generator = torch.default_generator
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        return DropoutSeed(seed=generator.initial_seed() & (2**63 - 1), offset=offset)
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
+    return DropoutSeed(seed=seed, offset=0)

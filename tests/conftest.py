@@ -1,0 +1,45 @@
+"""Shared test set-up: one device for the whole run, Triton's interpreter on CPU, seeded RNG.
+
+On a machine without CUDA the Triton kernels run through Triton's interpreter, which must be switched
+on before Triton is first imported: that happens here, ahead of every test module.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import varlen  # noqa: E402  (after TRITON_INTERPRET is set)
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def pytest_report_header(config):
+    mode = "CUDA" if ON_GPU else f"CPU, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
+    return f"varlen {varlen.__version__}, torch {torch.__version__}, kernels on {mode}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu_only" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """A fresh, reproducible seed per test (derived from its id), so failures replay exactly."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield

@@ -1,0 +1,58 @@
+"""Helpers shared by the tests: tolerances, error measures, random jagged batches."""
+
+import torch
+
+from conftest import DEVICE, ON_GPU
+
+import varlen
+
+# Relative error ||out - ref|| / ||ref|| allowed against a float64 reference, per compute dtype.
+# float32 on the GPU goes through tf32 matrix units in the Triton kernels.
+REL_TOL = {
+    torch.float64: 1e-10,
+    torch.float32: 3e-3 if ON_GPU else 2e-5,
+    torch.float16: 3e-3,
+    torch.bfloat16: 2e-2,
+}
+
+# The Triton kernels run on the GPU, or through the interpreter here (CPU tensors).
+KERNEL_DEVICE = DEVICE
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere in out counts as infinite error."""
+    out = out.detach().to(torch.float64)
+    ref = ref.detach().to(out.device, torch.float64)
+    if out.shape != ref.shape:
+        raise AssertionError(f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
+    if not torch.isfinite(out).all() and not torch.equal(torch.isfinite(out), torch.isfinite(ref)):
+        return float("inf")
+    mask = torch.isfinite(ref)
+    diff = (out - ref)[mask].norm()
+    scale = ref[mask].norm()
+    return float(diff / scale) if scale > 0 else float(diff)
+
+
+def assert_close(out, ref, dtype=None, *, tol=None, name="output"):
+    dtype = out.dtype if dtype is None else dtype
+    tol = REL_TOL[dtype] if tol is None else tol
+    err = rel_err(out, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} ({dtype})"
+
+
+def random_lengths(batch: int, max_len: int, *, include=(0, 1), generator=None) -> list[int]:
+    """Random lengths in [0, max_len] that include the given special lengths where batch allows."""
+    lengths = torch.randint(0, max_len + 1, (batch,), generator=generator).tolist()
+    for i, special in enumerate(include):
+        if i < batch and special <= max_len:
+            lengths[i] = special
+    return lengths
+
+
+def random_jagged(lengths, inner=(), *, dtype=torch.float32, device=DEVICE, requires_grad=False,
+                  offsets_dtype=torch.int32) -> varlen.JaggedTensor:
+    parts = [torch.randn(n, *inner, dtype=dtype) for n in lengths]
+    x = varlen.jagged(parts, device=device, offsets_dtype=offsets_dtype)
+    if requires_grad:
+        x.values.requires_grad_(True)
+    return x
