@@ -5,7 +5,39 @@ for dense and jagged batches.
 """
 
 from ._backend import use_backend
+from .attention import attention
 from .jagged import JaggedTensor, jagged
+from .ops import (
+    gelu,
+    layer_norm,
+    linear,
+    matmul,
+    mean,
+    relu,
+    select,
+    silu,
+    softmax,
+    sum,
+    threshold,
+    transposed_matmul,
+)
 
-__all__ = ["JaggedTensor", "jagged", "use_backend"]
+__all__ = [
+    "JaggedTensor",
+    "attention",
+    "gelu",
+    "jagged",
+    "layer_norm",
+    "linear",
+    "matmul",
+    "mean",
+    "relu",
+    "select",
+    "silu",
+    "softmax",
+    "sum",
+    "threshold",
+    "transposed_matmul",
+    "use_backend",
+]
 __version__ = "0.1.0"

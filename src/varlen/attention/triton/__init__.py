@@ -1,0 +1,1 @@
+"""Triton kernels for attention: forward, backward, and their launchers."""
