@@ -6,6 +6,8 @@ for dense and jagged batches.
 
 from ._backend import use_backend
 from .attention import attention
+from .attention.dropout import attention_dropout_mask, dropout_keep_mask
+from .attention.reference import attention_reference
 from .jagged import JaggedTensor, jagged
 from .ops import (
     gelu,
@@ -25,6 +27,9 @@ from .ops import (
 __all__ = [
     "JaggedTensor",
     "attention",
+    "attention_dropout_mask",
+    "attention_reference",
+    "dropout_keep_mask",
     "gelu",
     "jagged",
     "layer_norm",

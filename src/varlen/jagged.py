@@ -9,6 +9,7 @@ to size its launch grid.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -36,13 +37,14 @@ class JaggedTensor:
         check_tensor("values", values)
         check_tensor("offsets", offsets)
         if values.dim() < 1:
-            raise ValueError(f"values: expected at least 1 dim (total, *inner), got a 0-dim tensor")
+            raise ValueError("values: expected at least 1 dim (total, *inner), got a 0-dim tensor")
         if offsets.dim() != 1 or offsets.shape[0] < 2:
             raise ValueError(f"offsets: expected shape (B + 1,) with B >= 1, got {tuple(offsets.shape)}")
         check_dtype("offsets", offsets, INDEX_DTYPES)
         if offsets.device != values.device:
             raise ValueError(f"offsets: on device {offsets.device}, but values is on {values.device}; "
                              "they must be on one device")
+        offsets = offsets.contiguous()  # kernels read offsets[b] with stride 1
         if offsets.dtype == torch.int32 and values.shape[0] > INT32_MAX:
             raise ValueError(f"offsets: int32 can't index values with {values.shape[0]} rows "
                              f"(more than {INT32_MAX}); use int64 offsets")
@@ -183,6 +185,8 @@ class JaggedTensor:
         if padded.dim() < 2:
             raise ValueError(f"padded: expected (B, max_len, *inner), got shape {tuple(padded.shape)}")
         B, width = padded.shape[0], padded.shape[1]
+        if B == 0:
+            raise ValueError(f"padded: expected at least one sequence (B >= 1), got shape {tuple(padded.shape)}")
         if isinstance(lengths, torch.Tensor):
             check_dtype("lengths", lengths, INDEX_DTYPES)
             if lengths.shape != (B,):
@@ -191,7 +195,11 @@ class JaggedTensor:
             lengths_dev = lengths.to(padded.device, torch.int64)
             host = None if max_len is not None else lengths.detach().to("cpu", torch.int64)
         else:
-            host = torch.as_tensor(list(lengths), dtype=torch.int64)
+            lengths = list(lengths)
+            for b, n in enumerate(lengths):
+                if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                    raise TypeError(f"lengths: expected ints, got lengths[{b}] = {n!r}")
+            host = torch.as_tensor(lengths, dtype=torch.int64)
             if host.shape != (B,):
                 raise ValueError(f"lengths: expected {B} lengths to match padded's batch, got {host.numel()}")
             lengths_dev = host.to(padded.device)
@@ -263,10 +271,13 @@ def _check_offsets(host: torch.Tensor, total: int) -> None:
 
 
 def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
-    """``(total,)`` int64: for each row, the index b of its sequence. No host sync."""
-    B = offsets.shape[0] - 1
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(B, device=offsets.device), lengths, output_size=total)
+    """``(total,)`` int64: for each row, the index b of its sequence. No host sync.
+
+    Row r belongs to the sequence whose end offset is the first one greater than r (empty sequences
+    share their end offset with the next one and so are skipped).
+    """
+    ends = offsets[1:].to(torch.int64)
+    return torch.searchsorted(ends, torch.arange(total, device=offsets.device), right=True)
 
 
 def jagged(tensors: Sequence[torch.Tensor], *, device=None, dtype=None,

@@ -9,6 +9,7 @@ import torch
 from .. import _backend
 from .._checks import (
     FLOAT_DTYPES,
+    INT32_MAX,
     check_choice,
     check_dtype,
     check_same_device,
@@ -137,9 +138,15 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"q: {H} heads are not a multiple of k/v's {Hkv} heads (GQA/MQA needs "
                          "H % Hkv == 0)")
+    if D == 0 or Dv == 0:
+        raise ValueError(f"q, k, v: head dims must be >= 1, got D = {D}, Dv = {Dv}")
     for name, t in (("q", qt), ("k", kt), ("v", vt)):
         check_dtype(name, t, FLOAT_DTYPES)
     check_same_dtype([("q", qt), ("k", kt), ("v", vt)])
+    if bias is not None:
+        check_tensor("bias", bias)
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes)
     check_same_device([("q", qt), ("k", kt), ("v", vt), ("bias", bias), ("alibi_slopes", alibi_slopes)])
 
     if not isinstance(causal, bool):
@@ -165,8 +172,8 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
                             window_right=window_right, bottom_right=align == "bottom_right",
                             softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic)
     if jagged:
-        cu_q = _int32_offsets(q_jagged.offsets, "q")
-        cu_k = cu_q if kj.offsets is qj.offsets else _int32_offsets(kj.offsets, "k")
+        cu_q = _int32_offsets(q_jagged, "q")
+        cu_k = cu_q if kj.offsets is qj.offsets else _int32_offsets(kj, "k")
     else:
         cu_q = cu_k = None
     problem = Problem(batch=B, heads=H, kv_heads=Hkv, head_dim=D, head_dim_v=Dv, max_q=max_q, max_k=max_k,
@@ -186,7 +193,7 @@ def _parse_window(window) -> tuple[int, int]:
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window: expected None or (left, right), got {window!r}")
     sides = []
-    for name, side in zip(("left", "right"), window):
+    for name, side in zip(("left", "right"), window, strict=True):
         if side is None:
             side = -1
         if isinstance(side, bool) or not isinstance(side, int) or side < -1:
@@ -195,12 +202,12 @@ def _parse_window(window) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
-def _int32_offsets(offsets: torch.Tensor, name: str) -> torch.Tensor:
-    # Kernels index rows with int32 offsets; JaggedTensor already rejects int32 overflow, and an int64
-    # batch of more than 2**31 rows would not fit the lse/out buffers' int32 row index either.
-    if offsets.dtype == torch.int32:
-        return offsets
-    return offsets.to(torch.int32)
+def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
+    """The offsets as int32, which is what the kernels index rows with."""
+    if x.total > INT32_MAX:
+        raise ValueError(f"{name}: {x.total} rows overflow the int32 offsets the attention kernels use "
+                         f"(at most {INT32_MAX} rows)")
+    return x.offsets if x.offsets.dtype == torch.int32 else x.offsets.to(torch.int32)
 
 
 def _check_bias(bias, problem: Problem):
@@ -213,16 +220,14 @@ def _check_bias(bias, problem: Problem):
         raise ValueError(f"bias: expected at most 4 dims (B, H, Sq, Sk), got shape {tuple(bias.shape)}")
     full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
     shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-    for axis, (got, want, what) in enumerate(zip(shape, full, ("B", "H", "Sq", "Sk"))):
+    for axis, (got, want, what) in enumerate(zip(shape, full, ("B", "H", "Sq", "Sk"), strict=True)):
         ok = got in (1, want) or (not problem.dense and axis >= 2 and got >= want)
         if not ok:
-            allowed = f"1 or {want}" + ("" if problem.dense or axis < 2 else f" (or more, jagged)")
+            allowed = f"1 or {want}" + ("" if problem.dense or axis < 2 else " (or more, jagged)")
             raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to "
                              f"(B, H, Sq, Sk) = {full}: dim {what} is {got}, allowed {allowed}")
     bias = bias.reshape(shape)
     if bias.dtype == torch.bool:
-        if bias.requires_grad:
-            raise ValueError("bias: a bool mask has no gradient")
         bias = torch.zeros(shape, dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
     return bias
 

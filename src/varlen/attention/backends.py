@@ -21,10 +21,8 @@ def _modules():
 def select(name: str, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions):
     """The backend module that runs this call; ValueError listing every reason when none can."""
     modules = _modules()
-    if name == "auto":
-        order = ["triton", "torch"] if q.device.type == "cuda" else ["torch"]
-    else:
-        order = [name]
+    auto_order = ["triton", "torch"] if q.device.type == "cuda" else ["torch"]
+    order = auto_order if name == "auto" else [name]
     reasons = {}
     for candidate in order:
         why = modules[candidate].unsupported_reasons(q, k, v, bias, alibi, problem, opts)
@@ -46,14 +44,18 @@ def draw_dropout_seed(opts: AttentionOptions, generator: torch.Generator | None,
     if opts.dropout_p == 0.0:
         return None
     if generator is None:
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            generator = torch.cuda.default_generators[index]
-        else:
-            generator = torch.default_generator
+        generator = default_generator(device)
     if generator.device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(offset + 4)
         return DropoutSeed(seed=generator.initial_seed() & (2**63 - 1), offset=offset)
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
     return DropoutSeed(seed=seed, offset=0)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """Torch's default generator for ``device`` (the one ``varlen.attention`` draws from by default)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator

@@ -1,7 +1,267 @@
-"""Placeholder: the PyTorch attention backend is being written."""
+"""The PyTorch attention backend: blockwise over query rows, memory-bounded, CPU or CUDA, all features.
+
+Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with index ops built from
+the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
+chunks of rows sized so that one ``(B, H, rows, max_k)`` score block stays under
+``SCORE_BLOCK_ELEMENTS``; every chunk holds whole rows, so the softmax of a chunk is exact and nothing
+``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores.
+
+Half-precision inputs are computed in float32, float32 in float32 and float64 in float64.
+
+Deterministic by construction: no atomics and no scatter-adds (the padding scatter writes each row
+once); gradients of k, v and bias are summed over chunks in a fixed order, with matmuls and reductions
+only. (cuBLAS matmuls repeat bitwise on one GPU and stream; across streams PyTorch documents
+``CUBLAS_WORKSPACE_CONFIG``.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .dropout import keep_mask_block
+from .options import AttentionOptions, DropoutSeed, Problem
 
 NAME = "torch"
 
+# Elements of one (B, H, rows, max_k) score block; a handful of blocks of this size live at once.
+SCORE_BLOCK_ELEMENTS = 1 << 22
 
-def unsupported_reasons(q, k, v, bias, alibi, problem, opts):
-    return ["the PyTorch attention backend is being written"]
+
+def unsupported_reasons(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions) -> list[str]:
+    """Why this backend can't run the call: never; every option, dtype and device is supported."""
+    return []
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One call's operands in the padded, head-grouped layout the chunk loop works on."""
+
+    q: torch.Tensor  # (B, Hkv, G, Sq, D), compute dtype
+    k: torch.Tensor  # (B, Hkv, Sk, D)
+    v: torch.Tensor  # (B, Hkv, Sk, Dv)
+    q_rows: tuple[torch.Tensor, torch.Tensor] | None  # jagged: (sequence, position) of each q row
+    k_rows: tuple[torch.Tensor, torch.Tensor] | None
+    q_len: torch.Tensor | None  # jagged: (B, 1, 1, 1, 1) int64 lengths
+    k_len: torch.Tensor | None
+    bottom_right_shift: int | torch.Tensor  # Lk - Lq: an int (dense) or (B, 1, 1, 1, 1)
+    chunk: int  # query rows per block
+
+
+def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
+    """``(out, lse)`` in the layouts of ``options.py``."""
+    batch = _prepare(q, k, v, problem)
+    B, H, Sq = problem.batch, problem.heads, problem.max_q
+    out = batch.q.new_empty(B, problem.kv_heads, problem.group, Sq, problem.head_dim_v)
+    lse = torch.empty(B, problem.kv_heads, problem.group, Sq, dtype=torch.float32, device=q.device)
+    for i0 in range(0, Sq, batch.chunk):
+        rows = (i0, min(i0 + batch.chunk, Sq))
+        s, _ = _scores(batch, rows, bias, alibi, problem, opts)
+        p, lse_rows = _softmax(s)
+        keep = _keep_scale(seed, problem, rows, opts, s)
+        if keep is not None:
+            p = p * keep
+        out[:, :, :, rows[0]:rows[1]] = p @ batch.v.unsqueeze(2)
+        lse[:, :, :, rows[0]:rows[1]] = lse_rows
+    lse = lse.view(B, H, Sq)
+    if problem.dense:
+        return _ungroup(out, problem).to(q.dtype), lse
+    lse_rows = lse.permute(0, 2, 1)[batch.q_rows]  # (Tq, H)
+    return _ungroup(out, problem)[batch.q_rows].to(q.dtype), lse_rows.t().contiguous()
+
+
+def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts: AttentionOptions,
+             seed: DropoutSeed | None, needs_grad):
+    """``(dq, dk, dv, dbias)``; each None when not needed.
+
+    The probabilities are recomputed from the scores rather than from the float32 ``lse``, which keeps
+    float64 gradients exact to float64, and ``delta = rowsum(P * dP)`` (equal to ``rowsum(dO * O)``)
+    uses them rather than the stored output, for the same reason.
+    """
+    need_q, need_k, need_v, need_bias = needs_grad
+    batch = _prepare(q, k, v, problem)
+    Sq, ct = problem.max_q, batch.q.dtype
+    do = _group(dout, problem, batch.q_rows, ct)  # (B, Hkv, G, Sq, Dv)
+    if dlse is not None:
+        dlse = dlse.t() if not problem.dense else dlse.permute(0, 2, 1)  # rows first: (., Sq, H)
+        dlse = _group(dlse.unsqueeze(-1), problem, batch.q_rows, ct).squeeze(-1)  # (B, Hkv, G, Sq)
+    dq = torch.empty_like(batch.q) if need_q else None
+    dk = torch.zeros_like(batch.k) if need_k else None
+    dv = torch.zeros_like(batch.v) if need_v else None
+    dbias = torch.zeros(bias.shape, dtype=ct, device=bias.device) if need_bias else None
+    scale = opts.scale
+    for i0 in range(0, Sq, batch.chunk):
+        rows = (i0, min(i0 + batch.chunk, Sq))
+        q_c, do_c = batch.q[:, :, :, i0:rows[1]], do[:, :, :, i0:rows[1]]
+        s, capped = _scores(batch, rows, bias, alibi, problem, opts)
+        p, _ = _softmax(s)
+        keep = _keep_scale(seed, problem, rows, opts, s)
+        dp = do_c @ batch.v.unsqueeze(2).transpose(-1, -2)  # (B, Hkv, G, n, Sk): d(dropped P)
+        if keep is not None:
+            dp = dp * keep
+        if need_v:
+            p_kept = p * keep if keep is not None else p
+            dv += _fold(p_kept).transpose(-1, -2) @ _fold(do_c)
+        delta = (p * dp).sum(dim=-1, keepdim=True)
+        if dlse is not None:
+            delta = delta - dlse[:, :, :, i0:rows[1]].unsqueeze(-1)
+        ds = p * (dp - delta)  # gradient of the scores after softcap, bias and alibi
+        if need_bias:
+            _add_bias_grad(dbias, ds, rows, problem)
+        if capped is not None:
+            ds = ds * (1 - capped * capped)  # d softcap*tanh(x/softcap) / dx
+        if need_q:
+            dq[:, :, :, i0:rows[1]] = (ds @ batch.k.unsqueeze(2)) * scale
+        if need_k:
+            dk += (_fold(ds).transpose(-1, -2) @ _fold(q_c)) * scale
+    return (_ungroup_rows(dq, problem, batch.q_rows, q.dtype) if need_q else None,
+            _unpad_kv(dk, problem, batch.k_rows, k.dtype) if need_k else None,
+            _unpad_kv(dv, problem, batch.k_rows, v.dtype) if need_v else None,
+            dbias.to(bias.dtype) if need_bias else None)
+
+
+# ---------------------------------------------------------------------------------------- layout
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row of jagged values: its sequence and its position inside it (int64, on device).
+
+    The sequence of row r is the number of ends ``cu[1:]`` at or before r (empty sequences included).
+    """
+    rows = torch.arange(total, dtype=cu.dtype, device=cu.device)
+    seq = torch.searchsorted(cu[1:], rows, right=True)
+    return seq, rows.to(torch.int64) - cu.to(torch.int64)[seq]
+
+
+def _pad(x: torch.Tensor, rows, batch: int, width: int) -> torch.Tensor:
+    """``(T, ...)`` rows to ``(B, width, ...)`` zero-padded (dense input passes through)."""
+    if rows is None:
+        return x
+    out = x.new_zeros(batch, width, *x.shape[1:])
+    out[rows] = x
+    return out
+
+
+def _prepare(q, k, v, problem: Problem) -> _Batch:
+    B, Sk = problem.batch, problem.max_k
+    ct = _compute_dtype(q.dtype)
+    if problem.dense:
+        q_rows = k_rows = q_len = k_len = None
+        shift = Sk - problem.max_q
+    else:
+        q_rows = _row_positions(problem.cu_q, q.shape[0])
+        k_rows = q_rows if problem.cu_k is problem.cu_q else _row_positions(problem.cu_k, k.shape[0])
+        q_len = (problem.cu_q[1:] - problem.cu_q[:-1]).to(torch.int64).view(B, 1, 1, 1, 1)
+        k_len = (problem.cu_k[1:] - problem.cu_k[:-1]).to(torch.int64).view(B, 1, 1, 1, 1)
+        shift = k_len - q_len
+    kv = [_pad(t.to(ct), k_rows, B, Sk).permute(0, 2, 1, 3).contiguous() for t in (k, v)]
+    chunk = max(1, SCORE_BLOCK_ELEMENTS // max(1, B * problem.heads * Sk))
+    return _Batch(q=_group(q, problem, q_rows, ct), k=kv[0], v=kv[1], q_rows=q_rows, k_rows=k_rows,
+                  q_len=q_len, k_len=k_len, bottom_right_shift=shift, chunk=chunk)
+
+
+def _group(x: torch.Tensor, problem: Problem, rows, ct: torch.dtype) -> torch.Tensor:
+    """Query-shaped ``(B, Sq, H, X)`` dense or ``(Tq, H, X)`` jagged to ``(B, Hkv, G, Sq, X)`` in ct."""
+    x = _pad(x.to(ct), rows, problem.batch, problem.max_q)
+    x = x.reshape(problem.batch, problem.max_q, problem.kv_heads, problem.group, x.shape[-1])
+    return x.permute(0, 2, 3, 1, 4)
+
+
+def _ungroup(x: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """``(B, Hkv, G, Sq, X)`` to ``(B, Sq, H, X)``."""
+    return x.permute(0, 3, 1, 2, 4).reshape(problem.batch, problem.max_q, problem.heads, x.shape[-1])
+
+
+def _ungroup_rows(x: torch.Tensor, problem: Problem, rows, dtype: torch.dtype) -> torch.Tensor:
+    x = _ungroup(x, problem)
+    return (x if rows is None else x[rows]).to(dtype)
+
+
+def _unpad_kv(x: torch.Tensor, problem: Problem, rows, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, Hkv, Sk, X)`` to ``(B, Sk, Hkv, X)`` dense or ``(Tk, Hkv, X)`` jagged."""
+    x = x.permute(0, 2, 1, 3)
+    return (x if rows is None else x[rows]).to(dtype)
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """``(B, Hkv, G, n, X)`` to ``(B, Hkv, G * n, X)``: a matmul over it then sums the group too."""
+    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------- scores
+def _scores(batch: _Batch, rows: tuple[int, int], bias, alibi, problem: Problem, opts: AttentionOptions):
+    """Masked scores ``(B, Hkv, G, n, Sk)`` of query rows ``[rows[0], rows[1])``, and ``tanh(s / softcap)``
+    (for the softcap's derivative; None without softcap). Hidden pairs hold -inf."""
+    i0, i1 = rows
+    B, Hkv, G, Sk = problem.batch, problem.kv_heads, problem.group, problem.max_k
+    s = (batch.q[:, :, :, i0:i1] @ batch.k.unsqueeze(2).transpose(-1, -2)) * opts.scale
+    capped = None
+    if opts.softcap > 0:
+        capped = torch.tanh(s / opts.softcap)
+        s = capped * opts.softcap
+    if bias is not None:
+        b = bias[:, :, i0:i1] if bias.shape[2] > 1 else bias
+        b = b[..., :Sk] if bias.shape[3] > 1 else b
+        heads = (Hkv, G) if bias.shape[1] > 1 else (1, 1)
+        s = s + b.reshape(b.shape[0], *heads, b.shape[2], b.shape[3]).to(s.dtype)
+    i = torch.arange(i0, i1, device=s.device).view(i1 - i0, 1)
+    j = torch.arange(Sk, device=s.device).view(1, Sk)
+    shift = batch.bottom_right_shift if opts.bottom_right else 0
+    rel = j - (i + shift)  # key position relative to the query's diagonal: (n, Sk) or (B, 1, 1, n, Sk)
+    if alibi is not None:
+        s = s - alibi.reshape(B, Hkv, G, 1, 1).to(s.dtype) * rel.abs()
+    hidden = None
+    if not problem.dense:
+        hidden = (i >= batch.q_len) | (j >= batch.k_len)
+    right = opts.visible_right()
+    for beyond in ((rel > right) if right >= 0 else None,
+                   (rel < -opts.window_left) if opts.window_left >= 0 else None):
+        if beyond is not None:
+            hidden = beyond if hidden is None else hidden | beyond
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    return s, capped
+
+
+def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax and logsumexp of masked scores; a row with no visible key gets p = 0, lse = -inf.
+
+    The max of such a row is -inf, and ``exp(s - max)`` would be NaN: it is replaced by 0, so the row's
+    exponentials are exp(-inf) = 0 and its sum 0, whose reciprocal is taken as 0.
+    """
+    if s.shape[-1] == 0:
+        m = s.new_zeros(*s.shape[:-1], 1)
+    else:
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+    p = torch.exp(s - m)
+    total = p.sum(dim=-1, keepdim=True)
+    seen = total > 0
+    p *= torch.where(seen, 1 / total, 0.0)
+    lse = torch.where(seen, m + torch.log(total), float("-inf"))
+    return p, lse.squeeze(-1)
+
+
+def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
+                like: torch.Tensor) -> torch.Tensor | None:
+    """Dropout factor ``keep / (1 - p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
+    if seed is None or opts.dropout_p == 0.0:
+        return None
+    keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
+                           opts.dropout_p, like.device)
+    return keep.view(like.shape).to(like.dtype) * (1.0 / (1.0 - opts.dropout_p))
+
+
+def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, rows: tuple[int, int], problem: Problem) -> None:
+    """Add a chunk's score gradient ``(B, Hkv, G, n, Sk)`` into ``dbias`` of the bias's broadcast shape."""
+    i0, i1 = rows
+    ds = ds.reshape(problem.batch, problem.heads, i1 - i0, problem.max_k)
+    summed = tuple(d for d in range(4) if dbias.shape[d] == 1 and ds.shape[d] != 1)
+    if summed:
+        ds = ds.sum(dim=summed, keepdim=True)
+    target = dbias[:, :, i0:i1] if dbias.shape[2] > 1 else dbias
+    target = target[..., :problem.max_k] if dbias.shape[3] > 1 else target
+    target += ds

@@ -1,6 +1,346 @@
-"""Placeholder: being written."""
+"""Softmax of a jagged tensor over its ragged dim (each sequence's positions) or over an inner dim.
+
+Over the ragged dim, for each sequence b and each inner index f independently:
+``y[t, f] = exp(x[t, f] - max_t x) / sum_t exp(x[t, f] - max_t x)`` over the positions t of b; the
+backward is ``dx = y * (dy - sum_t dy * y)``. Empty sequences produce nothing.
+
+Triton plan (one launch per step for the whole batch; inner dims flattened to F columns):
+
+* ``single``: when the longest sequence fits one tile, one program per (sequence, column block)
+  loads its whole column block once, reduces and writes: x is read once (forward), y and dy once
+  (backward): the minimal traffic.
+* ``split``: otherwise each sequence is cut into chunks of rows. A first kernel reduces each
+  (sequence, chunk, column block) to partial statistics (online max and sum of exponentials;
+  ``sum dy * y`` in backward); a second combines the partials of its sequence and writes its chunk.
+  The input is read twice, so this path can reach at most 2/3 (forward) or 3/5 (backward) of copy
+  bandwidth; the second kernel runs its programs in reverse order so its first reads hit the chunks
+  still in L2. Chunks are sized so that a few long sequences still fill every SM.
+
+Over an inner dim, each row of ``values`` is independent: ``torch.softmax`` on ``values``, with its
+own fused backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _backend
+from .._checks import FLOAT_DTYPES, check_dtype, normalize_dim
+from ..jagged import JaggedTensor, as_jagged, segment_ids
+from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for
 
 
-def softmax(*args, **kwargs):
-    raise NotImplementedError("varlen.softmax is being written")
+# ------------------------------------------------------------------------------------ kernels
+@triton.jit
+def _softmax_single_kernel(x, y, offsets, n_cols, n_col_tiles, stride_xr, stride_xc, stride_yr,
+                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # The whole sequence (length <= BLOCK_T) in one tile: one read of x, one write of y.
+    col_tile = tl.program_id(0) % n_col_tiles
+    b = tl.program_id(0) // n_col_tiles
+    start = tl.load(offsets + b).to(tl.int64)
+    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    rows = tl.arange(0, BLOCK_T).to(tl.int64)
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    mask = (rows < length)[:, None] & (cols < n_cols)[None, :]
+    v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                other=float("-inf")).to(ACC)
+    m = tl.max(v, 0)
+    # A column with no finite max (empty, or all -inf) shifts by 0 so exp never sees -inf - -inf.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(v - m[None, :])
+    out = e / tl.sum(e, 0)[None, :]
+    tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
+
+@triton.jit
+def _softmax_stats_kernel(x, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                          stride_xr, stride_xc,
+                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # Online max and sum of exponentials of one chunk of one sequence, per column.
+    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows)
+    if lo >= length:
+        return
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
+    m = tl.full([BLOCK_F], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_F], ACC)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < hi)[:, None] & col_ok[None, :]
+        v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                    other=float("-inf")).to(ACC)
+        m_new = tl.maximum(m, tl.max(v, 0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(v - shift[None, :]), 0)
+        m = m_new
+    idx = b_chunk.to(tl.int64) * n_cols + cols
+    tl.store(part_max + idx, m, mask=col_ok)
+    tl.store(part_sum + idx, s, mask=col_ok)
+
+
+@triton.jit
+def _softmax_write_kernel(x, y, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                          n_programs, stride_xr, stride_xc, stride_yr,
+                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # Reverse order: the stats kernel's last chunks are the ones still in L2.
+    pid = n_programs - 1 - tl.program_id(0)
+    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
+        pid, n_chunks, n_col_tiles, offsets, chunk_rows)
+    if lo >= length:
+        return
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
+    m = tl.full([BLOCK_F], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_F], ACC)
+    first = b.to(tl.int64) * n_chunks
+    for c in range(0, tl.cdiv(length, chunk_rows)):
+        idx = (first + c) * n_cols + cols
+        m_c = tl.load(part_max + idx, mask=col_ok, other=float("-inf"))
+        s_c = tl.load(part_sum + idx, mask=col_ok, other=0.0)
+        m_new = tl.maximum(m, m_c)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + s_c * tl.exp(m_c - shift)
+        m = m_new
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < hi)[:, None] & col_ok[None, :]
+        v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                    other=float("-inf")).to(ACC)
+        out = tl.exp(v - shift[None, :]) / s[None, :]
+        tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_single_kernel(y, dy, dx, offsets, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
+                               stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    col_tile = tl.program_id(0) % n_col_tiles
+    b = tl.program_id(0) // n_col_tiles
+    start = tl.load(offsets + b).to(tl.int64)
+    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    rows = (start + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
+    cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
+    mask = (rows < start + length) & (cols < n_cols)
+    yv = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0).to(ACC)
+    g = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0).to(ACC)
+    dot = tl.sum(yv * g, 0)
+    tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot[None, :])).to(dx.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_bwd_dot_kernel(y, dy, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                            stride_yr, stride_dyr, stride_dyc,
+                            ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # sum_t y * dy over one chunk of one sequence, per column.
+    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows)
+    if lo >= length:
+        return
+    cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_F], ACC)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = (start + t0 + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
+        mask = (rows < start + hi) & (cols < n_cols)
+        yv = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0).to(ACC)
+        g = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0).to(ACC)
+        acc += yv * g
+    idx = b_chunk.to(tl.int64) * n_cols + cols
+    tl.store(part_dot + idx, tl.sum(acc, 0)[None, :], mask=cols < n_cols)
+
+
+@triton.jit
+def _softmax_bwd_write_kernel(y, dy, dx, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                              n_programs, stride_yr, stride_dyr, stride_dyc, stride_dxr,
+                              ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid = n_programs - 1 - tl.program_id(0)
+    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
+        pid, n_chunks, n_col_tiles, offsets, chunk_rows)
+    if lo >= length:
+        return
+    cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
+    col_ok = cols < n_cols
+    dot = tl.zeros([1, BLOCK_F], ACC)
+    first = b.to(tl.int64) * n_chunks
+    for c in range(0, tl.cdiv(length, chunk_rows)):
+        dot += tl.load(part_dot + (first + c) * n_cols + cols, mask=col_ok, other=0.0)
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = (start + t0 + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
+        mask = (rows < start + hi) & col_ok
+        yv = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0).to(ACC)
+        g = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0).to(ACC)
+        tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot)).to(dx.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------- launchers
+# Elements one program of the split path reduces at most (more, shorter programs balance better).
+MAX_CHUNK_ELEMS = 1 << 17
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxPlan:
+    """How the Triton path tiles one ragged-dim softmax (forward or backward).
+
+    ``chunk_rows`` None means the ``single`` path (``block_t`` >= the longest length); otherwise the
+    ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``).
+    """
+
+    block_t: int
+    block_f: int
+    chunk_rows: int | None
+    num_warps: int = 4
+
+
+def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device) -> SoftmaxPlan:
+    """The plan for these sizes: ``single`` when a sequence fits a tile of ~8K elements (64K under the
+    interpreter) whose rows are at least one 32-byte sector wide, else ``split``."""
+    on_gpu = device.type == "cuda"
+    budget = 8192 if on_gpu else 65536
+    full_t = triton.next_power_of_2(max(max_len, 1))
+    block_f = min(triton.next_power_of_2(n_cols), budget // full_t)
+    if block_f >= 1 and (block_f >= n_cols or block_f * elem_size >= 32):
+        return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
+    block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
+    block_t = min(full_t, max(1, (4096 if on_gpu else 16384) // block_f))
+    n_col_tiles = triton.cdiv(n_cols, block_f)
+    chunk_rows = chunk_rows_for(max_len, batch * n_col_tiles, block_t, device, max_rows=MAX_CHUNK_ELEMS // block_f)
+    return SoftmaxPlan(block_t, block_f, chunk_rows)
+
+
+def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> tuple[int, int, int]:
+    n_col_tiles = triton.cdiv(n_cols, plan.block_f)
+    n_chunks = 1 if plan.chunk_rows is None else max(1, triton.cdiv(max_len, plan.chunk_rows))
+    return n_col_tiles, n_chunks, batch * n_chunks * n_col_tiles
+
+
+def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                       plan: SoftmaxPlan | None = None) -> torch.Tensor:
+    """Ragged-dim softmax of ``x`` ``(total, F)`` (inner stride free); returns a contiguous ``(total, F)``."""
+    total, n_cols = x.shape
+    batch = offsets.shape[0] - 1
+    y = torch.empty((total, n_cols), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device)
+    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
+    acc = acc_type(x.dtype)
+    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
+    if plan.chunk_rows is None:
+        _softmax_single_kernel[(n_programs,)](x, y, offsets, n_cols, n_col_tiles, x.stride(0), x.stride(1),
+                                              y.stride(0), **tiles)
+        return y
+    part_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
+    part_sum = torch.empty_like(part_max)
+    _softmax_stats_kernel[(n_programs,)](x, offsets, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
+                                         n_col_tiles, x.stride(0), x.stride(1), **tiles)
+    _softmax_write_kernel[(n_programs,)](x, y, offsets, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
+                                         n_col_tiles, n_programs, x.stride(0), x.stride(1), y.stride(0),
+                                         **tiles)
+    return y
+
+
+def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, max_len: int,
+                       plan: SoftmaxPlan | None = None) -> torch.Tensor:
+    """``dx = y * (dy - sum_t dy * y)`` per sequence and column; ``y`` contiguous ``(total, F)``."""
+    total, n_cols = y.shape
+    batch = offsets.shape[0] - 1
+    dx = torch.empty((total, n_cols), dtype=y.dtype, device=y.device)
+    if dx.numel() == 0:
+        return dx
+    # Two inputs per element: plan as if elements were twice as wide.
+    plan = plan or softmax_plan(batch, max_len, n_cols, 2 * y.element_size(), y.device)
+    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
+    acc = acc_type(y.dtype)
+    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
+    if plan.chunk_rows is None:
+        _softmax_bwd_single_kernel[(n_programs,)](y, dy, dx, offsets, n_cols, n_col_tiles, y.stride(0),
+                                                  dy.stride(0), dy.stride(1), dx.stride(0), **tiles)
+        return dx
+    part_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
+    part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
+    _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, part_dot, n_cols, n_chunks, plan.chunk_rows,
+                                           n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1), **tiles)
+    _softmax_bwd_write_kernel[(n_programs,)](y, dy, dx, offsets, part_dot, n_cols, n_chunks, plan.chunk_rows,
+                                             n_col_tiles, n_programs, y.stride(0), dy.stride(0), dy.stride(1),
+                                             dx.stride(0), **tiles)
+    return dx
+
+
+def softmax_fwd_torch(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The same as :func:`softmax_fwd_triton` with PyTorch scatter/gather ops (no host sync)."""
+    total, n_cols = x.shape
+    batch = offsets.shape[0] - 1
+    seq = segment_ids(offsets, total)
+    v = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    m = v.new_full((batch, n_cols), float("-inf"))
+    m.scatter_reduce_(0, seq[:, None].expand(total, n_cols), v, "amax")
+    m = torch.where(m == float("-inf"), 0.0, m)
+    e = torch.exp(v - m[seq])
+    s = v.new_zeros((batch, n_cols)).index_add_(0, seq, e)
+    return (e / s[seq]).to(x.dtype)
+
+
+def softmax_bwd_torch(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    total, n_cols = y.shape
+    seq = segment_ids(offsets, total)
+    acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+    yv, g = y.to(acc), dy.to(acc)
+    dot = yv.new_zeros((offsets.shape[0] - 1, n_cols)).index_add_(0, seq, yv * g)
+    return (yv * (g - dot[seq])).to(y.dtype)
+
+
+# -------------------------------------------------------------------------------------- autograd
+class _RaggedSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, offsets, max_len, backend):
+        x = as_columns(values, 1)
+        y = softmax_fwd_triton(x, offsets, max_len) if backend == "triton" else softmax_fwd_torch(x, offsets)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(y, offsets)
+        ctx.max_len, ctx.backend = max_len, backend
+        return y.view(values.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        y, offsets = ctx.saved_tensors
+        dy = as_columns(grad, 1)
+        if ctx.backend == "triton":
+            dx = softmax_bwd_triton(y, dy, offsets, ctx.max_len)
+        else:
+            dx = softmax_bwd_torch(y, dy, offsets)
+        return dx.view(grad.shape), None, None, None
+
+
+# ---------------------------------------------------------------------------------------- public
+def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
+    """Softmax of a jagged ``(B, j, *inner)`` tensor along ``dim``.
+
+    Args:
+        x: a JaggedTensor (or a ``torch.nested`` jagged tensor), floating point.
+        dim: 1 (or ``1 - x.dim()``): the ragged dim: for each sequence, softmax over its positions,
+            independently for each inner index. An empty sequence gives an empty result. ``>= 2`` or
+            negative: an inner dim (``-1`` is the last; with no inner dims it is the ragged dim).
+
+    Returns a JaggedTensor with ``x``'s offsets and dtype; differentiable. Computed in float32
+    (float64 for float64 inputs). A column that is all ``-inf`` gives NaN, as ``torch.softmax``.
+
+    Raises ValueError for ``dim`` 0 (the batch: sequences are normalized separately) or out of range,
+    TypeError for a non-jagged ``x``, a non-integer ``dim`` or a non-float dtype.
+    """
+    x = as_jagged(x, "x")
+    check_dtype("x.values", x.values, FLOAT_DTYPES)
+    d = normalize_dim("dim", dim, x.dim())
+    if d == 0:
+        raise ValueError(f"dim: got {dim}, the batch dim; softmax over it would mix sequences. Allowed: "
+                         f"1 (the ragged dim) or an inner dim 2..{x.dim() - 1} (negative counts from the end)")
+    if d >= 2:
+        return x.with_values(torch.softmax(x.values, d - 1))
+    backend = _backend.resolve(x.device)
+    return x.with_values(_RaggedSoftmax.apply(x.values, x.offsets, x.max_len, backend))

@@ -1,0 +1,101 @@
+"""Tile-configuration sweep for the attention kernels (a tuning tool; results feed configs.py).
+
+    PYTHONPATH=src python3 bench/attention_sweep.py --jobs 16 [--quick]
+
+Every variant is first compiled in a pool of processes (filling Triton's on-disk cache in parallel),
+then timed one after another in this process. Forward and backward are timed separately; the backward
+through ``launch_backward`` alone (preprocess + kernels), in TFLOP/s with the 2.5x-forward FLOP count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import itertools
+import json
+import multiprocessing as mp
+
+import torch
+
+from varlen.attention.options import AttentionOptions, Problem
+from varlen.attention.triton import configs
+from varlen.attention.triton.backward import launch_backward
+from varlen.attention.triton.forward import launch_forward
+
+K = configs.KernelConfig
+FWD = [K(128, 64, 4, 3), K(128, 64, 8, 3), K(128, 128, 8, 3), K(128, 128, 8, 2), K(128, 64, 4, 4),
+       K(64, 64, 4, 3), K(128, 128, 4, 3)]
+KV = [K(64, 128, 8, 2), K(64, 128, 8, 3), K(64, 64, 4, 2), K(64, 64, 4, 3), K(128, 64, 8, 2), K(32, 128, 8, 2),
+      K(64, 128, 4, 2), K(128, 128, 8, 2)]
+QK = [K(64, 64, 4, 2), K(128, 64, 8, 2), K(64, 128, 4, 2), K(128, 128, 8, 2), K(64, 32, 4, 3), K(128, 64, 4, 2)]
+
+
+def shapes(quick):
+    for D, causal in itertools.product((64, 128), (False, True)):
+        yield dict(D=D, causal=causal, S=4096 if not quick else 1024, B=4, H=2048 // D)
+
+
+def variants(quick):
+    """(kind, shape, config, tma): TMA tile loads everywhere, plus the pointer path for reference."""
+    for sh in shapes(quick):
+        for c in FWD:
+            yield ("fwd", sh, c, True)
+        yield ("fwd", sh, K(128, 128, 8, 3), False)
+        for c in KV:
+            yield ("bwd", sh, configs.BackwardConfig(c, None, configs.DQ_TMA), True)
+        yield ("bwd", sh, configs.BackwardConfig(K(64, 128, 8, 3), None, configs.DQ_TMA), False)
+        for kv, q in itertools.product(KV[:5], QK):
+            yield ("bwd", sh, configs.BackwardConfig(kv, q, configs.DQ_SEPARATE), True)
+
+
+def make(sh):
+    B, S, H, D = sh["B"], sh["S"], sh["H"], sh["D"]
+    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    opts = AttentionOptions(scale=D ** -0.5, causal=sh["causal"])
+    prob = Problem(B, H, H, D, D, S, S, True)
+    return q, k, v, do, opts, prob
+
+
+def run(variant, timing=False):
+    kind, sh, cfg, tma = variant
+    q, k, v, do, opts, prob = make(sh)
+    try:
+        out, lse = launch_forward(q, k, v, prob, opts, cfg if kind == "fwd" else configs.KernelConfig(128, 64, 4, 3))
+        fn = (lambda: launch_forward(q, k, v, prob, opts, cfg, tma=tma)) if kind == "fwd" else (
+            lambda: launch_backward(do, None, q, k, v, out, lse, prob, opts, cfg, tma=tma))
+        fn()
+        torch.cuda.synchronize()
+        if not timing:
+            return None
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+        flops = 4 * sh["B"] * sh["H"] * sh["S"] ** 2 * sh["D"] * (0.5 if sh["causal"] else 1)
+        return flops * (1 if kind == "fwd" else 2.5) / ms / 1e9
+    except Exception as exc:
+        return "err " + str(exc).splitlines()[0][:80]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    vs = list(variants(a.quick))
+    with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(run, vs))
+    best = {}
+    for v in vs:
+        r = run(v, timing=True)
+        kind, sh, cfg, tma = v
+        print(json.dumps(dict(kind=kind, D=sh["D"], causal=sh["causal"], tma=tma, cfg=str(cfg),
+                              tflops=r if isinstance(r, str) else round(r))), flush=True)
+        key = (kind, sh["D"], sh["causal"], getattr(cfg, "dq_mode", None), tma)
+        if not isinstance(r, str) and r > best.get(key, (0,))[0]:
+            best[key] = (round(r), str(cfg))
+    for key, val in sorted(best.items(), key=str):
+        print("BEST", key, val)
+
+
+if __name__ == "__main__":
+    main()

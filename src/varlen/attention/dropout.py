@@ -1,0 +1,200 @@
+"""The attention dropout mask: its definition, a PyTorch implementation, and how to get a call's mask.
+
+Definition. The keep bit of attention weight ``(b, h, i, j)`` (batch index b, query head h in
+``[0, H)``, query position i and key position j within sequence b) is a pure function of the call's
+Philox key ``(seed, offset)`` (64-bit ints, see ``options.DropoutSeed``) and ``dropout_p``:
+
+- one Philox4x32-10 call (Random123) per row i and group of 8 keys, with all words uint32 and
+  arithmetic mod 2**32::
+
+      counter = (i, j >> 3, b * H + h, offset & 0xFFFFFFFF)
+      key     = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
+
+  each of the 10 rounds: ``(hi0, lo0) = mulhilo(0xD2511F53, c0)``, ``(hi1, lo1) = mulhilo(0xCD9E8D57,
+  c2)``, ``c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)``, then ``k0 += 0x9E3779B9``, ``k1 += 0xBB67AE85``;
+- ``word = out[(j >> 1) & 3]``, ``r16 = (word >> (16 * (j & 1))) & 0xFFFF``;
+- keep iff ``r16 >= dropout_threshold(dropout_p)`` (``min(round(p * 65536), 65535)``); kept weights
+  are scaled by ``1 / (1 - p)``.
+
+In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i, j >> 3, b * H + h, offset & 0xFFFFFFFF)``
+(which keys Philox with the seed's low and high words). The Triton kernels compute exactly this mask,
+bit for bit, so the PyTorch backend, the reference and the kernels agree on every element.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_int
+from ..jagged import as_jagged
+from . import backends
+from .options import AttentionOptions
+
+_U32 = 0xFFFFFFFF
+_U64_LIMIT = 2**64
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_BUMP_A, _BUMP_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+KEYS_PER_CALL = 8  # 4 words of 32 bits, 16 bits per key
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The 16-bit threshold: a weight is kept iff its random 16-bit number is ``>=`` this.
+
+    ``min(round(p * 65536), 65535)`` with Python's ``round`` (half to even); 0 keeps everything.
+    Kernels receive this host int rather than recomputing it, so every implementation agrees.
+    """
+    return min(round(dropout_p * 65536), 65535)
+
+
+def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32-bit words of ``m * c`` for a uint32 constant m and uint32 values c (int64).
+
+    The 64-bit product doesn't fit int64, so it is formed from 16-bit limbs: ``m * c = hh * 2**32 +
+    t`` with ``t = (mh * cl + ml * ch) * 2**16 + ml * cl < 2**50`` (each partial product is below
+    2**32), so no int64 operation overflows and both words are exact.
+    """
+    mh, ml = m >> 16, m & 0xFFFF
+    ch, cl = c >> 16, c & 0xFFFF
+    t = (mh * cl + ml * ch) * 65536 + ml * cl
+    return mh * ch + (t >> 32), t & _U32
+
+
+def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor],
+               rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
+    """Philox4x32 (Random123) on int64 tensors holding uint32 values; broadcasts its inputs.
+
+    Args:
+        counter: four int64 tensors or Python ints with values in ``[0, 2**32)``, at least one a tensor.
+        key: two int64 tensors or Python ints with values in ``[0, 2**32)``.
+        rounds: 10 for Philox4x32-10.
+
+    Returns:
+        The four output words, int64 tensors with values in ``[0, 2**32)``.
+    """
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        hi0, lo0 = _mulhilo(_ROUND_A, c0)
+        hi1, lo1 = _mulhilo(_ROUND_B, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _BUMP_A) & _U32
+        k1 = (k1 + _BUMP_B) & _U32
+    return c0, c1, c2, c3
+
+
+def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[int, int], max_k: int,
+                    dropout_p: float, device=None) -> torch.Tensor:
+    """Keep bits ``(batch, heads, rows[1] - rows[0], max_k)`` for query rows ``[rows[0], rows[1])``.
+
+    The backends' entry point (they build the mask one block of query rows at a time); no checks.
+    """
+    i0, i1 = rows
+    groups = -(-max_k // KEYS_PER_CALL)
+    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)
+    c0 = (ar(i1 - i0) + i0).view(1, 1, -1, 1) & _U32
+    c1 = ar(groups).view(1, 1, 1, -1)
+    c2 = (ar(batch).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
+    # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy.
+    c3, k0, k1 = offset & _U32, seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32
+    words = philox4x32((c0, c1, c2, c3), (k0, k1))
+    # Key j = 8 * group + 2 * w + half reads the 16-bit half `half` of word w.
+    threshold = dropout_threshold(dropout_p)
+    keep = [half >= threshold for w in words for half in (w & 0xFFFF, w >> 16)]
+    return torch.stack(torch.broadcast_tensors(*keep), dim=-1).flatten(-2)[..., :max_k]
+
+
+def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p: float, *, seed: int,
+                      offset: int, device=None) -> torch.Tensor:
+    """The keep mask of attention dropout for one Philox key, as a bool tensor.
+
+    Args:
+        batch, heads: B and the number of query heads H.
+        max_q, max_k: how many query and key positions per sequence to cover.
+        dropout_p: the drop probability, in ``[0, 1)``.
+        seed, offset: the call's Philox key, ints in ``[0, 2**64)``.
+        device: where to build the mask (default: the CPU).
+
+    Returns:
+        ``(B, H, max_q, max_k)`` bool, True where the attention weight is kept (then scaled by
+        ``1 / (1 - dropout_p)``). Entry ``[b, h, i, j]`` is query i, key j of sequence b; entries past
+        a sequence's lengths are defined but unused. See the module docstring for the definition.
+
+    Raises:
+        TypeError / ValueError: a size, ``seed`` or ``offset`` is not a non-negative int (seed and
+        offset below 2**64), or ``dropout_p`` is outside ``[0, 1)``.
+    """
+    for name, value in (("batch", batch), ("heads", heads), ("max_q", max_q), ("max_k", max_k),
+                        ("seed", seed), ("offset", offset)):
+        check_int(name, value, minimum=0)
+    for name, value in (("seed", seed), ("offset", offset)):
+        if value >= _U64_LIMIT:
+            raise ValueError(f"{name}: got {value}; must be below 2**64")
+    _check_p(dropout_p)
+    return keep_mask_block(seed, offset, batch, heads, (0, max_q), max_k, dropout_p, device).contiguous()
+
+
+def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator | None = None
+                           ) -> torch.Tensor:
+    """The dropout keep mask that ``varlen.attention`` will use for its next call, without drawing it.
+
+    Reads the Philox key exactly as ``varlen.attention`` would draw it from ``generator`` (torch's
+    default generator for q's device when None) and leaves the generator's state unchanged, so the
+    next ``varlen.attention(q, k, v, dropout_p=dropout_p, generator=generator)`` applies this mask::
+
+        g = torch.Generator(device=q.device).manual_seed(0)
+        keep = varlen.attention_dropout_mask(q, k, 0.1, generator=g)   # g is not advanced
+        out = varlen.attention(q, k, v, dropout_p=0.1, generator=g)    # uses `keep`
+        ref, _ = attention_reference(q, k, v, dropout_mask=keep, dropout_p=0.1)  # same math
+
+    Nothing else may draw from the generator in between (with the default generator: no other random
+    op). The mask is ``(B, H, max_q, max_k)``: meant for debugging at small sizes.
+
+    Args:
+        q: dense ``(B, Sq, H, D)`` or jagged ``(B, j, H, D)``, as passed to ``varlen.attention``.
+        k: dense ``(B, Sk, Hkv, D)`` or jagged, as passed to ``varlen.attention``.
+        dropout_p: the drop probability, in ``[0, 1)``; 0 gives an all-True mask.
+        generator: the generator the attention call will use.
+
+    Returns:
+        ``(B, H, max_q, max_k)`` bool on q's device (dense: ``max_q = Sq``, ``max_k = Sk``); entry
+        ``[b, h, i, j]`` is query i, key j of sequence b.
+
+    Raises:
+        TypeError / ValueError: q or k is not a 4-dim tensor or a jagged tensor of 3-dim values,
+        ``dropout_p`` is outside ``[0, 1)``, or ``generator`` is not a ``torch.Generator``.
+    """
+    _check_p(dropout_p)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    batch, max_q, heads, device = _shape(q, "q")
+    _, max_k, _, _ = _shape(k, "k")
+    if dropout_p == 0.0:
+        return torch.ones(batch, heads, max_q, max_k, dtype=torch.bool, device=device)
+    generator = generator if generator is not None else backends.default_generator(device)
+    state = generator.get_state()
+    try:
+        drawn = backends.draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)),
+                                           generator, device)
+    finally:
+        generator.set_state(state)
+    return keep_mask_block(drawn.seed, drawn.offset, batch, heads, (0, max_q), max_k, dropout_p,
+                           device).contiguous()
+
+
+def _shape(x, name: str) -> tuple[int, int, int, torch.device]:
+    """(batch, max_len, heads, device) of a dense ``(B, S, H, D)`` or jagged ``(B, j, H, D)`` input."""
+    if isinstance(x, torch.Tensor) and not x.is_nested:
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seq, heads, dim), got shape {tuple(x.shape)}")
+        return x.shape[0], x.shape[1], x.shape[2], x.device
+    xj = as_jagged(x, name)
+    if xj.values.dim() != 3:
+        raise ValueError(f"{name}: expected a jagged tensor of logical shape (B, j, heads, dim), got "
+                         f"values of shape {tuple(xj.values.shape)}")
+    return xj.batch_size, xj.max_len, xj.values.shape[1], xj.device
+
+
+def _check_p(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")

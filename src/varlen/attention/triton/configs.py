@@ -1,0 +1,85 @@
+"""Tile sizes and launch settings per kernel, chosen from the problem's shape and the machine."""
+
+import dataclasses
+
+import torch
+
+from ..._backend import interpreter_enabled
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    tma: bool = True  # load tiles through TMA descriptors where the hardware and alignment allow
+
+
+# How the backward computes dQ.
+DQ_SEPARATE = 0  # a second kernel walks key tiles per query block: no atomics, deterministic
+DQ_ATOMIC = 1    # the kv kernel adds each dQ tile with element atomics
+DQ_TMA = 2       # the kv kernel adds each dQ tile with one TMA bulk reduce (Hopper and newer)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    kv: KernelConfig
+    q: KernelConfig | None = None  # the dQ kernel's tiles, for DQ_SEPARATE
+    dq_mode: int = DQ_ATOMIC
+
+
+# Under the interpreter, small tiles make short test sequences span several tiles, so every stage of
+# the tile walk (masked edges, unmasked middle) runs.
+INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=False)
+
+K = KernelConfig
+
+# Chosen by bench/attention_sweep.py on an H200 (bf16, S=4096, 2026-11-21); see bench/results/.
+# Forward: (head dim bound) -> tiles.
+_FORWARD = {64: K(128, 64, 4, 3), 128: K(128, 128, 8, 3), 256: K(64, 64, 4, 2)}
+# Backward: (head dim bound, causal) -> (kv tiles, dQ tiles, fastest dQ mode when atomics are allowed).
+# At D=128 without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used
+# (and is deterministic for free).
+_BACKWARD = {
+    (64, False): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
+    (64, True): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
+    (128, False): (K(64, 64, 4, 2), K(128, 128, 8, 2), DQ_SEPARATE),
+    (128, True): (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA),
+    (256, False): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
+    (256, True): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
+}
+_FLOAT32 = K(32, 64, 4, 1)
+
+
+def _bound(d: int) -> int:
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def forward_config(problem, dtype: torch.dtype) -> KernelConfig:
+    if interpreter_enabled():
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return K(64, 32, 4, 2)
+    return _FORWARD[_bound(max(problem.head_dim, problem.head_dim_v))]
+
+
+def _tma_reduce_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def backward_config(problem, dtype: torch.dtype, causal: bool, deterministic: bool,
+                    device: torch.device) -> BackwardConfig:
+    if interpreter_enabled():
+        mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
+        return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
+    if dtype == torch.float32:
+        kv = q = _FLOAT32
+        mode = DQ_TMA
+    else:
+        kv, q, mode = _BACKWARD[(_bound(max(problem.head_dim, problem.head_dim_v)), causal)]
+    if deterministic:
+        mode = DQ_SEPARATE
+    elif mode == DQ_TMA and not _tma_reduce_available(device):
+        mode = DQ_ATOMIC
+    return BackwardConfig(kv, q, mode)

@@ -1,0 +1,255 @@
+"""varlen.attention against the float64 reference: outputs, lse and every gradient, for each backend.
+
+The cases come from ``attention_cases.py`` (add a backend there: ``ATTENTION_BACKENDS``).
+"""
+
+import doctest
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import varlen
+from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
+from utils import REL_TOL, assert_close
+from varlen.attention import reference, torch_backend
+from varlen.attention.reference import attention_reference
+
+# The lse is float32 by contract, whatever the inputs' dtype.
+LSE_FLOOR = 1e-6
+GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+def _values(x):
+    return x.values if isinstance(x, varlen.JaggedTensor) else x
+
+
+def _check_against_reference(case, inputs, out, lse, grads, dtype):
+    ref_out, ref_lse, ref_grads = run_reference(case, inputs)
+    if case.jagged:
+        assert isinstance(out, varlen.JaggedTensor) and out.offsets is inputs.q.offsets
+    assert out.dtype == dtype and _values(out).shape == _values(ref_out).shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert not torch.isnan(lse).any()
+    assert torch.equal(lse == float("-inf"), ref_lse == float("-inf")), "rows that see no key differ"
+    assert_close(_values(out), _values(ref_out), dtype, name="out")
+    assert_close(lse, ref_lse, tol=max(REL_TOL[dtype], LSE_FLOOR), name="lse")
+    for name, leaf, grad, ref in zip(GRAD_NAMES[:len(grads)], inputs.leaves, grads, ref_grads, strict=True):
+        assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
+        assert_close(grad, ref, dtype, name=name)
+    if inputs.poisoned is not None:
+        assert torch.equal(grads[3][inputs.poisoned], torch.zeros_like(grads[3][inputs.poisoned]))
+
+
+@pytest.mark.parametrize("backend,case,dtype", case_params())
+def test_matches_reference(backend, case, dtype, device):
+    inputs = case.make(dtype, device)
+    out, lse, grads = run_attention(case, inputs, backend)
+    _check_against_reference(case, inputs, out, lse, grads, dtype)
+
+
+# Cases whose chunking matters: a row-broadcast bias sums over chunks, dropout masks are built per chunk.
+CHUNK_CASES = [
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16, causal=True, bias="11Q1", dropout_p=0.3,
+             grad_lse=True),
+    AttnCase(False, (19, 19), (6, 6), 8, 2, 16, 8, align="bottom_right", window=(2, 1), bias="BHQK",
+             alibi="BH", softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 5])
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.id)
+def test_torch_backend_chunks(case, rows_per_chunk, device, monkeypatch):
+    """Several query chunks (the test shapes fit one by default) give the reference's results."""
+    budget = rows_per_chunk * case.batch * case.heads * max(case.kv_lens)
+    monkeypatch.setattr(torch_backend, "SCORE_BLOCK_ELEMENTS", budget)
+    inputs = case.make(torch.float64, device)
+    out, lse, grads = run_attention(case, inputs, "torch")
+    _check_against_reference(case, inputs, out, lse, grads, torch.float64)
+
+
+# Rows with no visible key: an empty k sequence, bottom-right with Lq > Lk, a bool bias, a window.
+EMPTY_ROW_CASES = [
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16, grad_lse=True),
+    AttnCase(False, (19, 19), (6, 6), 4, 1, 16, 16, causal=True, align="bottom_right", grad_lse=True),
+    AttnCase(False, (17,), None, 2, 2, 16, 16, bias="bool"),
+    AttnCase(True, (0, 1, 17, 9), (4, 0, 3, 9), 2, 2, 16, 16, window=(1, 1), align="bottom_right",
+             dropout_p=0.5),
+]
+
+
+@pytest.mark.parametrize("backend,case", backend_params(EMPTY_ROW_CASES))
+def test_rows_without_keys(backend, case, device):
+    """A query that sees no key: output exactly 0, lse -inf, exactly zero gradient, no NaN anywhere."""
+    inputs = case.make(main_dtype(backend), device)
+    out, lse, grads = run_attention(case, inputs, backend)
+    _, ref_lse, _ = run_reference(case, inputs)
+    # (rows, H) or (B, Sq, H): True where the query sees no key
+    empty = (ref_lse == float("-inf")).t() if case.jagged else (ref_lse == float("-inf")).permute(0, 2, 1)
+    assert empty.any() and not empty.all()
+    assert torch.equal(lse == float("-inf"), ref_lse == float("-inf"))
+    assert torch.equal(_values(out)[empty], torch.zeros_like(_values(out)[empty]))
+    assert torch.equal(grads[0][empty], torch.zeros_like(grads[0][empty]))
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    assert torch.isfinite(_values(out)).all()
+
+
+LAYOUT_CASES = [AttnCase(False, (7, 7), None, 4, 2, 16, 16, causal=True),
+                AttnCase(True, (5, 0, 9), None, 4, 2, 16, 16, causal=True)]
+
+
+@pytest.mark.parametrize("backend,case", backend_params(LAYOUT_CASES))
+def test_return_lse_layouts(backend, case, device):
+    inputs = case.make(main_dtype(backend), device)
+    out = varlen.attention(inputs.q, inputs.k, inputs.v, causal=True, backend=backend)
+    out2, lse = varlen.attention(inputs.q, inputs.k, inputs.v, causal=True, return_lse=True, backend=backend)
+    assert type(out) is type(inputs.q)
+    assert torch.equal(_values(out), _values(out2))
+    if case.jagged:
+        assert out.offsets is inputs.q.offsets and out.max_len == inputs.q.max_len
+        assert _values(out).shape == (14, 4, 16) and lse.shape == (4, 14)
+    else:
+        assert out.shape == (2, 7, 4, 16) and lse.shape == (2, 4, 7)
+    assert lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend,case", backend_params([AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16)]))
+def test_torch_nested_inputs(backend, case, device):
+    """``torch.nested`` jagged tensors are taken as views and give what the JaggedTensors give."""
+    inputs = case.make(main_dtype(backend), device)
+    q, k, v = (x.detach() for x in (inputs.q, inputs.k, inputs.v))
+    out = varlen.attention(q, k, v, causal=True, backend=backend)
+    nested = varlen.attention(q.to_nested(), k.to_nested(), v.to_nested(), causal=True, backend=backend)
+    assert isinstance(nested, varlen.JaggedTensor)
+    assert torch.equal(nested.values, out.values)
+
+
+@pytest.mark.parametrize("backend,case", backend_params([
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16, causal=True, bias="B11K")]))
+def test_gradient_through_lse_alone(backend, case, device):
+    """A loss of the lse only (the output unused: its gradient arrives as None)."""
+    dtype = main_dtype(backend)
+    inputs = case.make(dtype, device)
+    _, lse = varlen.attention(inputs.q, inputs.k, inputs.v, causal=True, bias=inputs.bias, return_lse=True,
+                              backend=backend)
+    grads = torch.autograd.grad(torch.where(torch.isfinite(lse), lse, 0).sum(), inputs.leaves)
+    up = [t.detach().double().requires_grad_(True) for t in inputs.leaves]
+    q, k, v = (x.with_values(u) for x, u in zip((inputs.q, inputs.k, inputs.v), up[:3], strict=True))
+    _, ref_lse = attention_reference(q, k, v, causal=True, bias=up[3])
+    ref_grads = torch.autograd.grad(torch.where(torch.isfinite(ref_lse), ref_lse, 0).sum(), up,
+                                    allow_unused=True, materialize_grads=True)
+    for name, grad, ref in zip(GRAD_NAMES, grads, ref_grads, strict=True):
+        assert_close(grad, ref, dtype, name=name)
+    assert torch.equal(grads[2], torch.zeros_like(grads[2]))  # v doesn't affect the lse
+
+
+@pytest.mark.parametrize("backend,case", backend_params([
+    AttnCase(False, (17,), (23,), 4, 2, 32, 32, causal=True, align="bottom_right", bias="1HQK",
+             deterministic=True),
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 8, 2, 32, 32, window=(3, 2), bias="BHQK", dropout_p=0.2,
+             deterministic=True, grad_lse=True),
+]))
+def test_deterministic_is_bitwise_reproducible(backend, case, device):
+    runs = []
+    for _ in range(2):
+        inputs = case.make(main_dtype(backend), device)  # same values, same generator seed
+        runs.append(run_attention(case, inputs, backend))
+    (out_a, lse_a, grads_a), (out_b, lse_b, grads_b) = runs
+    assert torch.equal(_values(out_a), _values(out_b)) and torch.equal(lse_a, lse_b)
+    for name, a, b in zip(GRAD_NAMES[:len(grads_a)], grads_a, grads_b, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend,case", backend_params([AttnCase(False, (5, 5), None, 2, 2, 16, 16, bias="QK")]))
+def test_bias_gradient_has_the_bias_dtype(backend, case, device):
+    """A bias of another dtype than q, k, v gets a gradient of its own dtype and broadcast shape."""
+    dtype = main_dtype(backend)
+    bias_dtype = torch.float32 if dtype != torch.float32 else torch.float64
+    inputs = case.make(dtype, device)
+    bias = inputs.bias.to(bias_dtype).requires_grad_(True)
+    out = varlen.attention(inputs.q, inputs.k, inputs.v, bias=bias, backend=backend)
+    (dbias,) = torch.autograd.grad((out * inputs.dout).sum(), bias)
+    assert dbias.dtype == bias_dtype and dbias.shape == (5, 5)
+    ref = attention_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), bias=bias.double())[0]
+    (ref_dbias,) = torch.autograd.grad((ref * inputs.dout.double()).sum(), bias)
+    assert_close(dbias, ref_dbias, dtype, name="dbias")
+
+
+# ------------------------------------------------------------------------------------- gradcheck
+GRADCHECK_CASES = [
+    AttnCase(False, (4, 4), (5, 5), 2, 1, 4, 3, causal=True, align="bottom_right", bias="1HQK"),
+    AttnCase(True, (3, 0, 4), (2, 4, 5), 2, 2, 4, 4, window=(1, 1), softcap=2.0, bias="BHQK"),
+    AttnCase(False, (3,), (5,), 4, 2, 4, 4, window=(None, 1), alibi="BH", bias="11Q1"),
+    AttnCase(True, (4, 2), None, 2, 1, 4, 4, causal=True, bias="B11K", dropout_p=0.3),
+]
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: c.id)
+def test_torch_backend_gradcheck(case, device):
+    """Finite differences in float64 for q, k, v and bias. The lse is left out: it is float32 by contract,
+    too coarse for finite differences (its gradient is checked against the reference instead)."""
+    inputs = case.make(torch.float64, device)
+    leaves = [t.detach().nan_to_num(0.0).requires_grad_(True) for t in inputs.leaves]
+
+    def attention(*tensors):
+        if case.jagged:
+            q, k, v = (x.with_values(t) for x, t in zip((inputs.q, inputs.k, inputs.v), tensors[:3], strict=True))
+        else:
+            q, k, v = tensors[:3]
+        # a fresh generator with one seed per evaluation: the dropout mask is the same every time
+        generator = torch.Generator(device=device).manual_seed(7) if case.dropout_p else None
+        out = varlen.attention(q, k, v, **case.options(), bias=tensors[3], alibi_slopes=inputs.alibi_slopes,
+                               dropout_p=case.dropout_p, generator=generator, backend="torch")
+        return _values(out)
+
+    assert torch.autograd.gradcheck(attention, leaves, atol=1e-8, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- the reference itself
+def _visible_by_loops(Lq, Lk, causal, window, align):
+    """The visibility rule of the API docstring, written out element by element."""
+    shift = Lk - Lq if align == "bottom_right" else 0
+    left, right = window if window is not None else (None, None)
+    rows = []
+    for i in range(Lq):
+        row = []
+        for j in range(Lk):
+            ok = (not causal or j <= i + shift)
+            ok = ok and (left is None or i + shift - left <= j)
+            ok = ok and (right is None or j <= i + shift + right)
+            row.append(ok)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).view(Lq, Lk)
+
+
+@pytest.mark.parametrize("causal,window,align", [
+    (False, None, "top_left"), (True, None, "top_left"), (True, None, "bottom_right"),
+    (False, (2, 3), "top_left"), (True, (4, None), "bottom_right"), (False, (None, 0), "bottom_right"),
+])
+def test_reference_matches_sdpa(causal, window, align, device):
+    """The reference against PyTorch's SDPA, with the mask, bias and alibi built independently."""
+    B, Lq, Lk, H, Hkv, D, Dv = 2, 6, 9, 4, 2, 8, 5
+    q = torch.randn(B, Lq, H, D, dtype=torch.float64, device=device)
+    k = torch.randn(B, Lk, Hkv, D, dtype=torch.float64, device=device)
+    v = torch.randn(B, Lk, Hkv, Dv, dtype=torch.float64, device=device)
+    bias = torch.randn(1, H, Lq, Lk, dtype=torch.float64, device=device)
+    slopes = torch.rand(H, dtype=torch.float64, device=device)
+    visible = _visible_by_loops(Lq, Lk, causal, window, align).to(device)
+    shift = Lk - Lq if align == "bottom_right" else 0
+    distance = torch.tensor([[abs(i + shift - j) for j in range(Lk)] for i in range(Lq)], device=device)
+    mask = (bias - slopes.view(H, 1, 1) * distance).masked_fill(~visible, float("-inf"))
+    out, lse = attention_reference(q, k, v, causal=causal, window=window, align=align, scale=0.4, bias=bias,
+                                   alibi_slopes=slopes)
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=mask, scale=0.4, enable_gqa=True).transpose(1, 2)
+    seen = visible.any(dim=1)  # SDPA gives NaN for rows that see nothing
+    assert_close(out[:, seen], expected[:, seen], torch.float64, name="out")
+    assert torch.equal(out[:, ~seen], torch.zeros_like(out[:, ~seen]))
+    scores = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(H // Hkv, dim=2)) * 0.4 + mask
+    assert_close(lse, torch.logsumexp(scores, dim=-1), torch.float64, name="lse")
+
+
+def test_reference_docstring_example():
+    failures, _ = doctest.testmod(reference, extraglobs={"torch": torch})
+    assert failures == 0

@@ -1,0 +1,181 @@
+"""Every input error of ``varlen.attention`` gives a clear ValueError / TypeError naming the argument."""
+
+import re
+
+import pytest
+import torch
+
+import varlen
+from varlen.jagged import JaggedTensor
+
+B, S, H, HKV, D = 2, 5, 4, 2, 8
+
+
+def _dense(batch=B, seq=S, heads=H, dim=D, dtype=torch.float32, device="cpu"):
+    return torch.randn(batch, seq, heads, dim, dtype=dtype, device=device)
+
+
+def _qkv():
+    return _dense(), _dense(heads=HKV), _dense(heads=HKV)
+
+
+def _jagged(lengths, heads=H, dim=D):
+    return varlen.jagged([torch.randn(n, heads, dim) for n in lengths])
+
+
+def _call(q=None, k=None, v=None, **kwargs):
+    dq, dk, dv = _qkv()
+    return varlen.attention(dq if q is None else q, dk if k is None else k, dv if v is None else v,
+                            backend="torch", **kwargs)
+
+
+LAYOUT_ERRORS = [  # (q, k, v, exception, message)
+    ("dense q, jagged k, v", lambda: (_dense(), _jagged([5, 5], HKV), _jagged([5, 5], HKV)), TypeError,
+     "q, k, v: mix dense tensors and jagged"),
+    ("q not a tensor", lambda: ([[1.0]], _dense(), _dense()), TypeError, "q: expected a torch.Tensor"),
+    ("q with 3 dims", lambda: (_dense()[0], _dense(), _dense()), ValueError, "q: expected 4 dims"),
+    ("v with 5 dims", lambda: (_dense(), _dense(), _dense()[None]), ValueError, "v: expected 4 dims"),
+    ("k batch", lambda: (_dense(), _dense(batch=3), _dense(batch=3)), ValueError,
+     "k, v: batch sizes 3, 3 must equal q's 2"),
+    ("v sequence", lambda: (_dense(), _dense(seq=6), _dense(seq=7)), ValueError,
+     "v: sequence length 7 differs from k's 6"),
+    ("k head dim", lambda: (_dense(), _dense(dim=16), _dense()), ValueError, "k: head dim 16 differs from q's 8"),
+    ("v heads", lambda: (_dense(), _dense(heads=2), _dense(heads=4)), ValueError,
+     "v: 4 heads differ from k's 2"),
+    ("H % Hkv", lambda: (_dense(heads=4), _dense(heads=3), _dense(heads=3)), ValueError,
+     "q: 4 heads are not a multiple of k/v's 3 heads"),
+    ("no kv heads", lambda: (_dense(), _dense(heads=0), _dense(heads=0)), ValueError,
+     "q: 4 heads are not a multiple of k/v's 0 heads"),
+    ("integer dtype", lambda: (_dense().long(), _dense().long(), _dense().long()), TypeError,
+     "q: dtype int64 is not supported"),
+    ("dtype mismatch", lambda: (_dense(), _dense(dtype=torch.float64), _dense()), TypeError,
+     "k: dtype torch.float64 differs from q's torch.float32"),
+    ("device mismatch", lambda: (_dense(), _dense(device="meta"), _dense(device="meta")), ValueError,
+     "k: on device meta, but q is on cpu"),
+    ("jagged k batch", lambda: (_jagged([3, 4]), _jagged([3, 4, 5], HKV), _jagged([3, 4, 5], HKV)),
+     ValueError, "k: batch size 3 differs from q's 2"),
+    ("jagged v lengths", lambda: (_jagged([3, 4]), _jagged([3, 4], HKV), _jagged([4, 3], HKV)), ValueError,
+     "v: lengths differ from k's"),
+    ("jagged v batch", lambda: (_jagged([3, 4]), _jagged([3, 4], HKV), _jagged([3, 4, 0], HKV)), ValueError,
+     "v: batch size 3 differs from k's 2"),
+    ("jagged 2-dim values", lambda: (varlen.jagged([torch.randn(3, 8)]),) * 3, ValueError,
+     "q: expected a jagged tensor of logical shape"),
+]
+
+
+@pytest.mark.parametrize("make,error,message", [c[1:] for c in LAYOUT_ERRORS], ids=[c[0] for c in LAYOUT_ERRORS])
+def test_layout_errors(make, error, message):
+    q, k, v = make()
+    with pytest.raises(error, match=re.escape(message)):
+        varlen.attention(q, k, v, backend="torch")
+
+
+OPTION_ERRORS = [  # (keyword arguments, exception, message)
+    (dict(causal=1), TypeError, "causal: expected a bool, got int"),
+    (dict(align="center"), ValueError, "align: got 'center'; allowed: 'top_left', 'bottom_right'"),
+    (dict(window=3), ValueError, "window: expected None or (left, right), got 3"),
+    (dict(window=(1, 2, 3)), ValueError, "window: expected None or (left, right)"),
+    (dict(window=(-2, 0)), ValueError, "window: left = -2; allowed: an int >= 0, or None / -1"),
+    (dict(window=(0, 1.5)), ValueError, "window: right = 1.5"),
+    (dict(window=(True, 0)), ValueError, "window: left = True"),
+    (dict(scale=float("inf")), ValueError, "scale: expected a finite float, got inf"),
+    (dict(scale=float("nan")), ValueError, "scale: expected a finite float, got nan"),
+    (dict(scale="1"), ValueError, "scale: expected a finite float, got '1'"),
+    (dict(scale=True), ValueError, "scale: expected a finite float, got True"),
+    (dict(softcap=-1.0), ValueError, "softcap: expected a finite float >= 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap: expected a finite float >= 0"),
+    (dict(softcap=True), ValueError, "softcap: expected a finite float >= 0"),
+    (dict(dropout_p=1.0), ValueError, "dropout_p: expected a float in [0, 1), got 1.0"),
+    (dict(dropout_p=-0.1), ValueError, "dropout_p: expected a float in [0, 1), got -0.1"),
+    (dict(dropout_p=True), ValueError, "dropout_p: expected a float in [0, 1), got True"),
+    (dict(dropout_p="0.1"), ValueError, "dropout_p: expected a float in [0, 1)"),
+    (dict(dropout_p=0.1, generator=0), TypeError, "generator: expected a torch.Generator or None, got int"),
+    (dict(deterministic="yes"), TypeError, "deterministic: expected a bool, got str"),
+    (dict(backend="cuda"), ValueError, "backend: got 'cuda'; allowed: 'auto', 'triton', 'torch'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", OPTION_ERRORS, ids=[repr(kw) for kw, *_ in OPTION_ERRORS])
+def test_option_errors(kwargs, error, message):
+    q, k, v = _qkv()
+    kwargs = {"backend": "torch", **kwargs}
+    with pytest.raises(error, match=re.escape(message)):
+        varlen.attention(q, k, v, **kwargs)
+
+
+
+def _id(entry) -> str:
+    """The start of an error list entry's message."""
+    values = entry.values if hasattr(entry, "values") else entry
+    return values[-1][:40]
+
+
+BIAS_ERRORS = [  # (jagged, bias, exception, message)
+    pytest.param(False, [[0.0]], TypeError, "bias: expected a torch.Tensor, got list"),
+    (False, torch.zeros(S, S, dtype=torch.int64), TypeError, "bias: dtype int64 is not supported"),
+    (False, torch.zeros(1, B, H, S, S), ValueError, "bias: expected at most 4 dims (B, H, Sq, Sk)"),
+    (False, torch.zeros(B, H, S + 1, S), ValueError,
+     "bias: shape (2, 4, 6, 5) does not broadcast to (B, H, Sq, Sk) = (2, 4, 5, 5): dim Sq is 6, "
+     "allowed 1 or 5"),
+    (False, torch.zeros(3, 1, 1, S), ValueError, "dim B is 3, allowed 1 or 2"),
+    (False, torch.zeros(2, S, S), ValueError, "dim H is 2, allowed 1 or 4"),
+    (True, torch.zeros(B, H, 4, 7), ValueError, "dim Sq is 4, allowed 1 or 5 (or more, jagged)"),
+    (True, torch.zeros(B, H, 5, 3), ValueError, "dim Sk is 3, allowed 1 or 7 (or more, jagged)"),
+]
+
+
+@pytest.mark.parametrize("jagged,bias,error,message", BIAS_ERRORS, ids=[_id(e) for e in BIAS_ERRORS])
+def test_bias_errors(jagged, bias, error, message):
+    if jagged:
+        q, k = _jagged([5, 2]), _jagged([7, 1], HKV)
+        v = k.with_values(torch.randn(k.total, HKV, D))
+    else:
+        q, k, v = _qkv()
+    with pytest.raises(error, match=re.escape(message)):
+        varlen.attention(q, k, v, bias=bias, backend="torch")
+
+
+ALIBI_ERRORS = [  # (slopes, exception, message)
+    pytest.param("0.5", TypeError, "alibi_slopes: expected a torch.Tensor, got str"),
+    (torch.ones(H, dtype=torch.int32), TypeError, "alibi_slopes: dtype int32 is not supported"),
+    (torch.ones(H, requires_grad=True), ValueError, "alibi_slopes: gradients with respect to the slopes"),
+    (torch.ones(HKV), ValueError, "alibi_slopes: expected shape (4,) or (2, 4), got (2,)"),
+    (torch.ones(1, H), ValueError, "alibi_slopes: expected shape (4,) or (2, 4), got (1, 4)"),
+]
+
+
+@pytest.mark.parametrize("slopes,error,message", ALIBI_ERRORS, ids=[_id(e) for e in ALIBI_ERRORS])
+def test_alibi_errors(slopes, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        _call(alibi_slopes=slopes)
+
+
+def test_bias_and_alibi_on_another_device():
+    with pytest.raises(ValueError, match="bias: on device meta, but q is on cpu"):
+        _call(bias=torch.zeros(S, S, device="meta"))
+    with pytest.raises(ValueError, match="alibi_slopes: on device meta, but q is on cpu"):
+        _call(alibi_slopes=torch.ones(H, device="meta"))
+
+
+def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
+    """Asking for Triton on CPU tensors outside the interpreter says why it can't run."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"backend='triton'.*(CUDA|TRITON_INTERPRET)"):
+        varlen.attention(q, k, v, backend="triton")
+
+
+def test_jagged_rows_beyond_int32_are_rejected():
+    """More than 2**31 - 1 rows (int64 offsets) overflow the int32 offsets kernels index with."""
+    rows = 2**31 + 5
+    values = torch.empty(rows, H, D, device="meta")
+    offsets = torch.tensor([0, 5, rows], dtype=torch.int64, device="meta")
+    q = JaggedTensor(values, offsets, max_len=rows - 5, validate=False)
+    with pytest.raises(ValueError, match=r"2147483653.*int32"):
+        varlen.attention(q, q, q)
+
+
+def test_zero_head_dim_is_rejected():
+    q = _dense(dim=0)
+    with pytest.raises(ValueError, match="head dim"):
+        varlen.attention(q, q, q, backend="torch")

@@ -1,0 +1,227 @@
+"""The attention dropout mask: Philox, its agreement with Triton, its statistics, and how calls use it."""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import varlen
+from attention_cases import AttnCase, backend_params, main_dtype, run_attention
+from utils import assert_close
+from varlen.attention.dropout import (
+    attention_dropout_mask,
+    dropout_keep_mask,
+    dropout_threshold,
+    philox4x32,
+)
+from varlen.attention.reference import attention_reference
+
+# Random123's known-answer vectors for Philox4x32-10 (kat_vectors): counter, key, output.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter,key,expected", PHILOX_KAT, ids=["zeros", "ones", "pi"])
+def test_philox_known_answers(counter, key, expected):
+    out = philox4x32(tuple(torch.tensor(c) for c in counter), tuple(torch.tensor(k) for k in key))
+    assert tuple(int(w) for w in out) == expected
+
+
+@triton.jit
+def _randint4x_kernel(out_ptr, offsets_ptr, seed, N: tl.constexpr):
+    idx = tl.arange(0, N)
+    r0, r1, r2, r3 = tl.randint4x(seed, tl.load(offsets_ptr + idx))
+    tl.store(out_ptr + idx * 4, r0)
+    tl.store(out_ptr + idx * 4 + 1, r1)
+    tl.store(out_ptr + idx * 4 + 2, r2)
+    tl.store(out_ptr + idx * 4 + 3, r3)
+
+
+def _u32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64) & 0xFFFFFFFF
+
+
+def test_philox_matches_triton_randint4x(device):
+    """``tl.randint4x(seed, offset)`` is Philox4x32-10 keyed (seed_lo, seed_hi) on counter (offset, 0, 0, 0)."""
+    seed = 0xDEADBEEF12345678
+    offsets = torch.randint(0, 2**31 - 1, (64,), dtype=torch.int32, device=device)
+    out = torch.empty(64 * 4, dtype=torch.int32, device=device)
+    _randint4x_kernel[(1,)](out, offsets, seed, N=64)
+    zero = torch.zeros_like(offsets, dtype=torch.int64)
+    expected = philox4x32((_u32(offsets), zero, zero, zero),
+                          (torch.tensor(seed & 0xFFFFFFFF), torch.tensor(seed >> 32)))
+    assert torch.equal(_u32(out).view(64, 4), torch.stack(expected, dim=-1).to(out.device))
+
+
+@triton.jit
+def _keep_mask_kernel(out_ptr, seed, offset_lo, threshold, H, max_q, max_k, BLOCK_Q: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """The mask as a kernel computes it (``seed`` already holds ``seed ^ (offset_hi << 32)``)."""
+    bh = tl.program_id(0)
+    i = tl.arange(0, BLOCK_Q)[:, None]
+    j = tl.arange(0, BLOCK_K)[None, :]
+    zero = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.int32)
+    r0, r1, r2, r3 = tl.philox(seed, i + zero, (j >> 3) + zero, bh + zero, offset_lo + zero)
+    word = (j >> 1) & 3
+    r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+    r16 = (r >> (16 * (j & 1)).to(tl.uint32)) & 0xFFFF
+    keep = r16 >= threshold
+    mask = (i < max_q) & (j < max_k)
+    tl.store(out_ptr + bh * max_q * max_k + i * max_k + j, keep.to(tl.int8), mask=mask)
+
+
+@pytest.mark.parametrize("seed,offset", [(0, 0), (123456789, 4), (2**63 - 25, 2**32 + 12),
+                                         (0xFEDCBA9876543210, 0xFFFFFFFFFFFFFFF0)],
+                         ids=["zero", "small", "offset-high-word", "full-64-bit"])
+def test_keep_mask_matches_triton_philox(seed, offset, device):
+    """The mask bit for bit against ``tl.philox`` in a kernel (the recipe for the Triton backend)."""
+    B, H, max_q, max_k, p = 2, 3, 5, 29, 0.37
+    expected = dropout_keep_mask(B, H, max_q, max_k, p, seed=seed, offset=offset, device=device)
+    out = torch.full((B * H, max_q, max_k), -1, dtype=torch.int8, device=device)
+    offset_lo = offset & 0xFFFFFFFF
+    offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo  # the same 32 bits, as an int32
+    _keep_mask_kernel[(B * H,)](out, seed ^ ((offset >> 32) << 32), offset_lo, dropout_threshold(p), H, max_q,
+                                max_k, BLOCK_Q=8, BLOCK_K=32)
+    assert torch.equal(out.view(B, H, max_q, max_k).bool(), expected)
+
+
+def test_dropout_threshold():
+    assert dropout_threshold(0.0) == 0
+    assert dropout_threshold(0.5) == 32768
+    assert dropout_threshold(0.1) == 6554
+    assert dropout_threshold(1 - 2**-20) == 65535
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
+def test_keep_rate(p, device):
+    """The keep rate is 1 - threshold / 65536, within 5 binomial standard deviations."""
+    mask = dropout_keep_mask(4, 8, 64, 61, p, seed=1234, offset=8, device=device)
+    n = mask.numel()
+    keep = 1 - dropout_threshold(p) / 65536
+    sigma = math.sqrt(keep * (1 - keep) / n)
+    assert abs(mask.float().mean().item() - keep) <= 5 * sigma + 1e-12
+
+
+def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    a, b = a - a.mean(), b - b.mean()
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
+def test_masks_are_independent(device):
+    """Masks of different heads, batches, neighbouring keys and rows, and successive offsets or seeds
+    are uncorrelated: |corr| below 5 / sqrt(n)."""
+    p = 0.5
+    mask = dropout_keep_mask(3, 4, 96, 96, p, seed=42, offset=0, device=device)
+    pairs = {
+        "heads": (mask[:, 0], mask[:, 1]),
+        "heads far apart": (mask[:, 0], mask[:, 3]),
+        "batches": (mask[0], mask[1]),
+        "neighbouring keys (one Philox call)": (mask[..., 0::2], mask[..., 1::2]),
+        "keys 2 apart (another word)": (mask[..., 0::4], mask[..., 2::4]),
+        "neighbouring key groups": (mask[..., 0:88], mask[..., 8:96]),
+        "neighbouring rows": (mask[:, :, :-1], mask[:, :, 1:]),
+        "successive offsets": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42, offset=4, device=device)),
+        "offsets 2**32 apart": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42, offset=2**32, device=device)),
+        "seeds differing in the high word": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42 + 2**32, offset=0,
+                                                                     device=device)),
+    }
+    for name, (a, b) in pairs.items():
+        assert abs(_correlation(a, b)) < 5 / math.sqrt(a.numel()), name
+
+
+def test_keep_mask_of_rows_is_a_slice(device):
+    """A sequence's mask doesn't depend on max_q / max_k (kernels with other block sizes agree)."""
+    big = dropout_keep_mask(2, 3, 40, 50, 0.3, seed=9, offset=12, device=device)
+    small = dropout_keep_mask(2, 3, 17, 13, 0.3, seed=9, offset=12, device=device)
+    assert torch.equal(big[:, :, :17, :13], small)
+
+
+# ------------------------------------------------------------------------- masks of attention calls
+DROPOUT_CASES = [
+    AttnCase(False, (9, 9), (13, 13), 4, 2, 16, 16, causal=True, align="bottom_right", dropout_p=0.4),
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 1, 16, 8, bias="B11K", dropout_p=0.5, grad_lse=True),
+]
+
+
+def _values(x):
+    return x.values if isinstance(x, varlen.JaggedTensor) else x
+
+
+@pytest.mark.parametrize("backend,case", backend_params(DROPOUT_CASES))
+def test_same_generator_state_same_result(backend, case, device):
+    """Two calls from one generator state give identical outputs and gradients; the next call differs."""
+    inputs = case.make(main_dtype(backend), device)
+    state = inputs.generator.get_state()
+    out_a, lse_a, grads_a = run_attention(case, inputs, backend)
+    after = inputs.generator.get_state()
+    out_c, _, _ = run_attention(case, inputs, backend)  # the generator has moved on
+    inputs.generator.set_state(state)
+    out_b, lse_b, grads_b = run_attention(case, inputs, backend)
+    assert torch.equal(_values(out_a), _values(out_b)) and torch.equal(lse_a, lse_b)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(after, state)
+    assert not torch.equal(_values(out_a), _values(out_c))
+
+
+@pytest.mark.parametrize("backend,case", backend_params([AttnCase(False, (11, 11), (14, 14), 4, 2, 16, 16,
+                                                                    dropout_p=0.5)]))
+def test_mask_of_the_call_is_the_one_applied(backend, case, device):
+    """The output equals the reference with ``attention_dropout_mask``'s mask, and not with another one
+    (so the comparison can fail), using torch's default generator."""
+    dtype = main_dtype(backend)
+    inputs = case.make(dtype, device)
+    q, k, v = (t.detach() for t in inputs.leaves)
+    keep = attention_dropout_mask(q, k, 0.5)  # the default generator of q's device, not advanced
+    out = varlen.attention(q, k, v, dropout_p=0.5, backend=backend)
+    ref, _ = attention_reference(q.double(), k.double(), v.double(), dropout_mask=keep, dropout_p=0.5)
+    assert_close(out, ref, dtype)
+    other = keep.clone()
+    other[:, :, :, 0] = ~other[:, :, :, 0]
+    wrong, _ = attention_reference(q.double(), k.double(), v.double(), dropout_mask=other, dropout_p=0.5)
+    with pytest.raises(AssertionError):
+        assert_close(out, wrong, dtype)
+
+
+def test_attention_dropout_mask_leaves_generator_alone(device):
+    q = varlen.jagged([torch.randn(n, 4, 8) for n in (3, 0, 7)], device=device)
+    k = varlen.jagged([torch.randn(n, 2, 8) for n in (5, 2, 1)], device=device)
+    generator = torch.Generator(device=device).manual_seed(3)
+    state = generator.get_state()
+    keep = attention_dropout_mask(q, k, 0.2, generator=generator)
+    assert torch.equal(generator.get_state(), state)
+    assert keep.shape == (3, 4, 7, 5) and keep.dtype == torch.bool and keep.device.type == device.type
+    assert torch.equal(attention_dropout_mask(q, k, 0.2, generator=generator), keep)
+    assert attention_dropout_mask(q, k, 0.0, generator=generator).all()
+
+
+def test_dropout_mask_validation():
+    q = torch.randn(1, 3, 2, 8)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention_dropout_mask(q, q, 1.0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        attention_dropout_mask(q, q, True)
+    with pytest.raises(TypeError, match="generator"):
+        attention_dropout_mask(q, q, 0.1, generator=3)
+    with pytest.raises(ValueError, match="q: expected 4 dims"):
+        attention_dropout_mask(q[0], q, 0.1)
+    with pytest.raises(TypeError, match="k: expected a varlen.JaggedTensor"):
+        attention_dropout_mask(q, [q], 0.1)
+    jagged_2d = varlen.jagged([torch.randn(3, 8)])
+    with pytest.raises(ValueError, match="k: expected a jagged tensor of logical shape"):
+        attention_dropout_mask(q, jagged_2d, 0.1)
+    with pytest.raises(ValueError, match="seed: got -1"):
+        dropout_keep_mask(1, 1, 2, 2, 0.1, seed=-1, offset=0)
+    with pytest.raises(ValueError, match="offset: got 18446744073709551616; must be below 2\\*\\*64"):
+        dropout_keep_mask(1, 1, 2, 2, 0.1, seed=0, offset=2**64)
+    with pytest.raises(TypeError, match="max_k: expected an int"):
+        dropout_keep_mask(1, 1, 2, 2.0, 0.1, seed=0, offset=0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_keep_mask(1, 1, 2, 2, -0.1, seed=0, offset=0)

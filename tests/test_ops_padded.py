@@ -1,0 +1,155 @@
+"""Jagged <-> padded conversion (varlen.ops.padded): Triton kernels and the PyTorch path."""
+
+import math
+
+import pytest
+import torch
+
+import varlen
+from conftest import ON_GPU
+from utils import random_jagged, random_lengths
+from varlen.ops import padded as padded_ops
+
+LONG = 3000 if ON_GPU else 1000
+DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+INNERS = [(), (3,), (2, 5)]
+BACKENDS = ["torch", "triton"]
+
+
+def padded_reference(values, lengths, width, padding_value):
+    """Per-sequence loop: sequence b in the first rows of out[b], padding_value after."""
+    out = values.new_full((len(lengths), width, *values.shape[1:]), padding_value)
+    for b, part in enumerate(values.split(lengths)):
+        out[b, :len(part)] = part
+    return out
+
+
+def _lengths():
+    return random_lengths(6, 40, include=(0, 1, 17, LONG))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inner", INNERS, ids=str)
+def test_to_padded_and_back_match_reference(backend, dtype, inner, device, poison_empty):
+    lengths = _lengths()
+    x = random_jagged(lengths, inner, dtype=dtype, device=device, requires_grad=True)
+    width = x.max_len + 3
+    with varlen.use_backend(backend):
+        p = x.to_padded(padding_value=-1.5, max_len=width)
+        g = torch.randn_like(p)
+        p.backward(g)
+        p_leaf = p.detach().requires_grad_()
+        back = varlen.JaggedTensor.from_padded(p_leaf, lengths)
+        gb = torch.randn_like(back.values)
+        back.values.backward(gb)
+    assert torch.equal(p, padded_reference(x.values.detach(), lengths, width, -1.5))
+    # The gradient of to_padded gathers the valid positions; padding positions are dropped.
+    assert torch.equal(x.values.grad, torch.cat([g[b, :n] for b, n in enumerate(lengths)]))
+    assert torch.equal(back.values, x.values.detach())
+    assert torch.equal(back.offsets.cpu(), x.offsets.cpu().to(torch.int64))
+    # The gradient of from_padded pads with zeros.
+    assert torch.equal(p_leaf.grad, padded_reference(gb, lengths, width, 0.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_from_padded_with_device_lengths(backend, device, poison_empty):
+    lengths = [3, 0, LONG, 1]
+    padded = torch.randn(4, LONG + 2, 2, 3, dtype=torch.float64, device=device, requires_grad=True)
+    with varlen.use_backend(backend):
+        x = varlen.JaggedTensor.from_padded(padded, torch.tensor(lengths, device=device), max_len=LONG)
+        g = torch.randn_like(x.values)
+        x.values.backward(g)
+    assert x.max_len == LONG and x.offsets.tolist() == [0, 3, 3, 3 + LONG, 4 + LONG]
+    assert torch.equal(x.values, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
+    assert torch.equal(padded.grad, padded_reference(g, lengths, LONG + 2, 0.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_padding_does_not_leak(backend, device):
+    lengths = [2, 0, 17, 5]
+    padded = torch.randn(4, 20, 3, device=device)
+    for b, n in enumerate(lengths):
+        padded[b, n:] = math.nan
+    with varlen.use_backend(backend):
+        x = varlen.JaggedTensor.from_padded(padded, lengths)
+        again = x.to_padded(padding_value=0.0)
+    assert torch.isfinite(x.values).all()
+    assert torch.equal(x.values, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
+    assert torch.equal(again, padded[:, :17].nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(backend, device):
+    """Values with a row stride wider than the row and a transposed padded tensor: strides, no copies."""
+    lengths = [4, 0, 9]
+    big = torch.full((13, 7), math.nan, device=device)
+    big[:, :5] = torch.randn(13, 5, device=device)
+    offsets = torch.tensor([0, 4, 4, 13], device=device)
+    x = varlen.JaggedTensor(big[:, :5], offsets)
+    padded_t = torch.randn(3, 5, 9, device=device).transpose(1, 2)  # (B, width, F) with col stride 9
+    with varlen.use_backend(backend):
+        p = x.to_padded()
+        v = padded_ops.padded_to_jagged(padded_t, offsets, 13, 9)
+    assert torch.equal(p, padded_reference(big[:, :5], lengths, 9, 0.0))
+    assert torch.equal(v, torch.cat([padded_t[b, :n] for b, n in enumerate(lengths)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16], ids=str)
+def test_copy_kernels_move_any_dtype_exactly(dtype, device):
+    lengths = [3, 0, 5]
+    if dtype.is_floating_point:
+        parts = [torch.randn(n, 2).to(dtype) for n in lengths]
+    else:
+        high = {torch.int64: 2**62, torch.int32: 2**31 - 1, torch.uint8: 256, torch.bool: 2}[dtype]
+        parts = [torch.randint(0, high, (n, 2)).to(dtype) for n in lengths]
+    x = varlen.jagged(parts, device=device)
+    with varlen.use_backend("triton"):
+        p = x.to_padded(padding_value=1)
+        back = varlen.JaggedTensor.from_padded(p, lengths)
+    assert torch.equal(p, padded_reference(x.values, lengths, 5, 1))
+    assert torch.equal(back.values, x.values)
+
+
+@pytest.mark.parametrize("block", [(1, 1), (4, 2), (16, 8)], ids=str)
+def test_small_tiles_cover_every_element(block, device, poison_empty):
+    """Launchers with forced tiny tiles: many programs, row and column edges inside a tile."""
+    lengths = [0, 1, 9, 4]
+    x = random_jagged(lengths, (3,), device=device)
+    p = padded_ops._to_padded_triton(x.values, x.offsets, 11, 0.25, block_t=block[0], block_f=block[1])
+    assert torch.equal(p, padded_reference(x.values, lengths, 11, 0.25))
+    v = padded_ops._from_padded_triton(p, x.offsets, x.total, x.max_len, block_t=block[0], block_f=block[1])
+    assert torch.equal(v, x.values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend, device):
+    x = random_jagged([2, 0, 1], (), dtype=torch.float64, device=device)
+    with varlen.use_backend(backend):
+        v = x.values.clone().requires_grad_()
+        assert torch.autograd.gradcheck(lambda v: padded_ops.jagged_to_padded(v, x.offsets, 3, 0.5), (v,))
+        padded = torch.randn(3, 2, dtype=torch.float64, device=device, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda p: padded_ops.padded_to_jagged(p, x.offsets, x.total, 2), (padded,))
+        # Each direction's backward is the other direction, so second derivatives exist too.
+        assert torch.autograd.gradgradcheck(lambda v: padded_ops.jagged_to_padded(v, x.offsets, 2, 0.0), (v,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_empty_and_batch_one(backend, device):
+    empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(3, dtype=torch.int32, device=device))
+    one = random_jagged([LONG], (3,), device=device)
+    with varlen.use_backend(backend):
+        assert torch.equal(empty.to_padded(padding_value=2.0), torch.full((2, 0, 3), 2.0, device=device))
+        assert torch.equal(empty.to_padded(padding_value=2.0, max_len=2), torch.full((2, 2, 3), 2.0, device=device))
+        assert torch.equal(one.to_padded(), one.values[None])
+        assert torch.equal(varlen.JaggedTensor.from_padded(one.values[None], [LONG]).values, one.values)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_large_batch_on_gpu(dtype, device):
+    lengths = random_lengths(64, 4096, include=(0, 1, 17, 4096))
+    x = random_jagged(lengths, (256,), dtype=dtype, device=device)
+    p = x.to_padded(padding_value=math.nan)
+    assert torch.equal(p.nan_to_num(0.0), padded_reference(x.values, lengths, x.max_len, 0.0))
+    assert torch.equal(varlen.JaggedTensor.from_padded(p, x.lengths, max_len=x.max_len).values, x.values)

@@ -1,0 +1,180 @@
+"""varlen.sum / varlen.mean over the ragged dim (Triton kernels, PyTorch path) and over inner dims."""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import varlen
+from conftest import ON_GPU
+from utils import assert_close, random_jagged, random_lengths
+
+reduce_ops = importlib.import_module("varlen.ops.reduce")
+
+# Under the interpreter the mean of an empty sequence computes 0 / 0 in numpy (NaN, as intended).
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LONG = 5000 if ON_GPU else 1000
+DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+INNERS = [(), (3,), (2, 5)]
+BACKENDS = ["torch", "triton"]
+OPS = {"sum": varlen.sum, "mean": varlen.mean}
+
+
+def reference(values, lengths, op, grad=None):
+    """Per-sequence float64 sum/mean over positions (NaN mean for an empty one), and its gradient."""
+    x = values.detach().to(torch.float64).requires_grad_(grad is not None)
+    out = torch.stack([getattr(part, op)(0) for part in x.split(lengths)])
+    if grad is None:
+        return out.detach(), None
+    out.backward(grad.to(torch.float64))
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inner", INNERS, ids=str)
+def test_ragged_reduction_matches_reference(op, backend, dtype, inner, device, poison_empty):
+    lengths = random_lengths(7, 40, include=(0, 1, 17, LONG))
+    x = random_jagged(lengths, inner, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(len(lengths), *inner, dtype=dtype, device=device)
+    with varlen.use_backend(backend):
+        out = OPS[op](x, 1)
+        out.backward(g)
+    ref, ref_dx = reference(x.values, lengths, op, g)
+    assert isinstance(out, torch.Tensor) and out.shape == (len(lengths), *inner) and out.dtype == dtype
+    assert_close(out, ref, dtype, name=op)
+    assert_close(x.values.grad, ref_dx, dtype, name="dx")
+    empty = out[0]  # lengths[0] == 0
+    assert (empty == 0).all() if op == "sum" else torch.isnan(empty).all()
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("tiles", [dict(block_t=8, chunk_rows=32), dict(block_t=1, block_f=1),
+                                   dict(block_t=4, block_f=2, chunk_rows=4)], ids=str)
+def test_forced_tiles_and_chunks(mean, tiles, device, poison_empty):
+    """Sequences split into chunks (partial sums added afterwards) and tiny tiles with edges."""
+    lengths = [0, 1, 6, 3] if tiles.get("block_t") in (1, 4) else [0, 1, 17, 90, 5]
+    x = random_jagged(lengths, (3,), dtype=torch.float64, device=device)
+    out = reduce_ops.segment_sum_triton(x.values, x.offsets, x.max_len, mean, **tiles)
+    ref, _ = reference(x.values, lengths, "mean" if mean else "sum")
+    assert_close(out, ref)
+    g = torch.randn(len(lengths), 3, dtype=torch.float64, device=device)
+    tile_args = {k: v for k, v in tiles.items() if k != "chunk_rows"}
+    dx = reduce_ops.broadcast_rows_triton(g, x.offsets, x.total, x.max_len, mean, **tile_args)
+    scale = [max(n, 1) if mean else 1 for n in lengths]
+    assert_close(dx, torch.cat([g[b].expand(n, 3) / scale[b] for b, n in enumerate(lengths)]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_one_sequence_stays_there(backend, device):
+    lengths = [3, 17, 0, 5]
+    x = random_jagged(lengths, (4,), device=device)
+    x.values[3, 1] = math.nan  # sequence 1, column 1
+    with varlen.use_backend(backend):
+        out = varlen.sum(x, 1)
+    ref, _ = reference(x.values, lengths, "sum")
+    assert torch.isnan(out[1, 1]) and torch.isfinite(out.flatten()[torch.arange(16) != 5]).all()
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_values_and_gradient(backend, device):
+    lengths = [5, 0, 12]
+    big = torch.full((17, 9), math.nan, device=device)
+    big[:, :4] = torch.randn(17, 4, device=device)
+    big.requires_grad_()
+    x = varlen.JaggedTensor(big[:, :4], torch.tensor([0, 5, 5, 17], device=device))
+    with varlen.use_backend(backend):
+        out = varlen.mean(x, 1)
+        out.sum().backward()  # an expanded (stride 0) gradient
+    ref, ref_dx = reference(big[:, :4], lengths, "mean", torch.ones(3, 4))
+    assert_close(out, ref)
+    assert_close(big.grad[:, :4], ref_dx)
+    assert (big.grad[:, 4:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inner_dims_keepdim_and_mixed(backend, device):
+    lengths = [3, 0, 4]
+    x = random_jagged(lengths, (2, 5), dtype=torch.float64, device=device)
+    with varlen.use_backend(backend):
+        inner = varlen.sum(x, (2, -1))
+        inner_keep = varlen.mean(x, 3, keepdim=True)
+        kept = varlen.sum(x, 1, keepdim=True)
+        mixed = varlen.mean(x, (1, -1))
+        mixed_keep = varlen.sum(x, (-1, 1, 2), keepdim=True)
+    assert isinstance(inner, varlen.JaggedTensor) and inner.offsets is x.offsets
+    assert torch.equal(inner.values, x.values.sum((1, 2)))
+    assert torch.equal(inner_keep.values, x.values.mean(2, keepdim=True))
+    ref_sum, _ = reference(x.values, lengths, "sum")
+    ref_mean, _ = reference(x.values, lengths, "mean")
+    assert kept.shape == (3, 1, 2, 5)
+    assert_close(kept[:, 0], ref_sum)
+    assert mixed.shape == (3, 2)
+    assert_close(mixed, ref_mean.mean(-1))
+    assert mixed_keep.shape == (3, 1, 1, 1)
+    assert_close(mixed_keep.flatten(), ref_sum.sum((1, 2)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_empty_and_batch_one(backend, device):
+    empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(3, dtype=torch.int32, device=device))
+    one = random_jagged([LONG], (2,), dtype=torch.float64, device=device)
+    with varlen.use_backend(backend):
+        assert torch.equal(varlen.sum(empty, 1), torch.zeros(2, 3, device=device))
+        assert torch.isnan(varlen.mean(empty, 1)).all()
+        assert_close(varlen.mean(one, 1), one.values.mean(0, keepdim=True))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_and_gradgradcheck_float64(op, backend, device):
+    # The mean of an empty sequence is NaN, whose finite differences are NaN: no empty one for mean.
+    x = random_jagged([3, 0, 1, 2] if op == "sum" else [3, 1, 2], (), dtype=torch.float64, device=device)
+
+    def f(values):
+        return OPS[op](x.with_values(values), 1)
+
+    with varlen.use_backend(backend):
+        v = x.values.clone().requires_grad_()
+        assert torch.autograd.gradcheck(f, (v,))
+        # The backward (a broadcast) is differentiable too: its backward is the reduction.
+        assert torch.autograd.gradgradcheck(f, (v,))
+
+
+def test_bad_inputs(device):
+    x = random_jagged([3, 2], (4,), device=device)
+    with pytest.raises(ValueError, match="includes the batch dim 0"):
+        varlen.sum(x, 0)
+    with pytest.raises(ValueError, match="includes the batch dim 0"):
+        varlen.mean(x, (1, 0))
+    with pytest.raises(ValueError, match="more than once"):
+        varlen.sum(x, (2, -1))
+    with pytest.raises(ValueError, match="dim: 3 is out of range"):
+        varlen.sum(x, 3)
+    with pytest.raises(TypeError, match="dim: expected an int or a non-empty tuple"):
+        varlen.sum(x, ())
+    with pytest.raises(TypeError, match="dim: expected an int"):
+        varlen.mean(x, 1.0)
+    with pytest.raises(TypeError, match="keepdim: expected a bool"):
+        varlen.sum(x, 1, keepdim=1)
+    with pytest.raises(TypeError, match="x.values: dtype int64 is not supported"):
+        varlen.sum(x.with_values(x.values.long()), 1)
+    with pytest.raises(TypeError, match="x: expected a varlen.JaggedTensor"):
+        varlen.mean(x.values, 1)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [4096, 12000], [1, 70000]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_sizes_split_across_programs(lengths, dtype, device, poison_empty):
+    x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn(len(lengths), 1024, dtype=dtype, device=device)
+    out = varlen.mean(x, 1)
+    out.backward(g)
+    ref, ref_dx = reference(x.values, lengths, "mean", g)
+    assert_close(out, ref, dtype)
+    assert_close(x.values.grad, ref_dx, dtype)

@@ -1,0 +1,189 @@
+"""varlen.softmax over the ragged dim (Triton kernels, PyTorch path) and over inner dims."""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import varlen
+from conftest import ON_GPU
+from utils import assert_close, random_jagged, random_lengths
+
+softmax_ops = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
+
+# Under the interpreter, masked lanes (columns past F, empty sequences) compute 0 / 0 in numpy; those
+# lanes are never stored.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LONG = 5000 if ON_GPU else 1000
+DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+INNERS = [(), (3,), (2, 5)]
+BACKENDS = ["torch", "triton"]
+
+
+def reference(values, lengths, grad=None):
+    """Per-sequence float64 softmax over positions, and its autograd gradient for ``grad``."""
+    x = values.detach().to(torch.float64).requires_grad_(grad is not None)
+    y = torch.cat([torch.softmax(part, 0) for part in x.split(lengths)])
+    if grad is None:
+        return y.detach(), None
+    y.backward(grad.to(torch.float64))
+    return y.detach(), x.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inner", INNERS, ids=str)
+def test_ragged_softmax_matches_reference(backend, dtype, inner, device, poison_empty):
+    lengths = random_lengths(7, 40, include=(0, 1, 17, LONG))
+    x = random_jagged(lengths, inner, dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn_like(x.values)
+    with varlen.use_backend(backend):
+        y = varlen.softmax(x, dim=1)
+        y.values.backward(g)
+    ref_y, ref_dx = reference(x.values, lengths, g)
+    assert isinstance(y, varlen.JaggedTensor) and y.offsets is x.offsets and y.max_len == x.max_len
+    assert y.values.dtype == dtype and y.values.shape == x.values.shape
+    assert_close(y.values, ref_y, dtype, name="y")
+    assert_close(x.values.grad, ref_dx, dtype, name="dx")
+
+
+# Forced plans: the split path with chunks, row loops and column edges inside a tile.
+PLANS = [softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=64),
+         softmax_ops.SoftmaxPlan(block_t=4, block_f=4, chunk_rows=8),
+         softmax_ops.SoftmaxPlan(block_t=512, block_f=1, chunk_rows=None)]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["split-64", "split-8", "single-narrow"])
+def test_plans_match_reference(plan, device, poison_empty):
+    lengths = [0, 1, 17, 300, 40, 0] if plan.block_t > 4 else [0, 1, 17, 30, 0]
+    x = random_jagged(lengths, (3,), dtype=torch.float64, device=device)
+    values = 30 * x.values  # large logits: the max shift matters
+    g = torch.randn_like(values)
+    cols = values.reshape(x.total, -1)
+    y = softmax_ops.softmax_fwd_triton(cols, x.offsets, x.max_len, plan)
+    dx = softmax_ops.softmax_bwd_triton(y, g.reshape(x.total, -1), x.offsets, x.max_len, plan)
+    ref_y, ref_dx = reference(values, lengths, g)
+    assert_close(y.view_as(values), ref_y)
+    assert_close(dx.view_as(values), ref_dx)
+
+
+def test_automatic_plan_choice(device):
+    # Interpreter / small: one tile per sequence. Too long for one tile: split (chunks on a GPU).
+    plan = softmax_ops.softmax_plan(8, 1000, 10, 4, device)
+    assert plan.chunk_rows is None and plan.block_t >= 1000
+    plan = softmax_ops.softmax_plan(2, 300_000, 1024, 2, device)
+    assert plan.chunk_rows is not None and plan.chunk_rows % plan.block_t == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_in_one_sequence_stays_there(backend, device):
+    lengths = [3, 17, 0, 5]
+    x = random_jagged(lengths, (4,), device=device)
+    x.values[3, 1] = math.nan  # sequence 1, column 1
+    with varlen.use_backend(backend):
+        y = varlen.softmax(x, 1).values
+    ref, _ = reference(x.values, lengths)
+    nan = torch.zeros_like(y, dtype=torch.bool)
+    nan[3:20, 1] = True  # softmax spreads it over its own column of its own sequence, as torch
+    assert torch.equal(torch.isnan(y), nan)
+    assert_close(y[~nan], ref[~nan])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_values_hidden_columns_not_read(backend, device):
+    lengths = [5, 0, 12]
+    big = torch.full((17, 9), math.nan, device=device)
+    big[:, :4] = torch.randn(17, 4, device=device)
+    big.requires_grad_()
+    x = varlen.JaggedTensor(big[:, :4], torch.tensor([0, 5, 5, 17], device=device))
+    g = torch.full((17, 9), math.nan, device=device)
+    g[:, :4] = torch.randn(17, 4, device=device)
+    with varlen.use_backend(backend):
+        y = varlen.softmax(x, 1)
+        y.values.backward(g[:, :4])
+    ref_y, ref_dx = reference(big[:, :4], lengths, g[:, :4])
+    assert_close(y.values, ref_y)
+    assert_close(big.grad[:, :4], ref_dx)
+    assert (big.grad[:, 4:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinities(backend, device):
+    x = random_jagged([4, 3], (2,), device=device)
+    x.values[0, 0] = -math.inf  # one -inf in a column: probability 0 there
+    x.values[4:7, 1] = -math.inf  # a whole column of -inf: NaN, as torch.softmax
+    with varlen.use_backend(backend):
+        y = varlen.softmax(x, 1).values
+    ref, _ = reference(x.values, [4, 3])
+    assert y[0, 0] == 0 and torch.isnan(y[4:7, 1]).all()
+    assert_close(y, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_empty_batch_one_and_nested_input(backend, device):
+    empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(4, dtype=torch.int64, device=device))
+    one = random_jagged([LONG], (), device=device)
+    with varlen.use_backend(backend):
+        assert varlen.softmax(empty, 1).values.shape == (0, 3)
+        assert_close(varlen.softmax(one, -1).values, torch.softmax(one.values.double(), 0))
+        y = varlen.softmax(one.to_nested(), 1)
+    assert isinstance(y, varlen.JaggedTensor)
+    assert_close(y.values, torch.softmax(one.values.double(), 0))
+
+
+@pytest.mark.parametrize("dim", [2, -1, 3, -2])
+def test_inner_dims_run_on_values(dim, device):
+    x = random_jagged([3, 0, 4], (2, 5), device=device, requires_grad=True)
+    y = varlen.softmax(x, dim)
+    assert y.offsets is x.offsets
+    expected = torch.softmax(x.values, dim - 1 if dim > 0 else dim)
+    assert torch.equal(y.values, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend, device):
+    x = random_jagged([3, 0, 1, 2], (2,), dtype=torch.float64, device=device)
+
+    def f(values):
+        return varlen.softmax(x.with_values(values), 1).values
+
+    with varlen.use_backend(backend):
+        assert torch.autograd.gradcheck(f, (x.values.clone().requires_grad_(),))
+
+
+def test_double_backward_is_refused(device):
+    x = random_jagged([3, 2], (), dtype=torch.float64, device=device, requires_grad=True)
+    y = varlen.softmax(x, 1).values
+    (g,) = torch.autograd.grad((y**2).sum(), x.values, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()
+
+
+def test_bad_inputs(device):
+    x = random_jagged([3, 2], (4,), device=device)
+    with pytest.raises(ValueError, match="dim: got 0, the batch dim"):
+        varlen.softmax(x, 0)
+    with pytest.raises(ValueError, match="dim: 3 is out of range"):
+        varlen.softmax(x, 3)
+    with pytest.raises(TypeError, match="dim: expected an int"):
+        varlen.softmax(x, 1.0)
+    with pytest.raises(TypeError, match="x.values: dtype int64 is not supported"):
+        varlen.softmax(x.with_values(x.values.long()), 1)
+    with pytest.raises(TypeError, match="x: expected a varlen.JaggedTensor"):
+        varlen.softmax(x.values, 1)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [4096, 12000], [1, 70000]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
+    """Single tile, split across many programs (a few long sequences), and one very long sequence."""
+    x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
+    g = torch.randn_like(x.values)
+    y = varlen.softmax(x, 1)
+    y.values.backward(g)
+    ref_y, ref_dx = reference(x.values, lengths, g)
+    assert_close(y.values, ref_y, dtype)
+    assert_close(x.values.grad, ref_dx, dtype)
