@@ -182,6 +182,76 @@ def suite_features(args, rows):
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
 
+def suite_bias_dropout(args, rows):
+    """Issue 4's cases: a learnable bias, dropout, and a jagged batch with a learnable bias."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, S, D = 4, 16, 2048, 128
+    flops = 4 * B * H * S * S * D
+    q, k, v = (torch.randn(B, S, H, D, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3))
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    bias = torch.randn(B, H, S, S, device=DEV, dtype=BF16, requires_grad=True)
+    res = {"varlen": time_fwd_bwd(lambda: varlen.attention(q, k, v, bias=bias), [q, k, v, bias], flops)}
+    res["varlen_det"] = time_fwd_bwd(lambda: varlen.attention(q, k, v, bias=bias, deterministic=True),
+                                     [q, k, v, bias], flops)
+
+    def efficient():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias)
+    res["sdpa_efficient"] = time_fwd_bwd(efficient, [qt, kt, vt, bias], flops)
+    res["flex"] = time_fwd_bwd(lambda: flex()(qt, kt, vt, score_mod=lambda s, b, h, i, j: s + bias[b, h, i, j]),
+                               [qt, kt, vt, bias], flops)
+    rows.append(dict(suite="bias & dropout", case="bias (B,H,S,S) with grad, B4 S2048 H16 D128", res=res))
+    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+    shared = torch.randn(1, H, S, S, device=DEV, dtype=BF16, requires_grad=True)
+    res = {"varlen": time_fwd_bwd(lambda: varlen.attention(q, k, v, bias=shared), [q, k, v, shared], flops)}
+    res["varlen_det"] = time_fwd_bwd(lambda: varlen.attention(q, k, v, bias=shared, deterministic=True),
+                                     [q, k, v, shared], flops)
+
+    def efficient_shared():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=shared)
+    res["sdpa_efficient"] = time_fwd_bwd(efficient_shared, [qt, kt, vt, shared], flops)
+    res["flex"] = time_fwd_bwd(lambda: flex()(qt, kt, vt, score_mod=lambda s, b, h, i, j: s + shared[0, h, i, j]),
+                               [qt, kt, vt, shared], flops)
+    rows.append(dict(suite="bias & dropout", case="bias (1,H,S,S) with grad, B4 S2048 H16 D128", res=res))
+    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+
+    res = {"varlen": time_fwd_bwd(lambda: varlen.attention(q, k, v, dropout_p=0.1), [q, k, v], flops)}
+    for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def fn(be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(qt, kt, vt, dropout_p=0.1)
+        res[name] = time_fwd_bwd(fn, [qt, kt, vt], flops)
+    rows.append(dict(suite="bias & dropout", case="dropout 0.1, B4 S2048 H16 D128", res=res))
+    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+
+    # Jagged batch with a learnable (1, H, max, max) bias; the padded alternative is SDPA efficient on
+    # the padded batch with the bias plus a -inf padding mask (no peer runs this jagged).
+    lens = varlen_lengths()
+    total, Lmax = sum(lens), max(lens)
+    flops = sum(4 * H * L * L * D for L in lens)
+    qj, kj, vj = (varlen.jagged([torch.randn(L, H, D, dtype=BF16) for L in lens], device=DEV) for _ in range(3))
+    for t in (qj, kj, vj):
+        t.values.requires_grad_(True)
+    rel = torch.randn(1, H, Lmax, Lmax, device=DEV, dtype=BF16, requires_grad=True)
+    res = {"varlen": time_fwd_bwd(lambda: varlen.attention(qj, kj, vj, bias=rel),
+                                  [qj.values, kj.values, vj.values, rel], flops)}
+    qp, kp, vp = (torch.randn(len(lens), H, Lmax, D, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3))
+    pad = torch.zeros(len(lens), 1, 1, Lmax, device=DEV, dtype=BF16)
+    pad.masked_fill_((torch.arange(Lmax)[None] >= torch.tensor(lens)[:, None]).to(DEV)[:, None, None, :],
+                     float("-inf"))
+
+    def padded():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(qp, kp, vp, attn_mask=rel + pad)
+    res["padded_efficient"] = time_fwd_bwd(padded, [qp, kp, vp, rel], flops)
+    rows.append(dict(suite="bias & dropout", case=f"jagged 16 seqs ({total} tokens) + bias (1,H,max,max) with grad",
+                     res=res))
+    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+
+
 def sweep(args, rows):
     """Time several tile configs of the varlen kernels (forward and backward separately)."""
     fwd_cfgs = [configs.KernelConfig(*c) for c in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
@@ -246,14 +316,15 @@ def write_table(rows, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", nargs="+", default=["dense", "varlen", "features"],
-                    choices=["dense", "varlen", "features", "sweep"])
+    ap.add_argument("--suite", nargs="+", default=["dense", "varlen", "features", "bias_dropout"],
+                    choices=["dense", "varlen", "features", "bias_dropout", "sweep"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
     rows = []
     for s in args.suite:
-        {"dense": suite_dense, "varlen": suite_varlen, "features": suite_features, "sweep": sweep}[s](args, rows)
+        {"dense": suite_dense, "varlen": suite_varlen, "features": suite_features,
+         "bias_dropout": suite_bias_dropout, "sweep": sweep}[s](args, rows)
     if rows:
         write_table(rows, args.out)
 

@@ -60,9 +60,10 @@ def run(variant, timing=False):
     kind, sh, cfg, tma = variant
     q, k, v, do, opts, prob = make(sh)
     try:
-        out, lse = launch_forward(q, k, v, prob, opts, cfg if kind == "fwd" else configs.KernelConfig(128, 64, 4, 3))
-        fn = (lambda: launch_forward(q, k, v, prob, opts, cfg, tma=tma)) if kind == "fwd" else (
-            lambda: launch_backward(do, None, q, k, v, out, lse, prob, opts, cfg, tma=tma))
+        fwd_cfg = cfg if kind == "fwd" else configs.KernelConfig(128, 64, 4, 3)
+        out, lse = launch_forward(q, k, v, None, None, prob, opts, None, fwd_cfg)
+        fn = (lambda: launch_forward(q, k, v, None, None, prob, opts, None, cfg, tma=tma)) if kind == "fwd" else (
+            lambda: launch_backward(do, None, q, k, v, out, lse, None, None, prob, opts, None, cfg, False, tma=tma))
         fn()
         torch.cuda.synchronize()
         if not timing:

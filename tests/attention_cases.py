@@ -27,7 +27,7 @@ from utils import random_jagged
 from varlen.attention.dropout import attention_dropout_mask
 from varlen.attention.reference import attention_reference
 
-ATTENTION_BACKENDS = ("torch",)
+ATTENTION_BACKENDS = ("torch", "triton")
 
 # Per backend: (dtypes run on every case, dtypes run on every SPARSE_EVERY-th case).
 # The Triton interpreter gets bf16 dot products wrong, so bf16 runs on the GPU only.
@@ -336,6 +336,8 @@ def _feature_cases(shapes) -> list[AttnCase]:
         AttnCase(*dense_cross, 4, 2, 32, 32, scale=0.3, strided=True),
         AttnCase(*cross, 4, 2, 32, 16, causal=True, strided=True),
         AttnCase(*jagged, 2, 2, 32, 32, window=(2, 2), deterministic=True, bias="1HQK"),
+        AttnCase(*dense, 4, 2, 32, 32, causal=True, deterministic=True, bias="11Q1", grad_lse=True),
+        AttnCase(*cross, 2, 1, 16, 16, align="bottom_right", deterministic=True, bias="QK"),
         # everything at once
         AttnCase(*cross, 8, 2, 64, 48, causal=True, align="bottom_right", window=(7, None), bias="B11K",
                  alibi="BH", softcap=4.0, dropout_p=0.2, deterministic=True, grad_lse=True),

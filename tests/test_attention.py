@@ -34,9 +34,12 @@ def _check_against_reference(case, inputs, out, lse, grads, dtype):
     assert torch.equal(lse == float("-inf"), ref_lse == float("-inf")), "rows that see no key differ"
     assert_close(_values(out), _values(ref_out), dtype, name="out")
     assert_close(lse, ref_lse, tol=max(REL_TOL[dtype], LSE_FLOOR), name="lse")
+    # A gradient can vanish exactly (a query that sees a single key has dS = 0), leaving only rounding
+    # noise: each gradient's error is measured against at least the problem's typical gradient size.
+    rms = max((float(r.norm()) / r.numel() ** 0.5 for r in ref_grads[:3] if r.numel()), default=0.0)
     for name, leaf, grad, ref in zip(GRAD_NAMES[:len(grads)], inputs.leaves, grads, ref_grads, strict=True):
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
-        assert_close(grad, ref, dtype, name=name)
+        assert_close(grad, ref, dtype, name=name, floor=rms * ref.numel() ** 0.5)
     if inputs.poisoned is not None:
         assert torch.equal(grads[3][inputs.poisoned], torch.zeros_like(grads[3][inputs.poisoned]))
 

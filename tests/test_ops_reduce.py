@@ -90,7 +90,7 @@ def test_strided_values_and_gradient(backend, device):
     with varlen.use_backend(backend):
         out = varlen.mean(x, 1)
         out.sum().backward()  # an expanded (stride 0) gradient
-    ref, ref_dx = reference(big[:, :4], lengths, "mean", torch.ones(3, 4))
+    ref, ref_dx = reference(big[:, :4], lengths, "mean", torch.ones(3, 4, device=device))
     assert_close(out, ref)
     assert_close(big.grad[:, :4], ref_dx)
     assert (big.grad[:, 4:] == 0).all()

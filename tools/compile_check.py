@@ -87,6 +87,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--smem-limit", type=int, default=232448, help="bytes per block (sm_90: 227 KiB)")
     ap.add_argument("--sass", default=None, help="folder to write each kernel's cubin and SASS into")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
@@ -104,6 +105,8 @@ def main():
         try:
             k = triton.compile(ASTSource(self, signature, constexprs), target=target, options=options)
             _seen[key] = _resources(k) + f" smem {k.metadata.shared}"
+            if k.metadata.shared > a.smem_limit:
+                raise RuntimeError(f"shared memory {k.metadata.shared} exceeds the limit {a.smem_limit}")
             if a.sass:
                 _dump_sass(k, a.sass, self.__name__, len(_seen))
         except Exception as exc:  # report and go on: the point is to see every failure at once

@@ -23,6 +23,7 @@ from .ops import (
     threshold,
     transposed_matmul,
 )
+from .sdpa import scaled_dot_product_attention
 
 __all__ = [
     "JaggedTensor",
@@ -37,6 +38,7 @@ __all__ = [
     "matmul",
     "mean",
     "relu",
+    "scaled_dot_product_attention",
     "select",
     "silu",
     "softmax",

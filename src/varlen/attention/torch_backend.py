@@ -188,7 +188,7 @@ def _unpad_kv(x: torch.Tensor, problem: Problem, rows, dtype: torch.dtype) -> to
 
 def _fold(x: torch.Tensor) -> torch.Tensor:
     """``(B, Hkv, G, n, X)`` to ``(B, Hkv, G * n, X)``: a matmul over it then sums the group too."""
-    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3], x.shape[-1])  # no -1: x may be empty
 
 
 # ---------------------------------------------------------------------------------------- scores

@@ -23,14 +23,6 @@ def unsupported_reasons(q, k, v, bias, alibi, problem, opts) -> list[str]:
         reasons.append(f"dtype {q.dtype} is not supported (allowed: float16, bfloat16, float32)")
     if max(problem.head_dim, problem.head_dim_v) > MAX_HEAD_DIM:
         reasons.append(f"head dims ({problem.head_dim}, {problem.head_dim_v}) exceed {MAX_HEAD_DIM}")
-    if bias is not None:
-        reasons.append("bias is not supported yet")
-    if alibi is not None:
-        reasons.append("alibi_slopes is not supported yet")
-    if opts.softcap > 0:
-        reasons.append("softcap is not supported yet")
-    if opts.dropout_p > 0:
-        reasons.append("dropout is not supported yet")
     return reasons
 
 
@@ -40,7 +32,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, alibi, problem, opts, seed):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return launch_forward(q, k, v, problem, opts, configs.forward_config(problem, q.dtype))
+    return launch_forward(q, k, v, bias, alibi, problem, opts, seed, configs.forward_config(problem, q.dtype))
 
 
 def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad):
@@ -48,5 +40,5 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, ne
     if dlse is not None:
         dlse = dlse.contiguous()
     config = configs.backward_config(problem, q.dtype, opts.masked, opts.deterministic, q.device)
-    dq, dk, dv = launch_backward(dout, dlse, q, k, v, out, lse, problem, opts, config)
-    return dq, dk, dv, None
+    return launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config,
+                           need_dbias=bias is not None and needs_grad[3])

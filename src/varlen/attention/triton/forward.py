@@ -2,18 +2,19 @@
 
 One program per (query block, query head, sequence). Scores live in log2 units (``exp2``), the lse
 is stored in natural log for the user. Tiles outside a block's visible band are skipped; tiles inside
-it run without mask arithmetic.
+it run without mask arithmetic. Dropout drops probabilities after the row sums, so the lse and the
+normalization are those of the undropped softmax, as in the definition.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..._backend import interpreter_enabled
-from .masks import key_stages, seq_bounds, visible
+from .launch import dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from .masks import key_stages, seq_bounds
+from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc
 
-LOG2E = 1.4426950408889634
 # Kernels may read globals only as constexprs.
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -21,23 +22,28 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs,
                start, end, m0, Lq, Lk, shift, WL, R, qk_scale,
+               bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
+               seed, offset_lo, threshold, bh,
                offs_m, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
                HAS_WL: tl.constexpr, HAS_R: tl.constexpr, MASKED: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     for n0 in range(start, end, BLOCK_N):
         n0 = tl.multiple_of(n0, BLOCK_N)
         k = load_rows(k_desc, n0, Lk, stride_ks, offs_n, offs_d, D, BLOCK_D, MASKED, TMA)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if MASKED:
-            ok = visible(m0 + offs_m[:, None], n0 + offs_n[None, :], Lq, Lk, shift, WL, R, HAS_WL, HAS_R)
-            s = tl.where(ok, s, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s = score_tile(qk, m0 + offs_m[:, None], n0 + offs_n[None, :], Lq, Lk, shift, WL, R, qk_scale,
+                       softcap_scale, softcap2, bias_bh, stride_bq, stride_bk, slope2,
+                       HAS_WL, HAS_R, MASKED, HAS_BIAS, HAS_ALIBI, SOFTCAP)[0]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            p = tl.where(keep_tile(seed, offset_lo, threshold, bh, m0, n0, BLOCK_M, BLOCK_N), p, 0.0)
         v = load_rows(v_desc, n0, Lk, stride_vs, offs_n, offs_dv, DV, BLOCK_DV, MASKED, TMA)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -52,9 +58,13 @@ def _attn_fwd_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
+    Bias, stride_bb, stride_bh, stride_bq, stride_bk,
+    Alibi, stride_ab, stride_ah,
+    softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale,
     seq_q, seq_k, H, qk_scale, WL, R, D: tl.constexpr, DV: tl.constexpr,
     GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -81,24 +91,40 @@ def _attn_fwd_kernel(
     k_desc = rows_desc(K_seq, Lk, stride_ks, D, BLOCK_N, BLOCK_D, TMA)
     v_desc = rows_desc(V_seq, Lk, stride_vs, DV, BLOCK_N, BLOCK_DV, TMA)
     q = load_rows(q_desc, m0, Lq, stride_qs, offs_m, offs_d, D, BLOCK_D, True, TMA)
+    bias_bh = Bias + b64 * stride_bb + h * stride_bh
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    bh = b * H + h
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     t_lo, u_lo, u_hi, t_hi = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, t_lo, u_lo,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, True, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION, TMA)
+                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
+                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
+                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, True,
+                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
+                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, u_lo, u_hi,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, False, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION, TMA)
+                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
+                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
+                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, False,
+                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
+                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, u_hi, t_hi,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, True, BLOCK_D, BLOCK_DV, BLOCK_N, DOT_PRECISION, TMA)
+                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
+                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
+                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, True,
+                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
+                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DROPOUT:
+        out = out * keep_scale
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     rows = m0 + offs_m
     row_ok = rows < Lq
@@ -108,77 +134,34 @@ def _attn_fwd_kernel(
     tl.store(Lse + b64 * stride_lb + h * stride_lh + (q_start + rows).to(tl.int64), lse, mask=row_ok)
 
 
-def launch_forward(q, k, v, problem, opts, config, tma=None):
+def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None):
     """Allocate out and lse and run the forward kernel. No autograd, no syncs.
 
     ``tma``: load tiles through TMA descriptors; None decides from the device and alignment.
     """
-    B, H, D, DV = problem.batch, problem.heads, problem.head_dim, problem.head_dim_v
-    if problem.dense:
+    B, H, D, DV, dense = problem.batch, problem.heads, problem.head_dim, problem.head_dim_v, problem.dense
+    if dense:
         out = torch.empty((B, problem.max_q, H, DV), device=q.device, dtype=q.dtype)
         lse = torch.empty((B, H, problem.max_q), device=q.device, dtype=torch.float32)
-        q_strides = (q.stride(0), q.stride(1), q.stride(2))
-        k_strides = (k.stride(0), k.stride(1), k.stride(2))
-        v_strides = (v.stride(0), v.stride(1), v.stride(2))
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
-        cu_q = cu_k = q  # unused when not VARLEN
+        cu_q = cu_k = lse  # unused when not VARLEN
     else:
         out = torch.empty((q.shape[0], H, DV), device=q.device, dtype=q.dtype)
         lse = torch.empty((H, q.shape[0]), device=q.device, dtype=torch.float32)
-        q_strides = (0, q.stride(0), q.stride(1))
-        k_strides = (0, k.stride(0), k.stride(1))
-        v_strides = (0, v.stride(0), v.stride(1))
-        o_strides = (0, out.stride(0), out.stride(1))
-        l_strides = (0, lse.stride(0))
         cu_q, cu_k = problem.cu_q, problem.cu_k
+    features, flags = feature_args(q, bias, alibi, opts, seed)
     R = opts.visible_right()
     grid = (triton.cdiv(problem.max_q, config.block_m), H, B)
+    if 0 in grid:  # no query: nothing to write
+        return out, lse
     _attn_fwd_kernel[grid](
         q, k, v, out, lse, cu_q, cu_k,
-        *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
-        problem.max_q, problem.max_k, H, opts.scale * LOG2E, opts.window_left, R, D=D, DV=DV,
-        GROUP=problem.group, VARLEN=not problem.dense, BOTTOM_RIGHT=opts.bottom_right,
-        HAS_WL=opts.window_left >= 0, HAS_R=R >= 0,
+        *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(out, dense),
+        *lse_strides(lse, dense), *features,
+        problem.max_q, problem.max_k, H, opts.scale * LOG2E.value, opts.window_left, R, D=D, DV=DV,
+        GROUP=problem.group, VARLEN=not dense, BOTTOM_RIGHT=opts.bottom_right,
+        HAS_WL=opts.window_left >= 0, HAS_R=R >= 0, **flags,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=head_block(D), BLOCK_DV=head_block(DV),
         DOT_PRECISION=dot_precision(q.dtype), TMA=(config.tma and use_tma(q, k, v)) if tma is None else tma,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs follow torch's matmul setting: tf32 unless the user asked for "highest"."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
-def use_tma(*tensors) -> bool:
-    """Tiles load through TMA descriptors on Hopper+, when every base and row stride is 16-byte aligned."""
-    t0 = tensors[0]
-    if t0.device.type != "cuda" or interpreter_enabled():
-        return False
-    if torch.cuda.get_device_capability(t0.device)[0] < 9:
-        return False
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
-    ensure_allocator()
-    return True
-
-
-def ensure_allocator() -> None:
-    """Device-side descriptors need scratch memory from a Triton allocator; ours hands out torch memory."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
-
-
-_ALLOCATOR_SET = False
-
-
-def head_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))

@@ -1,0 +1,176 @@
+"""A drop-in for flash-attn 2.x's ``flash_attn.flash_attn_interface`` (the training functions).
+
+``from varlen.flash_attn_interface import flash_attn_func, flash_attn_varlen_func`` in place of
+``from flash_attn import ...``: the six functions below take flash-attn 2.x's arguments, in its order, with
+its defaults and conventions (those of the flash-attn 2.7 / 2.8 releases):
+
+- layouts: dense ``(B, S, H, D)``; varlen ``(total, H, D)`` with ``cu_seqlens`` ``(B + 1,)`` int32 offsets
+  on the device and ``max_seqlen`` host ints; packed ``qkv`` ``(B, S, 3, H, D)`` / ``(total, 3, H, D)``,
+  ``kv`` ``(B, S, 2, Hkv, D)`` / ``(total, 2, Hkv, D)``. GQA/MQA: k, v with ``Hkv`` dividing ``H``.
+- ``causal`` and ``window_size`` are aligned to the bottom-right corner of each sequence's attention
+  matrix (flash-attn >= 2.1): query i sees keys ``[i + Lk - Lq - window_size[0], i + Lk - Lq +
+  window_size[1]]``, a negative side unbounded, and ``causal`` caps the right side at 0. ALiBi adds
+  ``-slope * |i + Lk - Lq - j|``. ``softcap > 0`` caps the scores with ``softcap * tanh(s / softcap)``.
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: lse float32 ``(B, H, S)`` dense or
+  ``(H, total_q)`` varlen, and ``S_dmask`` always ``None`` (flash-attn returns a padded, test-only
+  probability matrix there; varlen never materialises one. Get the dropout mask of the next call with
+  ``varlen.attention_dropout_mask``).
+
+Differences from flash-attn: dropout draws another random stream (same distribution and scaling); a
+query that sees no key gets lse ``-inf`` (flash-attn gives ``+inf``), output 0 in both; the lse is
+differentiable; fp32/fp64 inputs and any head dim work. ``cu_seqlens`` are trusted without a
+device-to-host check, as in flash-attn: pass ``varlen.JaggedTensor(x, cu_seqlens)`` to ``varlen.attention``
+to have them validated. ``block_table`` (paged KV cache) and ``flash_attn_with_kvcache`` are not provided.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import INDEX_DTYPES, check_dtype, check_tensor
+from .attention.api import attention
+from .jagged import JaggedTensor
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Attention over a dense batch: q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``.
+
+    Returns ``out`` ``(B, Sq, H, Dv)``, or ``(out, softmax_lse (B, H, Sq), None)`` when
+    ``return_attn_probs``. See the module docstring for the conventions; raises ValueError / TypeError
+    naming the argument for invalid inputs.
+    """
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on ``qkv`` ``(B, S, 3, H, D)`` (views, no copies)."""
+    q, k, v = _unpack("qkv", qkv, 5, 3)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on q ``(B, Sq, H, D)`` and ``kv`` ``(B, Sk, 2, Hkv, D)``."""
+    k, v = _unpack("kv", kv, 5, 2)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Attention over variable-length sequences stored one after another, without padding.
+
+    Args:
+        q: ``(total_q, H, D)``; sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``.
+        k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``, both indexed by ``cu_seqlens_k``.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (or int64) offsets on q's device, trusted.
+        max_seqlen_q, max_seqlen_k: host ints, the longest lengths (upper bounds are fine).
+        block_table: must be None (paged KV caches are not supported).
+        Others: as ``flash_attn_func``.
+
+    Returns ``out`` ``(total_q, H, Dv)``, or ``(out, softmax_lse (H, total_q), None)``. No device-to-host
+    copies (a 1-element tensor given for a ``max_seqlen`` is read once, which is one).
+    """
+    if block_table is not None:
+        raise ValueError("block_table: paged KV caches are not supported by varlen; pass block_table=None")
+    q, k, v = _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``qkv`` ``(total, 3, H, D)`` with one ``cu_seqlens`` / ``max_seqlen``."""
+    q, k, v = _unpack("qkv", qkv, 4, 3)
+    q, k, v = _jagged(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """``flash_attn_varlen_func`` on q ``(total_q, H, D)`` and ``kv`` ``(total_k, 2, Hkv, D)``."""
+    k, v = _unpack("kv", kv, 4, 2)
+    q, k, v = _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+            return_attn_probs):
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs: expected a bool, got {type(return_attn_probs).__name__}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: expected a float (<= 0 disables it), got {softcap!r}")
+    out, lse = attention(q, k, v, causal=causal, window=_window(window_size), align="bottom_right",
+                         scale=softmax_scale, alibi_slopes=alibi_slopes, softcap=max(float(softcap), 0.0),
+                         dropout_p=dropout_p, deterministic=deterministic, return_lse=True)
+    if isinstance(out, JaggedTensor):
+        out = out.values
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _window(window_size) -> tuple[int | None, int | None]:
+    """flash-attn's ``(left, right)``, a negative side meaning unbounded, as varlen's window."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in window_size):
+        raise ValueError(f"window_size: expected (left, right) ints, -1 for unbounded; got {window_size!r}")
+    return tuple(None if s < 0 else int(s) for s in window_size)
+
+
+def _unpack(name: str, packed, ndim: int, parts: int) -> tuple[torch.Tensor, ...]:
+    """Views ``packed[..., i, :, :]`` of a ``(..., parts, H, D)`` tensor (dim -3 holds the parts)."""
+    check_tensor(name, packed)
+    layout = "(batch, seq, " if ndim == 5 else "(total, "
+    if packed.dim() != ndim or packed.shape[-3] != parts:
+        raise ValueError(f"{name}: expected shape {layout}{parts}, heads, dim), got {tuple(packed.shape)}")
+    return tuple(packed.select(-3, i) for i in range(parts))
+
+
+def _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """q, k, v as JaggedTensors over the trusted offsets: no checks that need the offsets' values."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dims (total, heads, dim), got shape {tuple(t.shape)}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v: {v.shape[0]} rows differ from k's {k.shape[0]}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu)
+        check_dtype(name, cu, INDEX_DTYPES)
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: on device {cu.device}, but q is on {q.device}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} differs from cu_seqlens_q's "
+                         f"{tuple(cu_seqlens_q.shape)}; both hold batch + 1 offsets")
+    max_q, max_k = _host_int("max_seqlen_q", max_seqlen_q), _host_int("max_seqlen_k", max_seqlen_k)
+    qj = JaggedTensor(q, cu_seqlens_q, max_q, validate=False)
+    if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0] and max_k == max_q:
+        kj = qj.with_values(k)  # self-attention: one offsets tensor, which varlen need not compare
+    else:
+        kj = JaggedTensor(k, cu_seqlens_k, max_k, validate=False)
+    return qj, kj, kj.with_values(v)
+
+
+def _host_int(name: str, value) -> int:
+    """A non-negative int; a 1-element integer tensor is read (a device-to-host copy on a GPU)."""
+    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_floating_point()):
+        raise TypeError(f"{name}: expected an int, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name}: got {value}; must be >= 0")
+    return value
