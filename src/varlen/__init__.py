@@ -4,6 +4,7 @@ Jagged tensors with fused, sync-free backward passes, and fused attention (forwa
 for dense and jagged batches.
 """
 
+from . import nn
 from ._backend import use_backend
 from .attention import attention
 from .attention.dropout import attention_dropout_mask, dropout_keep_mask
@@ -37,6 +38,7 @@ __all__ = [
     "linear",
     "matmul",
     "mean",
+    "nn",
     "relu",
     "scaled_dot_product_attention",
     "select",

@@ -9,15 +9,20 @@ is how CI runs the kernels without a GPU. The choice for the jagged ops is scope
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import os
+import threading
 
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
 
-_current = contextvars.ContextVar("varlen_backend", default="auto")
+# The scoped choice of `use_backend`, per thread. A threading.local rather than a ContextVar: torch.compile
+# reads (and guards on) its attributes, but can't trace ContextVar.get (a graph break in every jagged op).
+_scope = threading.local()
+
+
+def _scoped() -> str:
+    return getattr(_scope, "name", "auto")
 
 
 def interpreter_enabled() -> bool:
@@ -25,9 +30,7 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.cache
-def triton_import_error() -> str | None:
-    """Why Triton can't be imported here, or None when it can."""
+def _triton_import_error() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the machine
@@ -35,16 +38,27 @@ def triton_import_error() -> str | None:
     return None
 
 
+# Computed once at import (the jagged ops import Triton then anyway): a constant, which torch.compile reads
+# without the warning that a functools.cache-wrapped function draws.
+_TRITON_IMPORT_ERROR = _triton_import_error()
+
+
+def triton_import_error() -> str | None:
+    """Why Triton can't be imported here, or None when it can."""
+    return _TRITON_IMPORT_ERROR
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
     """Run the jagged ops inside the block with backend ``name`` (``"auto"``, ``"triton"``, ``"torch"``)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: got {name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
-    token = _current.set(name)
+    previous = _scoped()
+    _scope.name = name
     try:
         yield
     finally:
-        _current.reset(token)
+        _scope.name = previous
 
 
 def triton_unsupported_reason(device: torch.device) -> str | None:
@@ -66,7 +80,7 @@ def resolve(device: torch.device, requested: str | None = None) -> str:
     ``requested`` overrides the scoped choice of :func:`use_backend`; ``"auto"`` means Triton on CUDA
     and PyTorch elsewhere. Asking for Triton where it can't run raises ValueError saying why.
     """
-    name = _current.get() if requested is None else requested
+    name = _scoped() if requested is None else requested
     if name not in BACKENDS:
         raise ValueError(f"backend: got {name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
     if name == "torch":

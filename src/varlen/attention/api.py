@@ -18,7 +18,7 @@ from .._checks import (
 )
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from . import backends
-from .function import attention_function
+from .function import attention_function, dropout_seed
 from .options import AttentionOptions, Problem
 
 ALIGNS = ("top_left", "bottom_right")
@@ -155,10 +155,10 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     window_left, window_right = _parse_window(window)
     if scale is None:
         scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
-            softcap >= 0 and math.isfinite(softcap)):
+            0 <= softcap < math.inf):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
@@ -183,7 +183,7 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
 
     check_choice("backend", backend, _backend.BACKENDS)
     impl = backends.select(backend, qt, kt, vt, bias, alibi, problem, opts)
-    seed = backends.draw_dropout_seed(opts, generator, qt.device)
+    seed = dropout_seed(opts, generator, qt.device)
     return _Call((qt, kt, vt, bias, alibi, problem, opts, impl, seed), problem, q_jagged)
 
 

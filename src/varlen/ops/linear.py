@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, check_tensor
@@ -51,7 +52,10 @@ def _transposed_matmul_torch(x, y, offsets, max_len):
                      jagged_to_padded(y, offsets, max_len))
 
 
-def _grouped_matmul(x, offsets, max_len, w, backend):
+# torch.compile sees each product as one opaque op (whatever the backend launches inside), with its
+# output shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
+@torch.library.custom_op("varlen::grouped_matmul", mutates_args=())
+def _grouped_matmul(x: Tensor, offsets: Tensor, max_len: int, w: Tensor, backend: str) -> Tensor:
     if backend == "triton":
         from . import _linear_kernels
 
@@ -59,12 +63,23 @@ def _grouped_matmul(x, offsets, max_len, w, backend):
     return _grouped_matmul_torch(x, offsets, max_len, w)
 
 
-def _transposed_matmul(x, y, offsets, max_len, backend):
+@_grouped_matmul.register_fake
+def _(x, offsets, max_len, w, backend):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("varlen::transposed_matmul", mutates_args=())
+def _transposed_matmul(x: Tensor, y: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
     if backend == "triton":
         from . import _linear_kernels
 
         return _linear_kernels.transposed_matmul(x, y, offsets, max_len)
     return _transposed_matmul_torch(x, y, offsets, max_len)
+
+
+@_transposed_matmul.register_fake
+def _(x, y, offsets, max_len, backend):
+    return x.new_empty((offsets.shape[0] - 1, x.shape[1], y.shape[1]))
 
 
 # ---------------------------------------------------------------------------------- autograd

@@ -17,6 +17,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.types import Number
 
 from .. import _backend
 from ..jagged import segment_ids
@@ -213,6 +215,33 @@ def copy_backend(t: torch.Tensor) -> str:
     return backend if t.dtype in COPY_DTYPES else "torch"
 
 
+# ------------------------------------------------------------------------------------ custom ops
+# torch.compile sees each direction as one opaque op (whatever the backend launches inside), with its
+# output shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
+@torch.library.custom_op("varlen::jagged_to_padded", mutates_args=())
+def _to_padded_op(values: Tensor, offsets: Tensor, width: int, padding_value: Number, backend: str) -> Tensor:
+    if backend == "triton":
+        return _to_padded_triton(values, offsets, width, padding_value)
+    return _to_padded_torch(values, offsets, width, padding_value)
+
+
+@_to_padded_op.register_fake
+def _(values, offsets, width, padding_value, backend):
+    return values.new_empty((offsets.shape[0] - 1, width, *values.shape[1:]))
+
+
+@torch.library.custom_op("varlen::padded_to_jagged", mutates_args=())
+def _from_padded_op(padded: Tensor, offsets: Tensor, total: int, max_len: int, backend: str) -> Tensor:
+    if backend == "triton":
+        return _from_padded_triton(padded, offsets, total, max_len)
+    return _from_padded_torch(padded, offsets, total)
+
+
+@_from_padded_op.register_fake
+def _(padded, offsets, total, max_len, backend):
+    return padded.new_empty((total, *padded.shape[2:]))
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _JaggedToPadded(torch.autograd.Function):
     @staticmethod
@@ -220,9 +249,7 @@ class _JaggedToPadded(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.total = values.shape[0]
         ctx.backend = backend
-        if backend == "triton":
-            return _to_padded_triton(values, offsets, width, padding_value)
-        return _to_padded_torch(values, offsets, width, padding_value)
+        return _to_padded_op(values, offsets, width, padding_value, backend)
 
     @staticmethod
     def backward(ctx, grad):
@@ -238,9 +265,7 @@ class _PaddedToJagged(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.width = padded.shape[1]
         ctx.backend = backend
-        if backend == "triton":
-            return _from_padded_triton(padded, offsets, total, max_len)
-        return _from_padded_torch(padded, offsets, total)
+        return _from_padded_op(padded, offsets, total, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):

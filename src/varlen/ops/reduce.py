@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_dtype, check_int, normalize_dim
@@ -153,15 +154,38 @@ def broadcast_rows_torch(g: torch.Tensor, offsets: torch.Tensor, total: int, mea
     return (g.to(lengths.dtype) / lengths[:, None])[seq].to(g.dtype)
 
 
+# ------------------------------------------------------------------------------------ custom ops
+# torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
+@torch.library.custom_op("varlen::segment_sum", mutates_args=())
+def _segment_sum_op(x: Tensor, offsets: Tensor, max_len: int, mean: bool, backend: str) -> Tensor:
+    if backend == "triton":
+        return segment_sum_triton(x, offsets, max_len, mean)
+    return segment_sum_torch(x, offsets, mean)
+
+
+@_segment_sum_op.register_fake
+def _(x, offsets, max_len, mean, backend):
+    return x.new_empty((offsets.shape[0] - 1, x.shape[1]))
+
+
+@torch.library.custom_op("varlen::broadcast_rows", mutates_args=())
+def _broadcast_rows_op(g: Tensor, offsets: Tensor, total: int, max_len: int, mean: bool, backend: str) -> Tensor:
+    if backend == "triton":
+        return broadcast_rows_triton(g, offsets, total, max_len, mean)
+    return broadcast_rows_torch(g, offsets, total, mean)
+
+
+@_broadcast_rows_op.register_fake
+def _(g, offsets, total, max_len, mean, backend):
+    return g.new_empty((total, g.shape[1]))
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _SegmentSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, mean, backend):
-        x = as_columns(values, 1)
-        if backend == "triton":
-            out = segment_sum_triton(x, offsets, max_len, mean)
-        else:
-            out = segment_sum_torch(x, offsets, mean)
+        out = _segment_sum_op(as_columns(values, 1), offsets, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.max_len, ctx.mean, ctx.backend = values.shape[0], max_len, mean, backend
         return out.view(offsets.shape[0] - 1, *values.shape[1:])
@@ -176,11 +200,7 @@ class _SegmentSum(torch.autograd.Function):
 class _BroadcastRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, max_len, mean, backend):
-        g2 = as_columns(g, 1)
-        if backend == "triton":
-            out = broadcast_rows_triton(g2, offsets, total, max_len, mean)
-        else:
-            out = broadcast_rows_torch(g2, offsets, total, mean)
+        out = _broadcast_rows_op(as_columns(g, 1), offsets, total, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.max_len, ctx.mean, ctx.backend = max_len, mean, backend
         return out.view(total, *g.shape[1:])

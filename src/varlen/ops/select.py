@@ -14,6 +14,8 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.types import Number
 
 from .._checks import check_int, normalize_dim
 from ..jagged import JaggedTensor, as_jagged
@@ -124,13 +126,36 @@ def scatter_torch(g: torch.Tensor, offsets: torch.Tensor, total: int, index: int
     return out.index_add_(0, rows, torch.where(ok[:, None], g, 0))
 
 
+# ------------------------------------------------------------------------------------ custom ops
+# torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
+@torch.library.custom_op("varlen::gather_position", mutates_args=())
+def _gather_op(x: Tensor, offsets: Tensor, index: int, fill_value: Number, backend: str) -> Tensor:
+    gather = gather_triton if backend == "triton" else gather_torch
+    return gather(x, offsets, index, fill_value)
+
+
+@_gather_op.register_fake
+def _(x, offsets, index, fill_value, backend):
+    return x.new_empty((offsets.shape[0] - 1, x.shape[1]))
+
+
+@torch.library.custom_op("varlen::scatter_position", mutates_args=())
+def _scatter_op(g: Tensor, offsets: Tensor, total: int, index: int, backend: str) -> Tensor:
+    scatter = scatter_triton if backend == "triton" else scatter_torch
+    return scatter(g, offsets, total, index)
+
+
+@_scatter_op.register_fake
+def _(g, offsets, total, index, backend):
+    return g.new_empty((total, g.shape[1]))
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _GatherPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, index, fill_value, backend):
-        x = as_columns(values, 1)
-        gather = gather_triton if backend == "triton" else gather_torch
-        out = gather(x, offsets, index, fill_value)
+        out = _gather_op(as_columns(values, 1), offsets, index, fill_value, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.index, ctx.backend = values.shape[0], index, backend
         return out.view(offsets.shape[0] - 1, *values.shape[1:])
@@ -145,8 +170,7 @@ class _GatherPosition(torch.autograd.Function):
 class _ScatterPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, index, backend):
-        scatter = scatter_triton if backend == "triton" else scatter_torch
-        out = scatter(as_columns(g, 1), offsets, total, index)
+        out = _scatter_op(as_columns(g, 1), offsets, total, index, backend)
         ctx.save_for_backward(offsets)
         ctx.index, ctx.backend = index, backend
         return out.view(total, *g.shape[1:])

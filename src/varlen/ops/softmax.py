@@ -27,6 +27,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_dtype, normalize_dim
@@ -295,12 +296,35 @@ def softmax_bwd_torch(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) 
     return (yv * (g - dot[seq])).to(y.dtype)
 
 
+# ------------------------------------------------------------------------------------ custom ops
+# torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
+@torch.library.custom_op("varlen::ragged_softmax_forward", mutates_args=())
+def _softmax_fwd_op(x: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+    return softmax_fwd_triton(x, offsets, max_len) if backend == "triton" else softmax_fwd_torch(x, offsets)
+
+
+@_softmax_fwd_op.register_fake
+def _(x, offsets, max_len, backend):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("varlen::ragged_softmax_backward", mutates_args=())
+def _softmax_bwd_op(y: Tensor, dy: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+    return softmax_bwd_triton(y, dy, offsets, max_len) if backend == "triton" else softmax_bwd_torch(y, dy, offsets)
+
+
+@_softmax_bwd_op.register_fake
+def _(y, dy, offsets, max_len, backend):
+    return y.new_empty(y.shape)
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _RaggedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, backend):
         x = as_columns(values, 1)
-        y = softmax_fwd_triton(x, offsets, max_len) if backend == "triton" else softmax_fwd_torch(x, offsets)
+        y = _softmax_fwd_op(x, offsets, max_len, backend)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(y, offsets)
         ctx.max_len, ctx.backend = max_len, backend
@@ -310,11 +334,7 @@ class _RaggedSoftmax(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         y, offsets = ctx.saved_tensors
-        dy = as_columns(grad, 1)
-        if ctx.backend == "triton":
-            dx = softmax_bwd_triton(y, dy, offsets, ctx.max_len)
-        else:
-            dx = softmax_bwd_torch(y, dy, offsets)
+        dx = _softmax_bwd_op(y, as_columns(grad, 1), offsets, ctx.max_len, ctx.backend)
         return dx.view(grad.shape), None, None, None
 
 

@@ -32,13 +32,15 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, alibi, problem, opts, seed):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    return launch_forward(q, k, v, bias, alibi, problem, opts, seed, configs.forward_config(problem, q.dtype))
+    config = configs.forward_config(problem, q.dtype, heavy=bias is not None or seed is not None)
+    return launch_forward(q, k, v, bias, alibi, problem, opts, seed, config)
 
 
 def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad):
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     if dlse is not None:
         dlse = dlse.contiguous()
-    config = configs.backward_config(problem, q.dtype, opts.masked, opts.deterministic, q.device)
+    config = configs.backward_config(problem, q.dtype, opts.masked, opts.deterministic, q.device,
+                                     heavy=bias is not None or seed is not None)
     return launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config,
                            need_dbias=bias is not None and needs_grad[3])

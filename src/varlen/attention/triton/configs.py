@@ -50,18 +50,23 @@ _BACKWARD = {
     (256, True): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
 }
 _FLOAT32 = K(32, 64, 4, 1)
+# With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared
+# memory) the largest tiles above overflow the 227 KiB of shared memory of sm_90: smaller ones then.
+_FORWARD_HEAVY = {64: K(128, 64, 4, 2), 128: K(128, 64, 8, 2), 256: K(64, 32, 4, 2)}
+_Q_HEAVY = {64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(32, 64, 8, 1)}
 
 
 def _bound(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def forward_config(problem, dtype: torch.dtype) -> KernelConfig:
+def forward_config(problem, dtype: torch.dtype, heavy: bool = False) -> KernelConfig:
+    """``heavy``: the call has a bias or dropout (more shared memory per tile)."""
     if interpreter_enabled():
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return K(64, 32, 4, 2)
-    return _FORWARD[_bound(max(problem.head_dim, problem.head_dim_v))]
+    return (_FORWARD_HEAVY if heavy else _FORWARD)[_bound(max(problem.head_dim, problem.head_dim_v))]
 
 
 def _tma_reduce_available(device: torch.device) -> bool:
@@ -69,7 +74,8 @@ def _tma_reduce_available(device: torch.device) -> bool:
 
 
 def backward_config(problem, dtype: torch.dtype, causal: bool, deterministic: bool,
-                    device: torch.device) -> BackwardConfig:
+                    device: torch.device, heavy: bool = False) -> BackwardConfig:
+    """``causal``: any mask (causal or window); ``heavy``: the call has a bias or dropout."""
     if interpreter_enabled():
         mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
@@ -77,7 +83,10 @@ def backward_config(problem, dtype: torch.dtype, causal: bool, deterministic: bo
         kv = q = _FLOAT32
         mode = DQ_TMA
     else:
-        kv, q, mode = _BACKWARD[(_bound(max(problem.head_dim, problem.head_dim_v)), causal)]
+        bound = _bound(max(problem.head_dim, problem.head_dim_v))
+        kv, q, mode = _BACKWARD[(bound, causal)]
+        if heavy:
+            q = _Q_HEAVY[bound]
     if deterministic:
         mode = DQ_SEPARATE
     elif mode == DQ_TMA and not _tma_reduce_available(device):

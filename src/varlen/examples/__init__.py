@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m varlen.examples.train``."""

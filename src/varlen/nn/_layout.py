@@ -1,0 +1,68 @@
+"""The two input layouts the modules take, and the row-wise steps that treat both alike.
+
+A module's input is either jagged ``(B, j, E)`` (a JaggedTensor, or a ``torch.nested`` jagged tensor,
+viewed as one) or dense ``(B, S, E)``. Everything but attention acts on each token (row) on its own,
+so on a jagged input it runs once on the flat ``values`` through the varlen ops, and on a dense one
+it runs on the tensor as is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from .._checks import FLOAT_DTYPES, check_dtype
+from ..jagged import JaggedTensor, as_jagged
+
+
+def as_input(x, name: str, features: int, dtype: torch.dtype) -> JaggedTensor | torch.Tensor:
+    """``x`` checked to be jagged ``(B, j, features)`` or dense ``(B, S, features)`` of ``dtype``."""
+    if isinstance(x, JaggedTensor) or (isinstance(x, torch.Tensor) and x.is_nested):
+        x = as_jagged(x, name)
+        rows, layout = x.values, "jagged (B, j, E)"
+        shape = tuple("j" if d is None else d for d in x.shape)
+    elif isinstance(x, torch.Tensor):
+        rows, layout, shape = x, "dense (B, S, E)", tuple(x.shape)
+    else:
+        raise TypeError(f"{name}: expected a varlen.JaggedTensor (B, j, E), a torch.nested jagged tensor or a "
+                        f"dense torch.Tensor (B, S, E), got {type(x).__name__}")
+    if len(shape) != 3 or shape[-1] != features:
+        raise ValueError(f"{name}: expected a {layout} tensor with E = {features}, got shape {shape}")
+    check_dtype(name, rows, FLOAT_DTYPES)
+    if rows.dtype != dtype:
+        raise TypeError(f"{name}: dtype {rows.dtype} differs from the module's parameters' {dtype}; convert "
+                        "one of them (e.g. module.to(dtype))")
+    return x
+
+
+def is_jagged(x) -> bool:
+    return isinstance(x, JaggedTensor)
+
+
+def rowwise(x, fn):
+    """``fn`` applied to the tokens: a jagged tensor's flat values, or the dense tensor itself."""
+    return x.with_values(fn(x.values)) if is_jagged(x) else fn(x)
+
+
+def linear(x, layer: torch.nn.Linear):
+    return ops.linear(x, layer.weight, layer.bias) if is_jagged(x) else layer(x)
+
+
+def layer_norm(x, norm: torch.nn.LayerNorm):
+    if is_jagged(x):
+        return ops.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return norm(x)
+
+
+def add(x, y):
+    """``x + y`` for two tensors of one layout (jagged ones with the same offsets)."""
+    return x.with_values(x.values + y.values) if is_jagged(x) else x + y
+
+
+ACTIVATIONS = {"relu": (ops.relu, F.relu), "gelu": (ops.gelu, F.gelu)}
+
+
+def activation(x, name: str):
+    jagged_fn, dense_fn = ACTIVATIONS[name]
+    return jagged_fn(x) if is_jagged(x) else dense_fn(x)

@@ -1,0 +1,140 @@
+"""``varlen.nn.MultiheadAttention``: multi-head (and grouped-query) attention over jagged batches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .._checks import check_int
+from ..attention.api import _parse_window, attention
+from . import _layout
+
+
+def check_dropout(p) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {p!r}")
+    return float(p)
+
+
+class MultiheadAttention(nn.Module):
+    """Multi-head attention on jagged ``(B, j, E)`` (or dense ``(B, S, E)``) batches, without padding.
+
+    The parameters are those of ``torch.nn.MultiheadAttention`` (``in_proj_weight``, ``in_proj_bias``,
+    ``out_proj``), so its ``state_dict`` loads here (and the reverse) when ``num_kv_heads`` is
+    ``num_heads``. With fewer key/value heads (GQA/MQA), ``in_proj_weight`` is
+    ``(E + 2 * num_kv_heads * E / num_heads, E)``: the q, k and v rows one after another.
+
+    Args:
+        embed_dim: E, the features of a token; a multiple of ``num_heads``.
+        num_heads: H, query heads.
+        num_kv_heads: key/value heads; ``num_heads`` (default) or a divisor of it.
+        bias: learn biases in the input and output projections.
+        dropout: probability of dropping an attention weight, in training mode only.
+        causal, window: masks, as in :func:`varlen.attention` (positions count within each sequence).
+        device, dtype: of the parameters.
+
+    Differences from ``torch.nn.MultiheadAttention``: inputs are batch-first and may be jagged (no
+    ``key_padding_mask``: sequences simply have their own lengths); no ``attn_mask`` but ``causal``,
+    ``window`` and ``attn_bias``; ``forward`` returns the output alone (no attention weights).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, bias: bool = True,
+                 dropout: float = 0.0, causal: bool = False, window: tuple[int | None, int | None] | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        check_int("embed_dim", embed_dim, minimum=1)
+        check_int("num_heads", num_heads, minimum=1)
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim: {embed_dim} is not a multiple of num_heads = {num_heads}")
+        num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, minimum=1)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads: {num_kv_heads} does not divide num_heads = {num_heads}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias: expected a bool, got {type(bias).__name__}")
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+        _parse_window(window)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.kv_dim = num_kv_heads * self.head_dim
+        self.dropout = check_dropout(dropout)
+        self.causal, self.window = causal, window
+        factory = dict(device=device, dtype=dtype)
+        self.in_proj_weight = nn.Parameter(torch.empty(embed_dim + 2 * self.kv_dim, embed_dim, **factory))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * self.kv_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torch.nn.MultiheadAttention's initialization: Xavier-uniform input projection, zero biases."""
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        self.out_proj.reset_parameters()
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, query, key=None, value=None, *, attn_bias: torch.Tensor | None = None):
+        """Attention of ``query`` over ``key``/``value``; self-attention when both are None.
+
+        Args:
+            query: jagged ``(B, j, E)`` or dense ``(B, Sq, E)``.
+            key: None (self-attention, one fused q/k/v projection), or the same layout with query's batch
+                size (jagged lengths may differ from query's).
+            value: None (``value = key``; k and v are then projected together), or like ``key`` (jagged:
+                with key's lengths).
+            attn_bias: additive (float) or keep (bool) bias broadcastable to ``(B, H, Sq, Sk)`` (jagged:
+                ``(B, H, max_q, max_k)``), as ``varlen.attention``'s ``bias``.
+
+        Returns ``(B, j, E)`` jagged with query's offsets (dense input: ``(B, Sq, E)``).
+
+        Raises TypeError for a non-tensor input, mixed layouts or a dtype other than the parameters';
+        ValueError for shapes (the last dim must be ``embed_dim``); ``varlen.attention``'s errors for
+        the rest (batch sizes, ``attn_bias``).
+        """
+        dtype = self.in_proj_weight.dtype
+        query = _layout.as_input(query, "query", self.embed_dim, dtype)
+        if key is None and value is not None:
+            raise ValueError("key: is None but value is given; pass key too (value=None means value = key)")
+        E, kv = self.embed_dim, self.kv_dim
+        if key is None:
+            qkv = self._project(query, 0, E + 2 * kv)
+            q, k, v = (self._heads(qkv, lo, hi) for lo, hi in ((0, E), (E, E + kv), (E + kv, E + 2 * kv)))
+        else:
+            key = _layout.as_input(key, "key", E, dtype)
+            if _layout.is_jagged(key) != _layout.is_jagged(query):
+                raise TypeError("key: its layout (jagged or dense) differs from query's; pass both jagged or "
+                                "both dense")
+            q = self._heads(self._project(query, 0, E), 0, E)
+            if value is None or value is key:
+                kv_rows = self._project(key, E, E + 2 * kv)
+                k, v = self._heads(kv_rows, 0, kv), self._heads(kv_rows, kv, 2 * kv)
+            else:
+                value = _layout.as_input(value, "value", E, dtype)
+                if _layout.is_jagged(value) != _layout.is_jagged(key):
+                    raise TypeError("value: its layout (jagged or dense) differs from key's")
+                k = self._heads(self._project(key, E, E + kv), 0, kv)
+                v = self._heads(self._project(value, E + kv, E + 2 * kv), 0, kv)
+        out = attention(q, k, v, causal=self.causal, window=self.window, bias=attn_bias,
+                        dropout_p=self.dropout if self.training else 0.0)
+        out = _layout.rowwise(out, lambda rows: rows.flatten(-2))
+        return _layout.linear(out, self.out_proj)
+
+    def _project(self, x, lo: int, hi: int):
+        """Rows ``[lo, hi)`` of the input projection applied to x's tokens (one product)."""
+        w = self.in_proj_weight[lo:hi]
+        b = None if self.in_proj_bias is None else self.in_proj_bias[lo:hi]
+        return ops.linear(x, w, b) if _layout.is_jagged(x) else F.linear(x, w, b)
+
+    def _heads(self, x, lo: int, hi: int):
+        """Features ``[lo, hi)`` of projected tokens as ``(..., heads, head_dim)``: a view, no copy."""
+        return _layout.rowwise(x, lambda rows: rows[..., lo:hi].unflatten(-1, (-1, self.head_dim)))
+
+    def extra_repr(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"dropout={self.dropout}, causal={self.causal}{window}, bias={self.in_proj_bias is not None}")

@@ -1,0 +1,254 @@
+"""varlen.nn modules against torch.nn's on padded batches with key padding masks (copied weights)."""
+
+import pytest
+import torch
+
+import varlen
+from conftest import DEVICE
+from utils import REL_TOL, assert_close, random_jagged
+from varlen.nn import MultiheadAttention, TransformerEncoderLayer
+
+E, H = 16, 4
+LENGTHS = [3, 1, 17, 6]  # batch of 4 with lengths 1 and 17; length 0 has its own test
+DTYPES = [torch.float64, torch.float32]
+
+
+def _padding_mask(x: varlen.JaggedTensor) -> torch.Tensor:
+    """torch's key_padding_mask: True at padding."""
+    return torch.arange(x.max_len, device=x.device)[None, :] >= x.lengths[:, None]
+
+
+def _valid(padded: torch.Tensor, like: varlen.JaggedTensor) -> torch.Tensor:
+    """The rows of a padded output at real positions, as jagged values."""
+    return varlen.JaggedTensor.from_padded(padded, like.lengths.cpu()).values
+
+
+def _tol(dtype):
+    # Outputs and gradients go through several layers of float32 (tf32 matmuls on the GPU).
+    return REL_TOL[dtype] * (1 if dtype == torch.float64 else 10)
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+# ----------------------------------------------------------------------------- MultiheadAttention
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_mha_matches_torch_self_attention(dtype, causal, bias):
+    ours = MultiheadAttention(E, H, bias=bias, causal=causal, device=DEVICE, dtype=dtype)
+    theirs = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    x = random_jagged(LENGTHS, (E,), dtype=dtype, requires_grad=True)
+    padded = x.to_padded()
+    mask = None
+    if causal:
+        mask = torch.ones(x.max_len, x.max_len, dtype=torch.bool, device=DEVICE).triu(1)
+    ref, _ = theirs(padded, padded, padded, key_padding_mask=_padding_mask(x), attn_mask=mask, need_weights=False)
+    out = ours(x)
+    assert isinstance(out, varlen.JaggedTensor) and out.offsets is x.offsets
+    ref = _valid(ref, x)
+    assert_close(out.values, ref, tol=_tol(dtype))
+
+    g = torch.randn_like(ref)
+    params = [ours.in_proj_weight, ours.out_proj.weight] + ([ours.in_proj_bias] if bias else [])
+    their_params = [theirs.in_proj_weight, theirs.out_proj.weight] + ([theirs.in_proj_bias] if bias else [])
+    got = _grads((out.values * g).sum(), [x.values, *params])
+    want = _grads((ref * g).sum(), [x.values, *their_params])
+    for name, a, b in zip(["x", "in_proj_weight", "out_proj.weight", "in_proj_bias"], got, want, strict=False):
+        assert_close(a, b, tol=_tol(dtype), name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mha_cross_attention_matches_torch(dtype):
+    ours = MultiheadAttention(E, H, device=DEVICE, dtype=dtype)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    q = random_jagged(LENGTHS, (E,), dtype=dtype)
+    k = random_jagged([5, 2, 1, 9], (E,), dtype=dtype)
+    v = k.with_values(torch.randn_like(k.values))
+    ref, _ = theirs(q.to_padded(), k.to_padded(), v.to_padded(), key_padding_mask=_padding_mask(k),
+                    need_weights=False)
+    assert_close(ours(q, k, v).values, _valid(ref, q), tol=_tol(dtype))
+    # value=None means value = key: one fused k/v projection.
+    ref_kk, _ = theirs(q.to_padded(), k.to_padded(), k.to_padded(), key_padding_mask=_padding_mask(k),
+                       need_weights=False)
+    assert_close(ours(q, k).values, _valid(ref_kk, q), tol=_tol(dtype))
+
+
+def test_mha_grouped_query_heads_match_repeated_kv_heads():
+    """GQA: 2 kv heads for 4 query heads equals MHA whose k/v projections repeat each kv head twice."""
+    dtype, kv_heads, dh = torch.float64, 2, E // H
+    ours = MultiheadAttention(E, H, num_kv_heads=kv_heads, device=DEVICE, dtype=dtype)
+    assert ours.in_proj_weight.shape == (E + 2 * kv_heads * dh, E)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True, device=DEVICE, dtype=dtype)
+
+    def repeat(rows):  # (kv_heads * dh, ...) -> (H * dh, ...): query head h reads kv head h // group
+        return rows.unflatten(0, (kv_heads, dh)).repeat_interleave(H // kv_heads, 0).flatten(0, 1)
+
+    with torch.no_grad():
+        w, b = ours.in_proj_weight, ours.in_proj_bias
+        k_rows, v_rows = slice(E, E + kv_heads * dh), slice(E + kv_heads * dh, None)
+        theirs.in_proj_weight.copy_(torch.cat([w[:E], repeat(w[k_rows]), repeat(w[v_rows])]))
+        theirs.in_proj_bias.copy_(torch.cat([b[:E], repeat(b[k_rows]), repeat(b[v_rows])]))
+        theirs.out_proj.load_state_dict(ours.out_proj.state_dict())
+    x = random_jagged(LENGTHS, (E,), dtype=dtype)
+    padded = x.to_padded()
+    ref, _ = theirs(padded, padded, padded, key_padding_mask=_padding_mask(x), need_weights=False)
+    assert_close(ours(x).values, _valid(ref, x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mha_dense_input_and_bias_as_padding_mask(dtype):
+    """Dense (B, S, E) input; a bool attn_bias (B, 1, 1, S) plays torch's key_padding_mask."""
+    ours = MultiheadAttention(E, H, device=DEVICE, dtype=dtype)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(3, 7, E, dtype=dtype, device=DEVICE)
+    pad = torch.zeros(3, 7, dtype=torch.bool, device=DEVICE)
+    pad[1, 4:] = True
+    ref, _ = theirs(x, x, x, key_padding_mask=pad, need_weights=False)
+    out = ours(x, attn_bias=~pad[:, None, None, :])
+    assert isinstance(out, torch.Tensor) and out.shape == x.shape
+    assert_close(out, ref, tol=_tol(dtype))
+
+
+def test_mha_empty_sequence_gives_no_rows_and_finite_gradients():
+    ours = MultiheadAttention(E, H, device=DEVICE, dtype=torch.float64)
+    x = random_jagged([0, 4, 0, 2], (E,), dtype=torch.float64, requires_grad=True)
+    out = ours(x)
+    assert out.values.shape == (6, E) and torch.isfinite(out.values).all()
+    out.values.sum().backward()
+    assert torch.isfinite(x.values.grad).all() and torch.isfinite(ours.in_proj_weight.grad).all()
+
+
+def test_mha_dropout_only_in_training():
+    ours = MultiheadAttention(E, H, dropout=0.5, device=DEVICE, dtype=torch.float64)
+    plain = MultiheadAttention(E, H, device=DEVICE, dtype=torch.float64)
+    plain.load_state_dict(ours.state_dict())
+    x = random_jagged(LENGTHS, (E,), dtype=torch.float64)
+    ours.eval()
+    evaluated = ours(x).values
+    assert torch.equal(evaluated, ours(x).values)
+    assert_close(evaluated, plain(x).values)
+    ours.train()
+    first, second = ours(x).values, ours(x).values
+    assert not torch.allclose(first, evaluated) and not torch.allclose(first, second)
+    plain.train()  # dropout 0: training changes nothing
+    assert_close(plain(x).values, evaluated)
+
+
+# ------------------------------------------------------------------------- TransformerEncoderLayer
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_encoder_layer_matches_torch(dtype, norm_first, activation):
+    kwargs = dict(dim_feedforward=24, dropout=0.1, activation=activation, norm_first=norm_first, device=DEVICE,
+                  dtype=dtype)
+    ours = TransformerEncoderLayer(E, H, **kwargs)
+    theirs = torch.nn.TransformerEncoderLayer(E, H, batch_first=True, **kwargs)
+    theirs.load_state_dict(ours.state_dict())
+    ours.eval()
+    theirs.eval()
+    x = random_jagged(LENGTHS, (E,), dtype=dtype, requires_grad=True)
+    ref = _valid(theirs(x.to_padded(), src_key_padding_mask=_padding_mask(x)), x)
+    out = ours(x)
+    assert isinstance(out, varlen.JaggedTensor) and out.offsets is x.offsets
+    assert_close(out.values, ref, tol=_tol(dtype))
+
+    g = torch.randn_like(ref)
+    names = [n for n, _ in ours.named_parameters()]
+    assert names == [n for n, _ in theirs.named_parameters()]
+    got = _grads((out.values * g).sum(), [x.values, *ours.parameters()])
+    want = _grads((ref * g).sum(), [x.values, *theirs.parameters()])
+    for name, a, b in zip(["x", *names], got, want, strict=True):
+        assert_close(a, b, tol=_tol(dtype), name=name)
+
+
+def test_encoder_layer_causal_matches_torch_with_causal_mask():
+    dtype = torch.float64
+    ours = TransformerEncoderLayer(E, H, 24, dropout=0.0, causal=True, device=DEVICE, dtype=dtype)
+    theirs = torch.nn.TransformerEncoderLayer(E, H, 24, dropout=0.0, batch_first=True, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    x = random_jagged(LENGTHS, (E,), dtype=dtype)
+    causal = torch.ones(x.max_len, x.max_len, dtype=torch.bool, device=DEVICE).triu(1)
+    ref = theirs(x.to_padded(), src_mask=causal, src_key_padding_mask=_padding_mask(x), is_causal=True)
+    assert_close(ours(x).values, _valid(ref, x))
+
+
+def test_encoder_layer_dense_input_matches_torch():
+    dtype = torch.float64
+    ours = TransformerEncoderLayer(E, H, 24, dropout=0.0, device=DEVICE, dtype=dtype)
+    theirs = torch.nn.TransformerEncoderLayer(E, H, 24, dropout=0.0, batch_first=True, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 5, E, dtype=dtype, device=DEVICE)
+    assert_close(ours(x), theirs(x))
+
+
+def test_encoder_layer_dropout_only_in_training():
+    layer = TransformerEncoderLayer(E, H, 24, dropout=0.3, device=DEVICE, dtype=torch.float64)
+    x = random_jagged(LENGTHS, (E,), dtype=torch.float64)
+    layer.eval()
+    evaluated = layer(x).values
+    assert torch.equal(evaluated, layer(x).values)
+    layer.train()
+    first, second = layer(x).values, layer(x).values
+    assert not torch.allclose(first, evaluated) and not torch.allclose(first, second)
+    for module in (layer.self_attn, layer.dropout, layer.dropout1, layer.dropout2):
+        assert getattr(module, "p", getattr(module, "dropout", None)) == 0.3
+
+
+# ------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(embed_dim=10, num_heads=4), ValueError, "embed_dim: 10 is not a multiple of num_heads"),
+    (dict(embed_dim=16, num_heads=0), ValueError, "num_heads: got 0"),
+    (dict(embed_dim=16.0, num_heads=4), TypeError, "embed_dim: expected an int"),
+    (dict(embed_dim=16, num_heads=4, num_kv_heads=3), ValueError, "num_kv_heads: 3 does not divide"),
+    (dict(embed_dim=16, num_heads=4, dropout=1.0), ValueError, r"dropout: expected a probability in \[0, 1\)"),
+    (dict(embed_dim=16, num_heads=4, causal=1), TypeError, "causal: expected a bool"),
+    (dict(embed_dim=16, num_heads=4, window=(2,)), ValueError, "window: expected None or"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_mha_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MultiheadAttention(**kwargs)
+
+
+def test_mha_bad_inputs():
+    mha = MultiheadAttention(E, H, device=DEVICE)
+    x = random_jagged([2, 3], (E,))
+    with pytest.raises(TypeError, match="query: expected a varlen.JaggedTensor"):
+        mha([x.values])
+    with pytest.raises(ValueError, match=r"query: expected a jagged \(B, j, E\) tensor with E = 16, got shape"):
+        mha(random_jagged([2, 3], (8,)))
+    with pytest.raises(ValueError, match=r"query: expected a dense \(B, S, E\) tensor with E = 16"):
+        mha(torch.randn(3, E, device=DEVICE))
+    with pytest.raises(TypeError, match="query: dtype torch.float64 differs from the module's parameters'"):
+        mha(random_jagged([2, 3], (E,), dtype=torch.float64))
+    with pytest.raises(TypeError, match="key: its layout"):
+        mha(x, torch.randn(2, 3, E, device=DEVICE))
+    with pytest.raises(ValueError, match="key: is None but value is given"):
+        mha(x, None, x)
+    with pytest.raises(ValueError, match="k: batch size 3 differs from q's 2"):
+        mha(x, random_jagged([1, 1, 1], (E,)))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(activation="tanh"), ValueError, "activation: got 'tanh'; allowed: 'relu', 'gelu'"),
+    (dict(activation=torch.relu), TypeError, "activation: expected a name"),
+    (dict(dim_feedforward=0), ValueError, "dim_feedforward: got 0"),
+    (dict(dropout=-0.1), ValueError, "dropout: expected a probability"),
+    (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps: expected a real number >= 0"),
+    (dict(norm_first="yes"), TypeError, "norm_first: expected a bool"),
+    (dict(nhead=5), ValueError, "embed_dim: 16 is not a multiple of num_heads = 5"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_encoder_layer_bad_arguments(kwargs, error, match):
+    kwargs = {"d_model": E, "nhead": H, **kwargs}
+    with pytest.raises(error, match=match):
+        TransformerEncoderLayer(**kwargs)
+
+
+def test_encoder_layer_bad_input():
+    layer = TransformerEncoderLayer(E, H, 24, device=DEVICE)
+    with pytest.raises(ValueError, match=r"src: expected a jagged \(B, j, E\) tensor with E = 16"):
+        layer(random_jagged([2, 3], (E, 2)))
