@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import DQ_SEPARATE, DQ_TMA
-from .launch import broadcast_strides, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from .launch import broadcast_strides, cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
 from .masks import key_stages, query_stages, seq_bounds
 from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc
@@ -323,6 +323,9 @@ def _bwd_q_kernel(
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if HAS_R:
+        # Under a causal-like mask later query blocks see more keys: start them first.
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
@@ -498,7 +501,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     pre_block = 64
-    _bwd_preprocess[(triton.cdiv(problem.max_q, pre_block), H, B)](
+    _bwd_preprocess[(cdiv(problem.max_q, pre_block), H, B)](
         out, dout, dlse if dlse is not None else lse, lse, delta, lse2, cu_q,
         *row_strides(out, dense), *row_strides(dout, dense), *l_strides, problem.max_q, DV,
         VARLEN=not dense, HAS_DLSE=dlse is not None, BLOCK_M=pre_block, BLOCK_DV=BDV,
@@ -543,7 +546,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                                        block_shape=[kv.block_m, BD])
         else:
             dq_desc = dq_acc
-    _bwd_kv_kernel[(triton.cdiv(problem.max_k, kv.block_n), Hkv, B)](
+    _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
         q, k, v, dout, dq_acc, dq_desc, dk, dv, lse2, delta, cu_q, cu_k,
         *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
         *dq_strides, *row_strides(dk, dense), *row_strides(dv, dense), *l_strides, *features,
@@ -556,7 +559,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         dbias = dbias_buf.to(bias.dtype)
     if config.dq_mode == DQ_SEPARATE:
         qc = config.q
-        _bwd_q_kernel[(triton.cdiv(problem.max_q, qc.block_m), H, B)](
+        _bwd_q_kernel[(cdiv(problem.max_q, qc.block_m), H, B)](
             q, k, v, dout, dq, lse2, delta, cu_q, cu_k,
             *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
             *row_strides(dq, dense), *l_strides, *features,
@@ -575,8 +578,8 @@ def _launch_dbias(q, k, v, dout, lse2, delta, cu_q, cu_k, l_strides, features, f
                   problem, opts, tiles, shared):
     """The deterministic gradient of a broadcast bias (see ``_bwd_dbias_kernel``)."""
     dense, R = problem.dense, opts.visible_right()
-    n_q = 1 if bcast[2] else triton.cdiv(problem.max_q, tiles.block_m)
-    n_k = 1 if bcast[3] else triton.cdiv(problem.max_k, tiles.block_n)
+    n_q = 1 if bcast[2] else cdiv(problem.max_q, tiles.block_m)
+    n_k = 1 if bcast[3] else cdiv(problem.max_k, tiles.block_n)
     bias_heads = dbias.shape[1]
     flags = {name: value for name, value in flags.items() if name != "HAS_BIAS"}
     shared = {name: value for name, value in shared.items() if name != "TMA"}

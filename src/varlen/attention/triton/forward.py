@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from .launch import cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
 from .masks import key_stages, seq_bounds
 from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc
@@ -69,6 +69,9 @@ def _attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if HAS_R:
+        # Under a causal-like mask later query blocks see more keys: start them first.
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
@@ -150,7 +153,7 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None):
         cu_q, cu_k = problem.cu_q, problem.cu_k
     features, flags = feature_args(q, bias, alibi, opts, seed)
     R = opts.visible_right()
-    grid = (triton.cdiv(problem.max_q, config.block_m), H, B)
+    grid = (cdiv(problem.max_q, config.block_m), H, B)
     if 0 in grid:  # no query: nothing to write
         return out, lse
     _attn_fwd_kernel[grid](

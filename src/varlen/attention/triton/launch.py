@@ -10,9 +10,15 @@ from ..dropout import dropout_threshold
 from .scores import LOG2E
 
 
+# Plain Python on the launch path: triton.cdiv / next_power_of_2 are JIT-callable wrappers in recent Triton,
+# about 10 us per call on the host, which small attention calls feel.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def head_block(d: int) -> int:
     """The power-of-two tile width a head dim is padded to inside the kernels."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def dot_precision(dtype: torch.dtype) -> str:
