@@ -31,22 +31,29 @@ def do_bench(fn, grad_to_none=None):
 
 
 def time_fwd_bwd(fn, leaves, flops):
-    """(fwd TFLOP/s, bwd TFLOP/s, peak MiB above inputs) or an error string."""
+    """(fwd TFLOP/s, bwd TFLOP/s, peak MiB of one fwd+bwd step above what was allocated before it)."""
     try:
         out = fn()
         out = out.values if isinstance(out, varlen.JaggedTensor) else out
         grad = torch.randn_like(out)
-        fwd = do_bench(fn)
+        del out
 
         def fwd_bwd():
             o = fn()
             (o.values if isinstance(o, varlen.JaggedTensor) else o).backward(grad)
 
+        fwd = do_bench(fn)
+        total = do_bench(fwd_bwd, grad_to_none=leaves)
+        for t in leaves:
+            t.grad = None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        total = do_bench(fwd_bwd, grad_to_none=leaves)
+        fwd_bwd()
+        torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        for t in leaves:
+            t.grad = None
         return flops / fwd / 1e9, 2.5 * flops / (total - fwd) / 1e9, peak
     except Exception as exc:  # a peer without a kernel for this case
         return "n/a: " + str(exc).replace("\n", " ")[:90]
@@ -295,7 +302,9 @@ def write_table(rows, path):
 
     head = (f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
             f"{datetime.date.today()}. TFLOP/s forward / backward (bf16), medians of do_bench; "
-            "backward = (fwd+bwd) - fwd; FLOPs 4·B·H·Sq·Sk·D, halved when causal, backward 2.5x.\n")
+            "backward = (fwd+bwd) - fwd; FLOPs 4·B·H·Sq·Sk·D, halved when causal, backward 2.5x. "
+            "Peak memory: one forward+backward step, above what was allocated before it (inputs included "
+            "there; the bias gradient, where there is one, counts).\n")
     lines = [head]
     for suite in dict.fromkeys(r["suite"] for r in rows):
         srows = [r for r in rows if r["suite"] == suite]

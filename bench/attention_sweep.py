@@ -17,53 +17,86 @@ import multiprocessing as mp
 
 import torch
 
-from varlen.attention.options import AttentionOptions, Problem
+from varlen.attention.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attention.triton import configs
 from varlen.attention.triton.backward import launch_backward
 from varlen.attention.triton.forward import launch_forward
 
 K = configs.KernelConfig
+BC = configs.BackwardConfig
 FWD = [K(128, 64, 4, 3), K(128, 64, 8, 3), K(128, 128, 8, 3), K(128, 128, 8, 2), K(128, 64, 4, 4),
        K(64, 64, 4, 3), K(128, 128, 4, 3)]
 KV = [K(64, 128, 8, 2), K(64, 128, 8, 3), K(64, 64, 4, 2), K(64, 64, 4, 3), K(128, 64, 8, 2), K(32, 128, 8, 2),
       K(64, 128, 4, 2), K(128, 128, 8, 2)]
 QK = [K(64, 64, 4, 2), K(128, 64, 8, 2), K(64, 128, 4, 2), K(128, 128, 8, 2), K(64, 32, 4, 3), K(128, 64, 4, 2)]
+# Shared-memory-lean choices for calls with a bias or dropout.
+FWD_HEAVY = [K(128, 64, 8, 2), K(128, 64, 4, 2), K(64, 64, 4, 2), K(128, 64, 8, 3), K(64, 64, 4, 3)]
+BWD_HEAVY = [BC(K(64, 128, 8, 3, tma=False), None, configs.DQ_TMA),
+             BC(K(64, 128, 8, 2, tma=False), None, configs.DQ_TMA),
+             BC(K(64, 64, 4, 2), None, configs.DQ_TMA),
+             BC(K(64, 64, 4, 3), None, configs.DQ_TMA),
+             BC(K(64, 64, 4, 2), K(64, 64, 4, 2), configs.DQ_SEPARATE)]
 
 
-def shapes(quick):
-    for D, causal in itertools.product((64, 128), (False, True)):
-        yield dict(D=D, causal=causal, S=4096 if not quick else 1024, B=4, H=2048 // D)
+def shapes(args):
+    if args.focus == "all":
+        for D, causal in itertools.product((64, 128), (False, True)):
+            yield dict(D=D, causal=causal, S=4096 if not args.quick else 1024, B=4, H=2048 // D, feat=None)
+    elif args.focus == "tails":
+        yield dict(D=128, causal=True, S=4096, B=4, H=16, feat=None)
+        yield dict(D=64, causal=True, S=1024, B=16, H=32, feat=None)
+    else:  # heavy
+        for feat in ("bias", "bias1H", "dropout"):
+            yield dict(D=128, causal=False, S=2048, B=4, H=16, feat=feat)
 
 
-def variants(quick):
-    """(kind, shape, config, tma): TMA tile loads everywhere, plus the pointer path for reference."""
-    for sh in shapes(quick):
+def variants(args):
+    """(kind, shape, config, tma): TMA tile loads, plus the pointer path for reference."""
+    for sh in shapes(args):
+        if sh["feat"]:
+            for c in FWD_HEAVY:
+                yield ("fwd", sh, c, None)
+            for c in BWD_HEAVY:
+                yield ("bwd", sh, c, None)
+            continue
         for c in FWD:
             yield ("fwd", sh, c, True)
         yield ("fwd", sh, K(128, 128, 8, 3), False)
         for c in KV:
-            yield ("bwd", sh, configs.BackwardConfig(c, None, configs.DQ_TMA), True)
-        yield ("bwd", sh, configs.BackwardConfig(K(64, 128, 8, 3), None, configs.DQ_TMA), False)
+            yield ("bwd", sh, BC(c, None, configs.DQ_TMA), True)
+            yield ("bwd", sh, BC(c, None, configs.DQ_TMA), False)
         for kv, q in itertools.product(KV[:5], QK):
-            yield ("bwd", sh, configs.BackwardConfig(kv, q, configs.DQ_SEPARATE), True)
+            yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), True)
 
 
 def make(sh):
     B, S, H, D = sh["B"], sh["S"], sh["H"], sh["D"]
     q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    opts = AttentionOptions(scale=D ** -0.5, causal=sh["causal"])
+    bias = seed = None
+    if sh["feat"] == "bias":
+        bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16)
+    elif sh["feat"] == "bias1H":
+        bias = torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16)
+    elif sh["feat"] == "dropout":
+        seed = DropoutSeed(1234, 0)
+    opts = AttentionOptions(scale=D ** -0.5, causal=sh["causal"], dropout_p=0.1 if seed else 0.0)
     prob = Problem(B, H, H, D, D, S, S, True)
-    return q, k, v, do, opts, prob
+    return q, k, v, do, bias, seed, opts, prob
 
 
 def run(variant, timing=False):
     kind, sh, cfg, tma = variant
-    q, k, v, do, opts, prob = make(sh)
+    q, k, v, do, bias, seed, opts, prob = make(sh)
     try:
-        fwd_cfg = cfg if kind == "fwd" else configs.KernelConfig(128, 64, 4, 3)
-        out, lse = launch_forward(q, k, v, None, None, prob, opts, None, fwd_cfg)
-        fn = (lambda: launch_forward(q, k, v, None, None, prob, opts, None, cfg, tma=tma)) if kind == "fwd" else (
-            lambda: launch_backward(do, None, q, k, v, out, lse, None, None, prob, opts, None, cfg, False, tma=tma))
+        fwd_cfg = cfg if kind == "fwd" else configs.KernelConfig(64, 64, 4, 2)
+        out, lse = launch_forward(q, k, v, bias, None, prob, opts, seed, fwd_cfg)
+        if kind == "fwd":
+            def fn():
+                return launch_forward(q, k, v, bias, None, prob, opts, seed, cfg, tma=tma)
+        else:
+            def fn():
+                return launch_backward(do, None, q, k, v, out, lse, bias, None, prob, opts, seed, cfg,
+                                       bias is not None, tma=tma)
         fn()
         torch.cuda.synchronize()
         if not timing:
@@ -81,17 +114,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy"])
     a = ap.parse_args()
-    vs = list(variants(a.quick))
+    vs = list(variants(a))
     with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(run, vs))
     best = {}
     for v in vs:
         r = run(v, timing=True)
         kind, sh, cfg, tma = v
-        print(json.dumps(dict(kind=kind, D=sh["D"], causal=sh["causal"], tma=tma, cfg=str(cfg),
+        print(json.dumps(dict(kind=kind, D=sh["D"], S=sh["S"], causal=sh["causal"], feat=sh["feat"], tma=tma,
+                              cfg=str(cfg),
                               tflops=r if isinstance(r, str) else round(r))), flush=True)
-        key = (kind, sh["D"], sh["causal"], getattr(cfg, "dq_mode", None), tma)
+        key = (kind, sh["D"], sh["S"], sh["causal"], sh["feat"], getattr(cfg, "dq_mode", None), tma)
         if not isinstance(r, str) and r > best.get(key, (0,))[0]:
             best[key] = (round(r), str(cfg))
     for key, val in sorted(best.items(), key=str):

@@ -32,7 +32,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, alibi, problem, opts, seed):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    config = configs.forward_config(problem, q.dtype, heavy=bias is not None or seed is not None)
+    config = configs.forward_config(problem, q.dtype, bias=bias is not None, dropout=seed is not None)
     return launch_forward(q, k, v, bias, alibi, problem, opts, seed, config)
 
 
@@ -41,6 +41,6 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, ne
     if dlse is not None:
         dlse = dlse.contiguous()
     config = configs.backward_config(problem, q.dtype, opts.masked, opts.deterministic, q.device,
-                                     heavy=bias is not None or seed is not None)
+                                     bias=bias is not None, dropout=seed is not None)
     return launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config,
                            need_dbias=bias is not None and needs_grad[3])

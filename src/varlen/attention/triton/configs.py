@@ -51,41 +51,61 @@ _BACKWARD = {
 }
 _FLOAT32 = K(32, 64, 4, 1)
 # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared
-# memory) the largest tiles above overflow the 227 KiB of shared memory of sm_90: smaller ones then.
-_FORWARD_HEAVY = {64: K(128, 64, 4, 2), 128: K(128, 64, 8, 2), 256: K(64, 32, 4, 2)}
+# memory) the largest tiles above overflow the 227 KiB of shared memory of sm_90. Measured at B4 S2048 H16
+# D128 (bench/attention_sweep.py --focus heavy): a bias runs best with 128x64 forward tiles and a separate
+# dQ kernel (222 TFLOP/s backward vs 156 with in-kernel dQ), dropout with 64x64 forward tiles and in-kernel
+# dQ (237 vs 197: the Philox bits are then drawn once per tile, not twice).
+_FORWARD_BIAS = {64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)}
+_FORWARD_DROPOUT = {64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)}
+_BACKWARD_BIAS = {64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
+                  128: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE)}
+_BACKWARD_DROPOUT = {128: (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA)}
+# dQ-kernel tiles that fit next to a bias or dropout (deterministic mode, other head dims).
 _Q_HEAVY = {64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(32, 64, 8, 1)}
+# Short causal sequences at D<=64 (B16 S1024 H32: 218 vs 197 TFLOP/s backward).
+_BACKWARD_SHORT_CAUSAL_64 = (K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA)
+SHORT = 2048
 
 
 def _bound(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def forward_config(problem, dtype: torch.dtype, heavy: bool = False) -> KernelConfig:
-    """``heavy``: the call has a bias or dropout (more shared memory per tile)."""
+def forward_config(problem, dtype: torch.dtype, bias: bool = False, dropout: bool = False) -> KernelConfig:
     if interpreter_enabled():
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return K(64, 32, 4, 2)
-    return (_FORWARD_HEAVY if heavy else _FORWARD)[_bound(max(problem.head_dim, problem.head_dim_v))]
+    bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    if dropout:
+        return _FORWARD_DROPOUT[bound]
+    if bias:
+        return _FORWARD_BIAS[bound]
+    return _FORWARD[bound]
 
 
 def _tma_reduce_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def backward_config(problem, dtype: torch.dtype, causal: bool, deterministic: bool,
-                    device: torch.device, heavy: bool = False) -> BackwardConfig:
-    """``causal``: any mask (causal or window); ``heavy``: the call has a bias or dropout."""
+def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bool, device: torch.device,
+                    bias: bool = False, dropout: bool = False) -> BackwardConfig:
+    """``masked``: causal or a window."""
     if interpreter_enabled():
         mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
+    bound = _bound(max(problem.head_dim, problem.head_dim_v))
     if dtype == torch.float32:
-        kv = q = _FLOAT32
-        mode = DQ_TMA
+        kv, q, mode = _FLOAT32, _FLOAT32, DQ_TMA
+    elif bias and bound in _BACKWARD_BIAS:
+        kv, q, mode = _BACKWARD_BIAS[bound]
+    elif dropout and bound in _BACKWARD_DROPOUT:
+        kv, q, mode = _BACKWARD_DROPOUT[bound]
+    elif bound == 64 and masked and problem.max_k <= SHORT:
+        kv, q, mode = _BACKWARD_SHORT_CAUSAL_64
     else:
-        bound = _bound(max(problem.head_dim, problem.head_dim_v))
-        kv, q, mode = _BACKWARD[(bound, causal)]
-        if heavy:
+        kv, q, mode = _BACKWARD[(bound, masked)]
+        if bias or dropout:
             q = _Q_HEAVY[bound]
     if deterministic:
         mode = DQ_SEPARATE
