@@ -87,6 +87,10 @@ def flex():
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # One compiled graph per shape; past dynamo's default limit of 8 recompiles, Flex would silently
+        # fall back to its unfused eager path (seen: 8 TFLOP/s and 20-100 GB) in the later suites.
+        torch._dynamo.config.cache_size_limit = 256
+        torch._dynamo.config.accumulated_cache_size_limit = 4096
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 

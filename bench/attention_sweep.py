@@ -45,6 +45,9 @@ def shapes(args):
     elif args.focus == "tails":
         yield dict(D=128, causal=True, S=4096, B=4, H=16, feat=None)
         yield dict(D=64, causal=True, S=1024, B=16, H=32, feat=None)
+    elif args.focus == "gqa_window":
+        yield dict(D=128, causal=True, S=4096, B=2, H=32, Hkv=8, feat=None)
+        yield dict(D=128, causal=True, S=16384, B=1, H=16, window=1023, feat=None)
     else:  # heavy
         for feat in ("bias", "bias1H", "dropout"):
             yield dict(D=128, causal=False, S=2048, B=4, H=16, feat=feat)
@@ -53,6 +56,13 @@ def shapes(args):
 def variants(args):
     """(kind, shape, config, tma): TMA tile loads, plus the pointer path for reference."""
     for sh in shapes(args):
+        if "Hkv" in sh or "window" in sh:
+            for c in (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), K(64, 64, 4, 2, tma=False), K(64, 64, 4, 3),
+                      K(32, 128, 8, 2, tma=False), K(64, 128, 8, 2, tma=False)):
+                yield ("bwd", sh, BC(c, None, configs.DQ_TMA), None)
+            for kv, q in ((K(64, 64, 4, 2), K(64, 64, 4, 2)), (K(64, 128, 8, 3), K(64, 64, 4, 2))):
+                yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), None)
+            continue
         if sh["feat"]:
             for c in FWD_HEAVY:
                 yield ("fwd", sh, c, None)
@@ -70,8 +80,9 @@ def variants(args):
 
 
 def make(sh):
-    B, S, H, D = sh["B"], sh["S"], sh["H"], sh["D"]
-    q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    B, S, H, D, Hkv = sh["B"], sh["S"], sh["H"], sh["D"], sh.get("Hkv", sh["H"])
+    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     bias = seed = None
     if sh["feat"] == "bias":
         bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16)
@@ -79,8 +90,9 @@ def make(sh):
         bias = torch.randn(1, H, S, S, device="cuda", dtype=torch.bfloat16)
     elif sh["feat"] == "dropout":
         seed = DropoutSeed(1234, 0)
-    opts = AttentionOptions(scale=D ** -0.5, causal=sh["causal"], dropout_p=0.1 if seed else 0.0)
-    prob = Problem(B, H, H, D, D, S, S, True)
+    opts = AttentionOptions(scale=D ** -0.5, causal=sh["causal"], window_left=sh.get("window", -1),
+                            dropout_p=0.1 if seed else 0.0)
+    prob = Problem(B, H, Hkv, D, D, S, S, True)
     return q, k, v, do, bias, seed, opts, prob
 
 
@@ -104,7 +116,11 @@ def run(variant, timing=False):
         from triton.testing import do_bench
 
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
-        flops = 4 * sh["B"] * sh["H"] * sh["S"] ** 2 * sh["D"] * (0.5 if sh["causal"] else 1)
+        if "window" in sh:
+            W = sh["window"] + 1
+            flops = 4 * sh["B"] * sh["H"] * sh["D"] * sum(min(i + 1, W) for i in range(sh["S"]))
+        else:
+            flops = 4 * sh["B"] * sh["H"] * sh["S"] ** 2 * sh["D"] * (0.5 if sh["causal"] else 1)
         return flops * (1 if kind == "fwd" else 2.5) / ms / 1e9
     except Exception as exc:
         return "err " + str(exc).splitlines()[0][:80]
@@ -114,7 +130,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy"])
+    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window"])
     a = ap.parse_args()
     vs = list(variants(a))
     with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
@@ -126,7 +142,7 @@ def main():
         print(json.dumps(dict(kind=kind, D=sh["D"], S=sh["S"], causal=sh["causal"], feat=sh["feat"], tma=tma,
                               cfg=str(cfg),
                               tflops=r if isinstance(r, str) else round(r))), flush=True)
-        key = (kind, sh["D"], sh["S"], sh["causal"], sh["feat"], getattr(cfg, "dq_mode", None), tma)
+        key = (kind, sh["D"], sh["S"], sh.get("Hkv"), sh["causal"], sh["feat"], getattr(cfg, "dq_mode", None), tma)
         if not isinstance(r, str) and r > best.get(key, (0,))[0]:
             best[key] = (round(r), str(cfg))
     for key, val in sorted(best.items(), key=str):

@@ -89,6 +89,18 @@ def chunk_rows_for(max_len: int, programs_per_chunk: int, block_t: int, device: 
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit
+def tile_coords(pid, n_row_tiles, n_col_tiles, offsets):
+    """Program ``pid`` of a (sequence, row tile, column tile) grid, column tiles fastest: the sequence
+    b, the row and column tiles, and the sequence's first row and length (int64)."""
+    col_tile = pid % n_col_tiles
+    b = pid // n_col_tiles // n_row_tiles
+    row_tile = pid // n_col_tiles % n_row_tiles
+    start = tl.load(offsets + b).to(tl.int64)
+    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    return b, row_tile, col_tile, start, length
+
+
+@triton.jit
 def chunk_coords(pid, n_chunks, n_col_tiles, offsets, chunk_rows):
     """Program ``pid`` of a (sequence, chunk, column tile) grid, column tiles fastest.
 
@@ -110,12 +122,7 @@ def _jagged_to_padded_kernel(values, offsets, pad, out, width, n_cols, n_row_til
                              stride_vr, stride_vc, stride_ob, stride_or,
                              BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # One program per (sequence, block of padded rows, block of columns); every padded row is written.
-    pid = tl.program_id(0)
-    col_tile = pid % n_col_tiles
-    b = pid // n_col_tiles // n_row_tiles
-    row_tile = pid // n_col_tiles % n_row_tiles
-    start = tl.load(offsets + b).to(tl.int64)
-    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets)
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = (cols < n_cols)[None, :]
@@ -132,12 +139,7 @@ def _padded_to_jagged_kernel(padded, offsets, out, n_cols, n_row_tiles, n_col_ti
                              BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # One program per (sequence, block of rows up to max_len, block of columns); blocks past the
     # sequence's end have nothing to copy and return at once.
-    pid = tl.program_id(0)
-    col_tile = pid % n_col_tiles
-    b = pid // n_col_tiles // n_row_tiles
-    row_tile = pid // n_col_tiles % n_row_tiles
-    start = tl.load(offsets + b).to(tl.int64)
-    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets)
     if row_tile * BLOCK_T >= length:
         return
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)

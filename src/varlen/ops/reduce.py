@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import _backend
 from .._checks import FLOAT_DTYPES, check_dtype, check_int, normalize_dim
 from ..jagged import JaggedTensor, as_jagged, segment_ids
-from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles
+from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -49,12 +49,7 @@ def _broadcast_rows_kernel(g, offsets, out, n_cols, n_row_tiles, n_col_tiles, st
                            MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_F: tl.constexpr):
     # out[row] = g[b] (/ L_b for mean) for every row of sequence b; blocks past the end return.
-    pid = tl.program_id(0)
-    col_tile = pid % n_col_tiles
-    b = pid // n_col_tiles // n_row_tiles
-    row_tile = pid // n_col_tiles % n_row_tiles
-    start = tl.load(offsets + b).to(tl.int64)
-    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets)
     if row_tile * BLOCK_T >= length:
         return
     rows = (row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]

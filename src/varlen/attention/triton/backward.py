@@ -201,7 +201,8 @@ def _bwd_kv_kernel(
                   offs_dv, DV, BLOCK_DV, True, TMA)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    t_lo, u_lo, u_hi, t_hi = query_stages(n0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
+    # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
+    bounds = query_stages(n0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
     q_base = b64 * stride_qb + q_start.to(tl.int64) * stride_qs
     g_base = b64 * stride_gb + q_start.to(tl.int64) * stride_gs
     dq_base = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
@@ -222,30 +223,15 @@ def _bwd_kv_kernel(
         if HAS_ALIBI:
             slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
         bh = b * H + h
-        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0,
-                               Lse2_head, Delta_head, stride_qs, stride_gs, stride_dqs, t_lo, u_lo,
-                               n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale, bias_bh, stride_bq, stride_bk,
-                               slope2, softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale, bh,
-                               dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, True, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               DBIAS_MODE, BIAS_BQ, BIAS_BK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               DQ_MODE, DOT_PRECISION, TMA)
-        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0,
-                               Lse2_head, Delta_head, stride_qs, stride_gs, stride_dqs, u_lo, u_hi,
-                               n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale, bias_bh, stride_bq, stride_bk,
-                               slope2, softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale, bh,
-                               dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, False, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               DBIAS_MODE, BIAS_BQ, BIAS_BK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               DQ_MODE, DOT_PRECISION, TMA)
-        dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0,
-                               Lse2_head, Delta_head, stride_qs, stride_gs, stride_dqs, u_hi, t_hi,
-                               n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale, bias_bh, stride_bq, stride_bk,
-                               slope2, softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale, bh,
-                               dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                               HAS_WL, HAS_R, True, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               DBIAS_MODE, BIAS_BQ, BIAS_BK, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                               DQ_MODE, DOT_PRECISION, TMA)
+        for stage in tl.static_range(3):
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0,
+                                   Lse2_head, Delta_head, stride_qs, stride_gs, stride_dqs, bounds[stage],
+                                   bounds[stage + 1], n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale, bias_bh,
+                                   stride_bq, stride_bk, slope2, softcap_scale, softcap2, seed, offset_lo,
+                                   threshold, keep_scale, bh, dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n,
+                                   offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1, HAS_BIAS, HAS_ALIBI,
+                                   SOFTCAP, DROPOUT, DBIAS_MODE, BIAS_BQ, BIAS_BK, BLOCK_M, BLOCK_N, BLOCK_D,
+                                   BLOCK_DV, DQ_MODE, DOT_PRECISION, TMA)
     cols = n0 + offs_n
     col_ok = cols < Lk
     kcols = (k_start + cols).to(tl.int64)
@@ -363,22 +349,13 @@ def _bwd_q_kernel(
         slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
     bh = b * H + h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    t_lo, u_lo, u_hi, t_hi = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
-    dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, t_lo, u_lo, m0, Lq, Lk,
-                      shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                      seed, offset_lo, threshold, keep_scale, bh, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                      HAS_WL, HAS_R, True, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
-    dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, u_lo, u_hi, m0, Lq, Lk,
-                      shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                      seed, offset_lo, threshold, keep_scale, bh, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                      HAS_WL, HAS_R, False, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
-    dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, u_hi, t_hi, m0, Lq, Lk,
-                      shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                      seed, offset_lo, threshold, keep_scale, bh, offs_m, offs_n, offs_d, offs_dv, D, DV,
-                      HAS_WL, HAS_R, True, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                      BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
+    bounds = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):
+        dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, bounds[stage],
+                          bounds[stage + 1], m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk,
+                          slope2, softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale, bh, offs_m,
+                          offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1, HAS_BIAS, HAS_ALIBI,
+                          SOFTCAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
     tl.store(dQ + b64 * stride_dqb + grows[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
              (dq * dq_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 

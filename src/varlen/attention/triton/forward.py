@@ -103,25 +103,15 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    t_lo, u_lo, u_hi, t_hi = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, t_lo, u_lo,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
-                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
-                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, True,
-                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, u_lo, u_hi,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
-                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
-                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, False,
-                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, u_hi, t_hi,
-                               m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
-                               softcap_scale, softcap2, seed, offset_lo, threshold, bh,
-                               offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, True,
-                               HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
+    # Three stages over the visible key tiles: masked lower edge, unmasked middle, masked upper edge.
+    bounds = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
+    for stage in tl.static_range(3):
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs, bounds[stage],
+                                   bounds[stage + 1], m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq,
+                                   stride_bk, slope2, softcap_scale, softcap2, seed, offset_lo, threshold, bh,
+                                   offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1,
+                                   HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0
