@@ -6,7 +6,6 @@ and AOTAutograd trace everything, including the custom ops' fake implementations
 code generation is skipped). One test per model runs TorchInductor (marked ``inductor``).
 """
 
-import contextvars
 import dataclasses
 
 import pytest
@@ -25,14 +24,6 @@ from varlen.nn import TransformerEncoderLayer
 # through the interpreter here (slow, so only in the opcheck tests, with tiny shapes).
 TRITON_RUNS = _backend.triton_unsupported_reason(DEVICE) is None
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
-
-# `_backend.resolve` reads the `use_backend` choice from a ContextVar, which dynamo can't trace: every jagged
-# op that picks a backend (ragged softmax, sum, mean, per-sequence matmul, padded conversion) breaks the
-# graph until it is kept in a threading.local instead (requested from the lead).
-BACKEND_CHOICE_TRACEABLE = not isinstance(getattr(_backend, "_current", None), contextvars.ContextVar)
-needs_traceable_backend_choice = pytest.mark.xfail(
-    not BACKEND_CHOICE_TRACEABLE, strict=True,
-    reason="varlen._backend keeps use_backend's choice in a ContextVar, which dynamo can't trace")
 
 E, HEADS = 8, 2
 
@@ -115,7 +106,6 @@ def test_dense_attention_compiles_to_one_graph(dtype):
     _check_compiled_matches_eager(dense_attention, [q, k, v], [], dtype)
 
 
-@needs_traceable_backend_choice
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_ragged_ops_compile_to_one_graph(dtype):
     lengths = [3, 0, 7, 1, 5]
@@ -171,7 +161,6 @@ def test_new_lengths_recompile_at_most_once(dynamic):
     assert counts == [first] + [first + (dynamic is None)] * (len(BATCHES) - 1)
 
 
-@needs_traceable_backend_choice
 def test_ragged_ops_new_lengths_recompile_at_most_once():
     w = torch.randn(E, 4, device=DEVICE, requires_grad=True)
 
