@@ -12,10 +12,11 @@ import torch.nn.functional as F
 import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
 from utils import REL_TOL, assert_close
+from varlen._checks import accumulate_dtype
 from varlen.attention import reference, torch_backend
 from varlen.attention.reference import attention_reference
 
-# The lse is float32 by contract, whatever the inputs' dtype.
+# The lse is float32 by contract (float64 for float64 inputs).
 LSE_FLOOR = 1e-6
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
@@ -29,7 +30,7 @@ def _check_against_reference(case, inputs, out, lse, grads, dtype):
     if case.jagged:
         assert isinstance(out, varlen.JaggedTensor) and out.offsets is inputs.q.offsets
     assert out.dtype == dtype and _values(out).shape == _values(ref_out).shape
-    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert lse.dtype == accumulate_dtype(dtype) and lse.shape == ref_lse.shape
     assert not torch.isnan(lse).any()
     assert torch.equal(lse == float("-inf"), ref_lse == float("-inf")), "rows that see no key differ"
     assert_close(_values(out), _values(ref_out), dtype, name="out")
@@ -114,7 +115,7 @@ def test_return_lse_layouts(backend, case, device):
         assert _values(out).shape == (14, 4, 16) and lse.shape == (4, 14)
     else:
         assert out.shape == (2, 7, 4, 16) and lse.shape == (2, 4, 7)
-    assert lse.dtype == torch.float32
+    assert lse.dtype == accumulate_dtype(main_dtype(backend))
 
 
 @pytest.mark.parametrize("backend,case", backend_params([AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16)]))
@@ -181,6 +182,12 @@ def test_bias_gradient_has_the_bias_dtype(backend, case, device):
 
 # ------------------------------------------------------------------------------------- gradcheck
 GRADCHECK_CASES = [
+    # The fused CPU kernel's cases (see cpu_fused.unsupported_reasons): jagged cross-attention with an
+    # empty sequence and one without keys, jagged causal self-attention, dense causal with a key mask.
+    AttnCase(True, (3, 0, 4, 1), (2, 4, 5, 0), 4, 2, 4, 4),
+    AttnCase(True, (4, 2, 5), None, 2, 2, 4, 4, causal=True),
+    AttnCase(False, (4, 4), (6, 6), 2, 1, 4, 4, causal=True, bias="B11K"),
+    # The chunked path's.
     AttnCase(False, (4, 4), (5, 5), 2, 1, 4, 3, causal=True, align="bottom_right", bias="1HQK"),
     AttnCase(True, (3, 0, 4), (2, 4, 5), 2, 2, 4, 4, window=(1, 1), softcap=2.0, bias="BHQK"),
     AttnCase(False, (3,), (5,), 4, 2, 4, 4, window=(None, 1), alibi="BH", bias="11Q1"),
@@ -190,8 +197,7 @@ GRADCHECK_CASES = [
 
 @pytest.mark.parametrize("case", GRADCHECK_CASES, ids=lambda c: c.id)
 def test_torch_backend_gradcheck(case, device):
-    """Finite differences in float64 for q, k, v and bias. The lse is left out: it is float32 by contract,
-    too coarse for finite differences (its gradient is checked against the reference instead)."""
+    """Finite differences in float64 for q, k, v and bias, through the output and the lse."""
     inputs = case.make(torch.float64, device)
     leaves = [t.detach().nan_to_num(0.0).requires_grad_(True) for t in inputs.leaves]
 
@@ -202,9 +208,10 @@ def test_torch_backend_gradcheck(case, device):
             q, k, v = tensors[:3]
         # a fresh generator with one seed per evaluation: the dropout mask is the same every time
         generator = torch.Generator(device=device).manual_seed(7) if case.dropout_p else None
-        out = varlen.attention(q, k, v, **case.options(), bias=tensors[3], alibi_slopes=inputs.alibi_slopes,
-                               dropout_p=case.dropout_p, generator=generator, backend="torch")
-        return _values(out)
+        out, lse = varlen.attention(q, k, v, **case.options(), bias=tensors[3] if case.bias else None,
+                                    alibi_slopes=inputs.alibi_slopes, dropout_p=case.dropout_p, generator=generator,
+                                    return_lse=True, backend="torch")
+        return _values(out), lse.nan_to_num(neginf=0.0)
 
     assert torch.autograd.gradcheck(attention, leaves, atol=1e-8, rtol=1e-6)
 

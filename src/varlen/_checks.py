@@ -16,6 +16,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype varlen computes and accumulates in for inputs of ``dtype``: float64 for float64, else
+    float32 (also the dtype of attention's lse)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _names(items: Iterable) -> str:
     return ", ".join(str(i).replace("torch.", "") for i in items)
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import _backend
+from .. import _amp, _backend
 from .._checks import (
     FLOAT_DTYPES,
     INT32_MAX,
@@ -70,6 +70,9 @@ def attention(
             dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
 
+    Under ``torch.autocast`` q, k, v and a float bias are cast to the autocast dtype first, as torch's
+    ``scaled_dot_product_attention`` is; gradients flow back to the uncast tensors in their dtypes.
+
     Returns:
         The output in q's layout with head dim ``Dv`` (a JaggedTensor for jagged inputs), and the lse
         when ``return_lse``. A query that sees no key gets output 0, lse -inf and zero gradient.
@@ -129,6 +132,10 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
             raise ValueError(f"k, v: batch sizes {k.shape[0]}, {v.shape[0]} must equal q's {B}")
         if v.shape[1] != max_k:
             raise ValueError(f"v: sequence length {v.shape[1]} differs from k's {max_k}")
+    if bias is not None:
+        check_tensor("bias", bias)
+    # Under torch.autocast, attention runs in the autocast dtype, as torch's scaled_dot_product_attention.
+    qt, kt, vt, bias = _amp.cast(_amp.LOWER_PRECISION, qt.device, qt, kt, vt, bias)
     H, D = qt.shape[-2], qt.shape[-1]
     Hkv, Dk, Dv = kt.shape[-2], kt.shape[-1], vt.shape[-1]
     if Dk != D:
@@ -143,8 +150,6 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     for name, t in (("q", qt), ("k", kt), ("v", vt)):
         check_dtype(name, t, FLOAT_DTYPES)
     check_same_dtype([("q", qt), ("k", kt), ("v", vt)])
-    if bias is not None:
-        check_tensor("bias", bias)
     if alibi_slopes is not None:
         check_tensor("alibi_slopes", alibi_slopes)
     check_same_device([("q", qt), ("k", kt), ("v", vt), ("bias", bias), ("alibi_slopes", alibi_slopes)])

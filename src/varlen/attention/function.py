@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .. import _amp
+from .._checks import accumulate_dtype
 from . import backends
 from .options import AttentionOptions, DropoutSeed, Problem
 
@@ -70,7 +72,8 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi: Ten
                 deterministic: bool, backend: str) -> tuple[Tensor, Tensor]:
     problem, opts, drawn = _rebuild(q, k, v, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left,
                                     window_right, bottom_right, softcap, dropout_p, deterministic)
-    out, lse = _backend_module(backend).forward(q, k, v, bias, alibi, problem, opts, drawn)
+    with _amp.disabled(q.device):
+        out, lse = _backend_module(backend).forward(q, k, v, bias, alibi, problem, opts, drawn)
     return out.contiguous(), lse.contiguous()
 
 
@@ -78,7 +81,7 @@ def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi: Ten
 def _forward_fake(q, k, v, bias, alibi, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left, window_right,
                   bottom_right, softcap, dropout_p, deterministic, backend):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    return out, q.new_empty(_lse_shape(q, cu_q), dtype=torch.float32)
+    return out, q.new_empty(_lse_shape(q, cu_q), dtype=accumulate_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------------- backward op
@@ -93,8 +96,9 @@ def _backward_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Ten
     problem, opts, drawn = _rebuild(q, k, v, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left,
                                     window_right, bottom_right, softcap, dropout_p, deterministic)
     needs = (need_q, need_k, need_v, need_bias)
-    grads = _backend_module(backend).backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, drawn,
-                                              needs)
+    with _amp.disabled(q.device):
+        grads = _backend_module(backend).backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts,
+                                                  drawn, needs)
     return [g.contiguous() for g, need in zip(grads, needs, strict=True) if need]
 
 
@@ -167,7 +171,8 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, alibi, problem, opts, impl, seed):
         drawn = None if seed is None else DropoutSeed(*seed.tolist())
-        out, lse = impl.forward(q, k, v, bias, alibi, problem, opts, drawn)
+        with _amp.disabled(q.device):
+            out, lse = impl.forward(q, k, v, bias, alibi, problem, opts, drawn)
         ctx.set_materialize_grads(False)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, out, lse, bias, alibi)
@@ -182,8 +187,9 @@ class _EagerAttention(torch.autograd.Function):
         problem, opts, impl, drawn = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
-        grads = impl.backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, drawn,
-                              tuple(ctx.needs_input_grad[:4]))
+        with _amp.disabled(q.device):
+            grads = impl.backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, drawn,
+                                  tuple(ctx.needs_input_grad[:4]))
         return (*grads, None, None, None, None, None)
 
 

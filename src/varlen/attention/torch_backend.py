@@ -1,4 +1,9 @@
-"""The PyTorch attention backend: blockwise over query rows, memory-bounded, CPU or CUDA, all features.
+"""The PyTorch attention backend: CPU or CUDA, all features.
+
+On CPU tensors, calls the fused CPU kernel can take (no dropout, ALiBi, softcap or window; see
+``cpu_fused.unsupported_reasons``) run there, by length buckets. Everything else runs the chunked path
+below, blockwise over query rows and memory-bounded, which the backward also takes when the bias or the
+lse needs a gradient.
 
 Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with index ops built from
 the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
@@ -20,6 +25,8 @@ import dataclasses
 
 import torch
 
+from .._checks import accumulate_dtype
+from . import cpu_fused
 from .dropout import keep_mask_block
 from .options import AttentionOptions, DropoutSeed, Problem
 
@@ -51,10 +58,12 @@ class _Batch:
 
 def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
     """``(out, lse)`` in the layouts of ``options.py``."""
+    if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts, seed is not None):
+        return cpu_fused.forward(q, k, v, bias, problem, opts)
     batch = _prepare(q, k, v, problem)
     B, H, Sq = problem.batch, problem.heads, problem.max_q
     out = batch.q.new_empty(B, problem.kv_heads, problem.group, Sq, problem.head_dim_v)
-    lse = torch.empty(B, problem.kv_heads, problem.group, Sq, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, problem.kv_heads, problem.group, Sq, dtype=accumulate_dtype(q.dtype), device=q.device)
     for i0 in range(0, Sq, batch.chunk):
         rows = (i0, min(i0 + batch.chunk, Sq))
         s, _ = _scores(batch, rows, bias, alibi, problem, opts)
@@ -80,6 +89,10 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
     uses them rather than the stored output, for the same reason.
     """
     need_q, need_k, need_v, need_bias = needs_grad
+    if (dlse is None and not need_bias
+            and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts, seed is not None)):
+        dq, dk, dv = cpu_fused.backward(dout, q, k, v, out, lse, problem, opts, bias)
+        return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
     batch = _prepare(q, k, v, problem)
     Sq, ct = problem.max_q, batch.q.dtype
     do = _group(dout, problem, batch.q_rows, ct)  # (B, Hkv, G, Sq, Dv)
@@ -122,10 +135,6 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
 
 
 # ---------------------------------------------------------------------------------------- layout
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _row_positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of jagged values: its sequence and its position inside it (int64, on device).
 
@@ -147,7 +156,7 @@ def _pad(x: torch.Tensor, rows, batch: int, width: int) -> torch.Tensor:
 
 def _prepare(q, k, v, problem: Problem) -> _Batch:
     B, Sk = problem.batch, problem.max_k
-    ct = _compute_dtype(q.dtype)
+    ct = accumulate_dtype(q.dtype)
     if problem.dense:
         q_rows = k_rows = q_len = k_len = None
         shift = Sk - problem.max_q

@@ -12,15 +12,22 @@ padding anywhere, every row of every tensor is a real token.
 
 At the end, the trained weights are copied into the same network built from ``torch.nn`` layers that
 take padded batches (``src_key_padding_mask``), as a padded training loop would use, and both run forward
-and backward on the same batches: real tokens per second and peak memory, side by side.
+and backward on the same batches, in the same precision: real tokens per second and peak memory, side by
+side. The run stops with an error if the two networks' logits disagree.
+
+``--precision`` picks how both train: ``fp32`` (full float32 matmuls), ``tf32`` (float32 with TF32 matrix
+units), ``bf16`` / ``fp16`` (``torch.autocast`` over float32 weights; fp16 with a gradient scaler). The
+default is bf16 on CUDA and fp32 on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
+import os
 import sys
 import time
 
@@ -71,6 +78,24 @@ def make_batch(gen: torch.Generator, batch_size: int, max_len: int, vocab: int, 
                  padded_targets=jagged.with_values(targets).to_padded(IGNORE).to(device))
 
 
+# --------------------------------------------------------------------------------------- precision
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def set_matmul_precision(precision: str) -> None:
+    """float32 matmuls (torch's and varlen's kernels alike): exact for fp32, TF32 matrix units for tf32.
+    Autocast runs its matmuls in bf16/fp16 and keeps the rest exact."""
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+
+
+def autocast(precision: str, device: torch.device):
+    """The context a forward pass runs in: ``torch.autocast`` for bf16/fp16, nothing otherwise."""
+    if precision in AUTOCAST_DTYPES:
+        return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+    return contextlib.nullcontext()
+
+
 # ------------------------------------------------------------------------------------------ models
 class CountingTransformer(nn.Module):
     """Token embedding, pre-norm encoder layers, a per-token classifier; jagged batches in and out.
@@ -119,13 +144,15 @@ class PaddedTwin(nn.Module):
         return self.head(self.norm(x))
 
 
-def jagged_loss(model, batch: Batch) -> torch.Tensor:
-    return F.cross_entropy(model(batch.tokens), batch.targets, ignore_index=IGNORE)
+def jagged_loss(model, batch: Batch, precision: str) -> torch.Tensor:
+    with autocast(precision, batch.targets.device):
+        return F.cross_entropy(model(batch.tokens), batch.targets, ignore_index=IGNORE)
 
 
-def padded_loss(model, batch: Batch) -> torch.Tensor:
-    logits = model(batch.padded_tokens, batch.padding_mask)
-    return F.cross_entropy(logits.flatten(0, 1), batch.padded_targets.flatten(), ignore_index=IGNORE)
+def padded_loss(model, batch: Batch, precision: str) -> torch.Tensor:
+    with autocast(precision, batch.targets.device):
+        logits = model(batch.padded_tokens, batch.padding_mask)
+        return F.cross_entropy(logits.flatten(0, 1), batch.padded_targets.flatten(), ignore_index=IGNORE)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -171,14 +198,16 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, batches: list[Batch]) -> tuple[float, float]:
+def evaluate(model, batches: list[Batch], precision: str) -> tuple[float, float]:
     """Token accuracy and sequence accuracy (every token right) on held-out batches, BOS left out."""
     was_training = model.training
     model.eval()
     right = total = seqs_right = seqs = 0
     for batch in batches:
         scored = batch.targets != IGNORE
-        miss = ((model(batch.tokens).argmax(-1) != batch.targets) & scored).float()
+        with autocast(precision, batch.targets.device):
+            predicted = model(batch.tokens).argmax(-1)
+        miss = ((predicted != batch.targets) & scored).float()
         right += scored.sum() - miss.sum()
         total += scored.sum()
         misses = varlen.sum(batch.tokens.with_values(miss[:, None]), 1)[:, 0]
@@ -193,9 +222,11 @@ def train(args, model: CountingTransformer, device: torch.device) -> None:
     held_out = [make_batch(gen, args.batch_size, args.max_len, args.vocab, args.classes, device) for _ in range(4)]
     step_fn = torch.compile(model, fullgraph=True, dynamic=True) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # fp16 gradients underflow without loss scaling; the scaler is a no-op for the other precisions.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
     progress = Progress(args.steps)
     report_every = max(1, args.steps // 10)
-    acc, seq_acc = evaluate(model, held_out)
+    acc, seq_acc = evaluate(model, held_out, args.precision)
     progress.log(f"step {0:>5}  loss      -  token accuracy {acc:6.1%}  sequence accuracy {seq_acc:6.1%}")
     running, seen, tokens, start = torch.zeros((), device=device), 0, 0, time.perf_counter()
     model.train()
@@ -203,17 +234,19 @@ def train(args, model: CountingTransformer, device: torch.device) -> None:
         batch = make_batch(gen, args.batch_size, args.max_len, args.vocab, args.classes, device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step - 1, args.steps, args.lr)
-        loss = jagged_loss(step_fn, batch)
+        loss = jagged_loss(step_fn, batch, args.precision)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         running += loss.detach()
         seen += 1
         tokens += batch.n_tokens
         progress.update(step)
         if step % report_every == 0 or step == args.steps:
-            acc, seq_acc = evaluate(model, held_out)
+            acc, seq_acc = evaluate(model, held_out, args.precision)
             rate = tokens / (time.perf_counter() - start)
             progress.log(f"step {step:>5}  loss {float(running) / seen:6.3f}  token accuracy {acc:6.1%}  "
                          f"sequence accuracy {seq_acc:6.1%}  ({rate:,.0f} tokens/s)")
@@ -229,37 +262,53 @@ MEMORY_MEANING = {
 }
 
 
-def _step(loss_fn, model, batch: Batch) -> None:
-    loss_fn(model, batch).backward()
+def _step(loss_fn, model, batch: Batch, precision: str) -> None:
+    loss_fn(model, batch, precision).backward()
     model.zero_grad(set_to_none=True)
 
 
-def _timed(loss_fn, model, batches: list[Batch], device: torch.device) -> tuple[float, float | None]:
-    """Seconds for forward + backward over ``batches`` (after one warm-up step); on CUDA also the peak
-    memory in MiB (None on the CPU: see :func:`_cpu_peak_memory`)."""
-    _step(loss_fn, model, batches[0])
+def _timed(loss_fn, model, batches: list[Batch], device: torch.device, precision: str) -> tuple[float, float | None]:
+    """Seconds for forward + backward over ``batches``; on CUDA also the peak memory in MiB (None on the CPU:
+    see :func:`_cpu_peak_memory`). Untimed warm-up first: on CUDA every batch once, so that every kernel
+    (and, with --compile, every graph) is compiled before the clock starts; on the CPU one step."""
     cuda = device.type == "cuda"
+    for batch in batches if cuda else batches[:1]:
+        _step(loss_fn, model, batch, precision)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     for batch in batches:
-        _step(loss_fn, model, batch)
+        _step(loss_fn, model, batch, precision)
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     return seconds, (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else None
 
 
-def _cpu_peak_memory(loss_fn, model, batches: list[Batch]) -> float | None:
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the process's stderr (file descriptor 2): the profiler's C++ side logs lines of its own there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _cpu_peak_memory(loss_fn, model, batches: list[Batch], precision: str) -> float | None:
     """Peak MiB of torch CPU tensors over the steps: the running sum of the profiler's allocation (+) and
     free (-) events, whose maximum is the peak above the level at the start. None if the profiler lacks them."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for batch in batches:
-            _step(loss_fn, model, batch)
+            _step(loss_fn, model, batch, precision)
     try:
         events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     except AttributeError:  # the profiler's results changed shape
@@ -271,16 +320,30 @@ def _cpu_peak_memory(loss_fn, model, batches: list[Batch]) -> float | None:
     return peak / 2**20
 
 
+# How far the two networks' logits may drift apart, relative to the largest logit, in each precision: they
+# compute the same function in different orders (the padded one also over padding, masked).
+DRIFT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 5e-2}
+
+
+def logit_drift(model: CountingTransformer, twin: nn.Module, batch: Batch, precision: str) -> float:
+    """Max |logit difference| between the jagged model and its padded twin on the real tokens, relative to
+    the largest |logit|."""
+    with torch.no_grad(), autocast(precision, batch.targets.device):
+        ours = model(batch.tokens).float()
+        theirs = twin(batch.padded_tokens, batch.padding_mask)[~batch.padding_mask].float()
+    return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
+
+
 def benchmark(args, model: CountingTransformer, device: torch.device) -> None:
     twin = PaddedTwin(model)
     gen = torch.Generator().manual_seed(args.seed + 2)
     batches = [make_batch(gen, args.batch_size, args.max_len, args.vocab, args.classes, device)
                for _ in range(args.bench_steps)]
-    with torch.no_grad():
-        b = batches[0]
-        ours = model(b.tokens)
-        theirs = twin(b.padded_tokens, b.padding_mask)[~b.padding_mask]
-        drift = float((ours - theirs).abs().max())
+    drift = logit_drift(model, twin, batches[0], args.precision)
+    if not drift <= DRIFT_TOLERANCE[args.precision]:
+        raise SystemExit(f"error: the jagged model and its padded twin disagree: max |logit difference| "
+                         f"{drift:.2e} of the largest logit, above the {DRIFT_TOLERANCE[args.precision]:.0e} "
+                         f"allowed in {args.precision}")
     jagged_model = torch.compile(model, fullgraph=True, dynamic=True) if args.compile else model
     padded_model = torch.compile(twin, dynamic=True) if args.compile else twin
     real = sum(b.n_tokens for b in batches)
@@ -289,25 +352,24 @@ def benchmark(args, model: CountingTransformer, device: torch.device) -> None:
     results = {}
     for name, loss_fn, net in (("jagged: varlen", jagged_loss, jagged_model),
                                ("padded: torch.nn + key padding mask", padded_loss, padded_model)):
-        seconds, peak = _timed(loss_fn, net, batches, device)
+        seconds, peak = _timed(loss_fn, net, batches, device, args.precision)
         if device.type == "cpu":
-            peak = _cpu_peak_memory(loss_fn, net, batches)
+            peak = _cpu_peak_memory(loss_fn, net, batches, args.precision)
         results[name] = (seconds, peak)
         rows.append([name, f"{real / seconds:,.0f}", f"{1000 * seconds / len(batches):.1f}",
                      "n/a" if peak is None else f"{peak:,.1f}"])
     (s_j, m_j), (s_p, m_p) = results.values()
     print(f"\nSame weights, same {len(batches)} batches ({real:,} real tokens; padded to {slots:,} slots, "
-          f"{1 - real / slots:.0%} padding), forward + backward on {device.type}"
+          f"{1 - real / slots:.0%} padding), forward + backward on {device.type} in {args.precision}"
           f"{', compiled' if args.compile else ''}:")
     print(table(rows))
     memory = "" if m_j is None or m_p is None or m_p <= 0 else f", peak memory {m_j / m_p:.2f}x"
     print(f"jagged / padded: throughput {s_p / s_j:.2f}x{memory}. Max |logit difference| between the two on "
-          f"real tokens: {drift:.1e}")
+          f"real tokens: {drift:.1e} of the largest logit")
     print(f"memory: {MEMORY_MEANING['cuda' if device.type == 'cuda' else 'cpu']}.")
     if device.type == "cpu":
-        print("note: on the CPU, varlen.attention runs its PyTorch fallback, which pads each batch internally and "
-              "computes the scores in blocks: slower than torch's fused CPU attention (SDPA), and most of the gap "
-              "above. On CUDA it runs varlen's Triton kernels.")
+        print("note: on the CPU both models' attention runs torch's fused CPU kernel; varlen calls it on buckets "
+              "of similar lengths instead of the whole padded batch. On CUDA varlen runs its Triton kernels.")
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -326,6 +388,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (AdamW)")
     p.add_argument("--bench-steps", type=int, default=20, help="batches timed in the final comparison")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="fp32, tf32, or bf16/fp16 autocast (default: bf16 on CUDA, fp32 on the CPU)")
     p.add_argument("--compile", action="store_true", help="torch.compile both models (dynamic shapes)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (the default model's ops are too small to gain from more, and extra "
@@ -338,6 +402,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
+    if args.precision is None:
+        args.precision = "bf16" if torch.device(args.device).type == "cuda" else "fp32"
     return args
 
 
@@ -346,6 +412,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+    set_matmul_precision(args.precision)
     torch.manual_seed(args.seed)
     model = CountingTransformer(args.vocab, args.classes, args.d_model, args.heads, args.layers, 4 * args.d_model,
                                 args.dropout).to(device)
@@ -353,7 +420,7 @@ def main(argv=None) -> None:
     where = (f"{device.type} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else
              f"cpu (torch threads: {torch.get_num_threads()})")
     print(f"varlen {varlen.__version__}, torch {torch.__version__}, {where}; {n_params:,} parameters "
-          f"(layers {args.layers}, d_model {args.d_model}, heads {args.heads})")
+          f"(layers {args.layers}, d_model {args.d_model}, heads {args.heads}), precision {args.precision}")
     print(f"task: count each token's occurrences in its own sequence ({args.vocab} symbols, lengths "
           f"1..{args.max_len} after a BOS token, {args.batch_size} sequences per batch)")
     train(args, model, device)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import ops
+from .. import _amp, ops
 from .._checks import FLOAT_DTYPES, check_dtype
 from ..jagged import JaggedTensor, as_jagged
 
 
 def as_input(x, name: str, features: int, dtype: torch.dtype) -> JaggedTensor | torch.Tensor:
-    """``x`` checked to be jagged ``(B, j, features)`` or dense ``(B, S, features)`` of ``dtype``."""
+    """``x`` checked to be jagged ``(B, j, features)`` or dense ``(B, S, features)`` of ``dtype`` (any float
+    dtype under ``torch.autocast``)."""
     if isinstance(x, JaggedTensor) or (isinstance(x, torch.Tensor) and x.is_nested):
         x = as_jagged(x, name)
         rows, layout = x.values, "jagged (B, j, E)"
@@ -30,9 +31,11 @@ def as_input(x, name: str, features: int, dtype: torch.dtype) -> JaggedTensor | 
     if len(shape) != 3 or shape[-1] != features:
         raise ValueError(f"{name}: expected a {layout} tensor with E = {features}, got shape {shape}")
     check_dtype(name, rows, FLOAT_DTYPES)
-    if rows.dtype != dtype:
+    # Under torch.autocast each op casts its inputs (as in torch.nn), so activations may differ from the
+    # parameters' dtype.
+    if rows.dtype != dtype and _amp.autocast_dtype(rows.device) is None:
         raise TypeError(f"{name}: dtype {rows.dtype} differs from the module's parameters' {dtype}; convert "
-                        "one of them (e.g. module.to(dtype))")
+                        "one of them (e.g. module.to(dtype)) or run under torch.autocast")
     return x
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _backend
+from .. import _amp, _backend
 from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from .padded import jagged_to_padded, padded_to_jagged
@@ -166,10 +166,10 @@ def linear(x: JaggedTensor | torch.Tensor, weight: torch.Tensor,
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias: expected shape ({weight.shape[0]},) (weight's N), "
                              f"got {tuple(bias.shape)}")
-    operands = [("x.values", x.values), ("weight", weight), ("bias", bias)]
-    check_same_device(operands)
-    check_same_dtype(operands)
-    return x.with_values(F.linear(x.values, weight, bias))
+    check_same_device([("x.values", x.values), ("weight", weight), ("bias", bias)])
+    values, weight, bias = _amp.cast(_amp.LOWER_PRECISION, x.device, x.values, weight, bias)
+    check_same_dtype([("x.values", values), ("weight", weight), ("bias", bias)])
+    return x.with_values(F.linear(values, weight, bias))
 
 
 def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
@@ -190,14 +190,15 @@ def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
         raise TypeError(f"w: a jagged w is not supported; supported cases: {'; '.join(MATMUL_CASES)}")
     check_tensor("w", w, kind="a dense torch.Tensor (K, N) or (B, K, N)")
     check_same_device([("x.values", x.values), ("w", w)])
-    check_same_dtype([("x.values", x.values), ("w", w)])
-    K = x.values.shape[-1] if x.values.dim() >= 2 else None
+    values, w = _amp.cast(_amp.LOWER_PRECISION, x.device, x.values, w)
+    check_same_dtype([("x.values", values), ("w", w)])
+    K = values.shape[-1] if values.dim() >= 2 else None
     if w.dim() == 2:
         if K is None or w.shape[0] != K:
             raise ValueError(f"w: shape {tuple(w.shape)} doesn't fit x of logical shape "
                              f"{tuple('j' if d is None else d for d in x.shape)}: x must be (B, j, *, K) "
                              "and w (K, N)")
-        return x.with_values(x.values @ w)
+        return x.with_values(values @ w)
     if w.dim() == 3:
         _check_matrix_rows("x", x)
         if w.shape[0] != x.batch_size:
@@ -206,8 +207,8 @@ def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
         if w.shape[1] != K:
             raise ValueError(f"w: expected shape ({x.batch_size}, {K}, N) to match x's K = {K}, "
                              f"got {tuple(w.shape)}")
-        backend = _kernel_backend(x.values)
-        return x.with_values(_GroupedMatmul.apply(x.values, w, x.offsets, x.max_len, backend))
+        backend = _kernel_backend(values)
+        return x.with_values(_GroupedMatmul.apply(values, w, x.offsets, x.max_len, backend))
     raise ValueError(f"w: expected 2 or 3 dims, got shape {tuple(w.shape)}; supported cases: "
                      f"{'; '.join(MATMUL_CASES)}")
 
@@ -230,6 +231,7 @@ def transposed_matmul(x: JaggedTensor | torch.Tensor, y: JaggedTensor | torch.Te
     _check_matrix_rows("x", x)
     _check_matrix_rows("y", y)
     check_same_offsets("y", y, "x", x)
-    check_same_dtype([("x.values", x.values), ("y.values", y.values)])
-    backend = _kernel_backend(x.values)
-    return _TransposedMatmul.apply(x.values, y.values, x.offsets, x.max_len, backend)
+    x_values, y_values = _amp.cast(_amp.LOWER_PRECISION, x.device, x.values, y.values)
+    check_same_dtype([("x.values", x_values), ("y.values", y_values)])
+    backend = _kernel_backend(x_values)
+    return _TransposedMatmul.apply(x_values, y_values, x.offsets, x.max_len, backend)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .. import _amp
 from .._checks import FLOAT_DTYPES, check_dtype, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged
 
@@ -37,8 +38,9 @@ def _check_affine(name: str, t, shape: tuple[int, ...], x: JaggedTensor) -> None
     check_tensor(name, t)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {shape} (normalized_shape), got {tuple(t.shape)}")
-    check_same_dtype([("x.values", x.values), (name, t)])
     check_same_device([("x.values", x.values), (name, t)])
+    if _amp.autocast_dtype(x.device) is None:  # under autocast, torch's layer_norm casts mixed dtypes itself
+        check_same_dtype([("x.values", x.values), (name, t)])
 
 
 def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[int],
@@ -54,7 +56,8 @@ def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[
         weight, bias: optional ``normalized_shape`` tensors, ``x``'s dtype and device.
         eps: added to the variance, >= 0.
 
-    Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x, weight and bias.
+    Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x, weight and bias. Under
+    ``torch.autocast`` it follows ``torch.nn.functional.layer_norm`` (float32 on CUDA).
     Raises TypeError (non-jagged ``x``, wrong types, dtype mismatch) or ValueError (shapes, device,
     ``eps`` < 0) naming the argument.
     """

@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import _backend
-from .._checks import FLOAT_DTYPES, check_dtype, check_int, normalize_dim
+from .. import _amp, _backend
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
 from ..jagged import JaggedTensor, as_jagged, segment_ids
 from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
 
@@ -88,8 +88,7 @@ def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mea
     if n_chunks == 1:
         out = torch.empty((batch, n_cols), dtype=x.dtype, device=x.device)
     else:
-        out = torch.empty((batch * n_chunks, n_cols), dtype=torch.float64 if x.dtype == torch.float64
-                          else torch.float32, device=x.device)
+        out = torch.empty((batch * n_chunks, n_cols), dtype=accumulate_dtype(x.dtype), device=x.device)
     _segment_sum_kernel[(batch * n_chunks * n_col_tiles,)](
         x, offsets, out, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
         MEAN=mean and n_chunks == 1, ACC=acc, BLOCK_T=bt, BLOCK_F=bf)
@@ -126,15 +125,11 @@ def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) 
     return min(triton.next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def segment_sum_torch(x: torch.Tensor, offsets: torch.Tensor, mean: bool) -> torch.Tensor:
     """The same as :func:`segment_sum_triton` with ``index_add`` (no host sync)."""
     total, n_cols = x.shape
     seq = segment_ids(offsets, total)
-    out = x.new_zeros((offsets.shape[0] - 1, n_cols), dtype=_acc_dtype(x.dtype))
+    out = x.new_zeros((offsets.shape[0] - 1, n_cols), dtype=accumulate_dtype(x.dtype))
     out.index_add_(0, seq, x.to(out.dtype))
     if mean:
         out = out / (offsets[1:] - offsets[:-1]).to(out.dtype)[:, None]
@@ -145,7 +140,7 @@ def broadcast_rows_torch(g: torch.Tensor, offsets: torch.Tensor, total: int, mea
     seq = segment_ids(offsets, total)
     if not mean:
         return g[seq]
-    lengths = (offsets[1:] - offsets[:-1]).to(_acc_dtype(g.dtype))
+    lengths = (offsets[1:] - offsets[:-1]).to(accumulate_dtype(g.dtype))
     return (g.to(lengths.dtype) / lengths[:, None])[seq].to(g.dtype)
 
 
@@ -233,6 +228,8 @@ def _reduce(x, dim, keepdim: bool, mean: bool):
         values = (values.mean if mean else values.sum)(dim=inner, keepdim=keepdim)
     if not ragged:
         return x.with_values(values)
+    if not mean:
+        (values,) = _amp.cast(_amp.FLOAT32, x.device, values)  # torch.sum's autocast rule (mean has none)
     backend = _backend.resolve(x.device)
     out = _SegmentSum.apply(values, x.offsets, x.max_len, mean, backend)
     return out.unsqueeze(1) if keepdim else out
@@ -249,7 +246,8 @@ def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: boo
             Inner dims only (>= 2): a JaggedTensor with ``x``'s offsets.
         keepdim: keep each reduced dim with size 1 (``(B, 1, *inner)`` for the ragged dim).
 
-    Accumulates in float32 (float64 for float64) and returns ``x``'s dtype; differentiable, twice.
+    Accumulates in float32 (float64 for float64) and returns ``x``'s dtype (float32 under ``torch.autocast``
+    on CUDA, as ``torch.sum``); differentiable, twice.
 
     Raises ValueError when ``dim`` includes 0 (the batch dim), repeats a dim or is out of range;
     TypeError for a non-jagged ``x``, a non-float dtype or a ``dim`` that is not an int / tuple of ints.

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import _backend
-from .._checks import FLOAT_DTYPES, check_dtype, normalize_dim
+from .. import _amp, _backend
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from ..jagged import JaggedTensor, as_jagged, segment_ids
 from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for
 
@@ -235,7 +235,7 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
         _softmax_single_kernel[(n_programs,)](x, y, offsets, n_cols, n_col_tiles, x.stride(0), x.stride(1),
                                               y.stride(0), **tiles)
         return y
-    part_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
     _softmax_stats_kernel[(n_programs,)](x, offsets, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
@@ -263,7 +263,7 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         _softmax_bwd_single_kernel[(n_programs,)](y, dy, dx, offsets, n_cols, n_col_tiles, y.stride(0),
                                                   dy.stride(0), dy.stride(1), dx.stride(0), **tiles)
         return dx
-    part_dtype = torch.float64 if y.dtype == torch.float64 else torch.float32
+    part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
     _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, part_dot, n_cols, n_chunks, plan.chunk_rows,
                                            n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1), **tiles)
@@ -278,7 +278,7 @@ def softmax_fwd_torch(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     total, n_cols = x.shape
     batch = offsets.shape[0] - 1
     seq = segment_ids(offsets, total)
-    v = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    v = x.to(accumulate_dtype(x.dtype))
     m = v.new_full((batch, n_cols), float("-inf"))
     m.scatter_reduce_(0, seq[:, None].expand(total, n_cols), v, "amax")
     m = torch.where(m == float("-inf"), 0.0, m)
@@ -290,7 +290,7 @@ def softmax_fwd_torch(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 def softmax_bwd_torch(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     total, n_cols = y.shape
     seq = segment_ids(offsets, total)
-    acc = torch.float64 if y.dtype == torch.float64 else torch.float32
+    acc = accumulate_dtype(y.dtype)
     yv, g = y.to(acc), dy.to(acc)
     dot = yv.new_zeros((offsets.shape[0] - 1, n_cols)).index_add_(0, seq, yv * g)
     return (yv * (g - dot[seq])).to(y.dtype)
@@ -349,7 +349,8 @@ def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
             negative: an inner dim (``-1`` is the last; with no inner dims it is the ragged dim).
 
     Returns a JaggedTensor with ``x``'s offsets and dtype; differentiable. Computed in float32
-    (float64 for float64 inputs). A column that is all ``-inf`` gives NaN, as ``torch.softmax``.
+    (float64 for float64 inputs). A column that is all ``-inf`` gives NaN, as ``torch.softmax``. Under
+    ``torch.autocast`` on CUDA it takes and returns float32, as ``torch.softmax`` does.
 
     Raises ValueError for ``dim`` 0 (the batch: sequences are normalized separately) or out of range,
     TypeError for a non-jagged ``x``, a non-integer ``dim`` or a non-float dtype.
@@ -362,5 +363,6 @@ def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
                          f"1 (the ragged dim) or an inner dim 2..{x.dim() - 1} (negative counts from the end)")
     if d >= 2:
         return x.with_values(torch.softmax(x.values, d - 1))
+    (values,) = _amp.cast(_amp.FLOAT32, x.device, x.values)
     backend = _backend.resolve(x.device)
-    return x.with_values(_RaggedSoftmax.apply(x.values, x.offsets, x.max_len, backend))
+    return x.with_values(_RaggedSoftmax.apply(values, x.offsets, x.max_len, backend))

@@ -1,0 +1,50 @@
+"""Mixed precision: varlen's ops follow ``torch.autocast`` as the torch ops they stand for do.
+
+Inside ``torch.autocast(device_type, dtype)`` torch casts the inputs of the ops on its lists: matmul-like
+ops (``mm``, ``bmm``, ``linear``, ``scaled_dot_product_attention``) run in the autocast dtype on every
+device; ``softmax`` and ``sum`` run in float32 on CUDA (on the CPU they keep their input dtype). Tensors
+of dtype float64 are never cast. varlen's ops that are torch ops underneath (``linear``, ``layer_norm``, the
+pointwise activations) get torch's casts as they are; the ops that run varlen's own kernels (attention,
+the per-sequence matmuls, the ragged-dim softmax and sum) apply the same rule through :func:`cast`, so
+that a model keeps the precision it would have with the matching torch ops. The casts are ordinary
+``Tensor.to`` calls: gradients flow back to the parameters in their own dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# The rule of the torch op that a varlen op stands for, and the device types where torch applies it.
+LOWER_PRECISION = "lower_precision"  # torch.matmul, bmm, linear, scaled_dot_product_attention
+FLOAT32 = "float32"  # torch.softmax, torch.sum
+_DEVICES = {LOWER_PRECISION: ("cpu", "cuda"), FLOAT32: ("cuda",)}
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype active for ``device``'s type, or None when autocast is off there."""
+    if device.type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def cast(policy: str, device: torch.device, *tensors):
+    """``tensors`` as torch's autocast would hand them to an op of ``policy`` on ``device``.
+
+    Floating tensors other than float64 are cast (to the autocast dtype, or to float32); None, integer
+    tensors and float64 tensors pass unchanged, as do all of them when autocast is off.
+    """
+    active = autocast_dtype(device)
+    if active is None or device.type not in _DEVICES[policy]:
+        return tensors
+    target = active if policy == LOWER_PRECISION else torch.float32
+    return tuple(t.to(target) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in tensors)
+
+
+def disabled(device: torch.device):
+    """A context without autocast on ``device``: varlen's kernels run in the dtypes they were given."""
+    if device.type not in ("cpu", "cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)

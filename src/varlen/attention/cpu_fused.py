@@ -1,0 +1,247 @@
+"""PyTorch's fused CPU attention kernel (the one behind ``scaled_dot_product_attention`` on CPU tensors),
+run on jagged batches by length buckets.
+
+``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward are blocked, multi-threaded and
+take GQA, causal masks (top-left) and a float mask, but only dense ``(B, H, S, D)`` batches with D == Dv.
+A jagged batch is cut into buckets of sequences of similar lengths (sorted, then split where one more
+kernel call costs less than the padding it saves: :func:`_buckets`); each bucket is gathered into a
+padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call. On the CPU there is no device
+to wait for, so the host reads the offsets and loops over buckets freely. A plan is built once per
+offsets tensor and reused by every layer's forward and backward of that batch.
+
+What the kernel can't do (dropout, ALiBi, softcap, windows, Dv != D, bottom-right causal masks between
+different lengths, a bias on a jagged batch, a bias or lse that needs a gradient) stays with the chunked
+PyTorch path: :func:`unsupported_reasons` says why, per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+
+from .._checks import accumulate_dtype
+from .options import AttentionOptions, Problem
+
+_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+# Bucket cost model, in units of one (query, key, head, head-dim) product: a kernel call costs about as
+# much as this many (measured on a 2-core x86 CPU, torch 2.13, forward + backward: ~0.12 ms per call against
+# ~0.45 ns per unit, H4 D16 sequences of 1-64 tokens).
+CALL_COST = 2.5e5
+# Sorted lengths are grouped into at most this many runs before choosing buckets (bounds the planning work).
+MAX_RUNS = 64
+
+
+def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions, dropout: bool) -> list[str]:
+    """Why the fused CPU kernel can't run this forward (empty when it can)."""
+    reasons = []
+    if q.device.type != "cpu":
+        reasons.append("the fused kernel runs on CPU tensors only")
+    if 0 in (problem.batch, problem.heads, problem.max_q, problem.max_k):
+        reasons.append("an empty batch, head or sequence dim (the kernel divides by it)")
+    if problem.head_dim != problem.head_dim_v:
+        reasons.append(f"head dims differ (D = {problem.head_dim}, Dv = {problem.head_dim_v})")
+    if dropout:
+        reasons.append("dropout (varlen's Philox mask)")
+    if alibi is not None:
+        reasons.append("ALiBi")
+    if opts.softcap > 0:
+        reasons.append("softcap")
+    if opts.window_left >= 0 or opts.window_right >= 0:
+        reasons.append("a window")
+    if bias is not None and not problem.dense:
+        reasons.append("a bias on a jagged batch")
+    if opts.causal and opts.bottom_right and not _same_lengths(problem):
+        reasons.append("a bottom-right causal mask between different q and k lengths")
+    return reasons
+
+
+def _same_lengths(problem: Problem) -> bool:
+    if problem.dense:
+        return problem.max_q == problem.max_k
+    return problem.cu_q is problem.cu_k or torch.equal(problem.cu_q, problem.cu_k)
+
+
+# ------------------------------------------------------------------------------------------- plan
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """Sequences padded to one ``(n, Lq)`` / ``(n, Lk)`` block: the rows of values each slot reads."""
+
+    q_rows: torch.Tensor  # (n, Lq) int64 rows of q's values; padding slots repeat the sequence's first row
+    k_rows: torch.Tensor  # (n, Lk)
+    q_valid: torch.Tensor  # (n, Lq) bool
+    k_valid: torch.Tensor  # (n, Lk) bool
+    key_mask: torch.Tensor | None  # (n, 1, 1, Lk), -inf on padding keys; None where no padding key is seen
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    buckets: tuple[_Bucket, ...]
+    q_order: torch.Tensor  # the valid q rows, bucket after bucket: where each bucket's outputs go
+    k_order: torch.Tensor  # the same for k rows
+
+
+def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[int, int]]:
+    """Split sequences sorted by decreasing q length into ranges ``[i, j)``, each one kernel call on a block
+    padded to the range's longest q and k, minimizing ``CALL_COST`` per call plus ``weight * n * Lq * Lk``
+    per block. Exact dynamic programming over at most ``MAX_RUNS`` runs of consecutive sequences."""
+    n = len(q_lens)
+    step = -(-n // MAX_RUNS)
+    cuts = list(range(0, n, step)) + [n]
+    run_k = [max(k_lens[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)
+    choice = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        widest_k = 0
+        for i in range(j - 1, -1, -1):
+            widest_k = max(widest_k, run_k[i])
+            cost = best[i] + CALL_COST + weight * (cuts[j] - cuts[i]) * q_lens[cuts[i]] * widest_k
+            if cost < best[j]:
+                best[j], choice[j] = cost, i
+    ranges, j = [], len(cuts) - 1
+    while j > 0:
+        ranges.append((cuts[choice[j]], cuts[j]))
+        j = choice[j]
+    return ranges[::-1]
+
+
+def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype) -> _Plan:
+    cu_q, cu_k = problem.cu_q.to(torch.int64), problem.cu_k.to(torch.int64)
+    q_len, k_len = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
+    seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
+    seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
+    weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
+    buckets, q_order, k_order = [], [], []
+    for i, j in _buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight):
+        members = seqs[i:j]
+        q_rows, q_valid = _rows(cu_q[members], q_len[members])
+        k_rows, k_valid = _rows(cu_k[members], k_len[members])
+        # Causal self-attention needs no key mask: a real query i sees keys j <= i, all real; padding
+        # queries see padding keys, but their rows are dropped.
+        self_causal = opts.causal and torch.equal(q_len[members], k_len[members])
+        key_mask = None
+        if not self_causal and not bool(k_valid.all()):
+            key_mask = torch.zeros(k_valid.shape, dtype=mask_dtype).masked_fill_(~k_valid, float("-inf"))
+            key_mask = key_mask[:, None, None, :]
+        buckets.append(_Bucket(q_rows, k_rows, q_valid, k_valid, key_mask))
+        q_order.append(q_rows[q_valid])
+        k_order.append(k_rows[k_valid])
+    empty = torch.zeros(0, dtype=torch.int64)
+    return _Plan(tuple(buckets), torch.cat(q_order) if q_order else empty, torch.cat(k_order) if k_order else empty)
+
+
+def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n, max length)`` rows ``starts[s] + p`` and whether ``p < lengths[s]``; padding repeats row
+    ``starts[s]``."""
+    pos = torch.arange(int(lengths.max()))
+    valid = pos[None, :] < lengths[:, None]
+    return starts[:, None] + torch.where(valid, pos[None, :], 0), valid
+
+
+# One plan per (cu_q, cu_k) pair in use: the layers of a model share their batch's offsets tensors.
+_plans: dict = {}
+
+
+def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype) -> _Plan:
+    mask_dtype = _mask_dtype(dtype)
+    key = (id(problem.cu_q), id(problem.cu_k), problem.cu_q._version, problem.cu_k._version, opts.causal,
+           problem.heads, problem.head_dim, mask_dtype)
+    entry = _plans.get(key)
+    if entry is not None and entry[0]() is problem.cu_q and entry[1]() is problem.cu_k:
+        return entry[2]
+    plan = _build_plan(problem, opts, mask_dtype)
+    _plans.clear()  # only the latest batch's plan is kept
+    _plans[key] = (weakref.ref(problem.cu_q), weakref.ref(problem.cu_k), plan)
+    return plan
+
+
+def _mask_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernel takes a float32 mask with half-precision inputs, and wants the inputs' dtype otherwise."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+# --------------------------------------------------------------------------------------- forward
+def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
+    """``(out, lse)`` in the layouts of ``options.py``."""
+    if problem.dense:
+        return _forward_dense(q, k, v, bias, opts)
+    plan = _plan(problem, opts, q.dtype)
+    H, Dv, rows = problem.heads, problem.head_dim_v, q.shape[0]
+    outs, lses = [], []
+    for bucket in plan.buckets:
+        qb, kb, vb = (t[r].transpose(1, 2) for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
+        o, lse = _FORWARD(qb, kb, vb, 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
+        outs.append(o.transpose(1, 2)[bucket.q_valid])  # (valid rows, H, Dv)
+        lses.append(lse.transpose(1, 2)[bucket.q_valid])  # (valid rows, H)
+    out = q.new_zeros(rows, H, Dv)
+    lse = torch.full((rows, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
+    if outs:
+        out[plan.q_order] = torch.cat(outs)
+        lse[plan.q_order] = torch.cat(lses).to(lse.dtype)
+    return out, lse.t().contiguous()
+
+
+def _forward_dense(q, k, v, bias, opts: AttentionOptions):
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views
+    mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
+    out, lse = _FORWARD(qt, kt, vt, 0.0, opts.causal, attn_mask=mask, scale=opts.scale)
+    lse = lse.to(accumulate_dtype(q.dtype))
+    if mask is not None:
+        # The kernel gives lse 0 to a query that sees no key; varlen's convention is -inf.
+        lse = torch.where(_sees_a_key(mask, opts.causal, lse.shape), lse, float("-inf"))
+    return out.transpose(1, 2), lse
+
+
+def _sees_a_key(mask: torch.Tensor, causal: bool, shape) -> torch.Tensor:
+    """``(B, H, Sq)``: whether the query has a key the mask (and the top-left causal rule) leaves visible."""
+    finite = mask > float("-inf")
+    if not causal:
+        return finite.any(dim=-1).expand(shape)
+    # Query i sees keys j <= i: it sees one iff the mask's first finite column is at most i.
+    first = torch.where(finite.any(dim=-1), finite.to(torch.uint8).argmax(dim=-1), finite.shape[-1])
+    return (first <= torch.arange(shape[-1])).expand(shape)
+
+
+# -------------------------------------------------------------------------------------- backward
+def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, bias):
+    """``(dq, dk, dv)``; the lse gets no gradient here (callers with one take the chunked path)."""
+    if problem.dense:
+        return _backward_dense(dout, q, k, v, out, lse, bias, opts)
+    plan = _plan(problem, opts, q.dtype)
+    lse_rows = _kernel_lse(lse.t())  # (Tq, H)
+    dqs, dks, dvs = [], [], []
+    for bucket in plan.buckets:
+        qr, kr = bucket.q_rows, bucket.k_rows
+        # Padding query slots repeat a real row; an lse of +inf gives them zero probabilities, so they add
+        # nothing to dk and dv.
+        lse_b = lse_rows[qr].masked_fill(~bucket.q_valid[..., None], float("inf")).transpose(1, 2).contiguous()
+        grads = _BACKWARD(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
+                          v[kr].transpose(1, 2), out[qr].transpose(1, 2), lse_b, 0.0, opts.causal,
+                          attn_mask=bucket.key_mask, scale=opts.scale)
+        dq, dk, dv = (g.transpose(1, 2) for g in grads)
+        dqs.append(dq[bucket.q_valid])
+        dks.append(dk[bucket.k_valid])
+        dvs.append(dv[bucket.k_valid])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if dqs:
+        dq[plan.q_order] = torch.cat(dqs)
+        dk[plan.k_order] = torch.cat(dks)
+        dv[plan.k_order] = torch.cat(dvs)
+    return dq, dk, dv
+
+
+def _backward_dense(dout, q, k, v, out, lse, bias, opts: AttentionOptions):
+    mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
+    grads = _BACKWARD(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), _kernel_lse(lse), 0.0, opts.causal,
+                      attn_mask=mask, scale=opts.scale)
+    return tuple(g.transpose(1, 2) for g in grads)
+
+
+def _kernel_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The lse as the kernel's backward needs it: +inf (not -inf) for a query that sees no key, so its
+    recomputed probabilities ``exp(s - lse)`` are 0 rather than NaN."""
+    return torch.where(lse == float("-inf"), float("inf"), lse)
