@@ -139,6 +139,14 @@ def test_window_convention(Lq, Lk, window, causal, varlen_call):
     assert torch.equal(got, _window_by_formula(Lq, Lk, *window, causal))
 
 
+@pytest.mark.parametrize("varlen_call", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("window,dtype", [((2, 1), torch.int64), ((-1, 0), torch.int32), ((3, -1), torch.int16)])
+def test_window_size_may_be_an_integer_tensor(window, dtype, varlen_call, device):
+    """As users pass torch.tensor([left, right]); on any device (it is read on the host)."""
+    got = _visible(6, 8, dict(window_size=torch.tensor(window, dtype=dtype, device=device)), varlen_call)
+    assert torch.equal(got, _window_by_formula(6, 8, *window, False))
+
+
 # ----------------------------------------------------------------------------- numerics (dense)
 DENSE_CASES = [  # (id, B, Sq, Sk, H, Hkv, D, Dv, options)
     ("plain", 2, 17, 17, 2, 2, 16, 16, {}),
@@ -190,8 +198,8 @@ def test_flash_attn_func_matches_reference(case, device):
         options["alibi_slopes"] = _slopes(options["alibi_slopes"], B, H).to(device)
     out, lse, s_dmask = flash_attn_func(q, k, v, return_attn_probs=True, **options)
     ref, ref_lse = _reference(q, k, v, options)
-    assert out.shape == (B, Sq, H, Dv) and lse.shape == (B, H, Sq) and lse.dtype == torch.float32
-    assert s_dmask is None
+    assert out.shape == (B, Sq, H, Dv) and lse.shape == (B, H, Sq) and lse.dtype == F64  # float32 for others
+    assert s_dmask.shape == (0,) and s_dmask.dtype == q.dtype  # flash-attn 2.7 / 2.8 without dropout
     assert_close(out, ref, name="out")
     assert_close(lse, ref_lse, torch.float32, name="lse")
     _assert_grads_match(out, ref, [q, k, v], device)
@@ -202,7 +210,8 @@ def test_return_structure(device):
     out = flash_attn_func(q, q, q)
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
     result = flash_attn_func(q, q, q, return_attn_probs=True)
-    assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
+    assert isinstance(result, tuple) and len(result) == 3 and result[1].dtype == torch.float32
+    assert result[2].shape == (0,) and result[2].dtype == q.dtype and result[2].device == q.device
 
 
 def test_queries_that_see_no_key(device):
@@ -233,6 +242,97 @@ def test_dropout_matches_reference_on_the_calls_mask(varlen_call, device):
     ref, _ = _reference(q, k, v, dict(causal=True), keep=keep, dropout_p=p)
     assert_close(out, ref, name="out")
     _assert_grads_match(out, ref, [q, k, v], device)
+
+
+# ------------------------------------------------------------------------- return_attn_probs (S_dmask)
+def _probabilities_by_formula(q_seqs, k_seqs, max_q, max_k, options) -> torch.Tensor:
+    """``(B, H, max_q, max_k)`` float64: per sequence and head, the softmax of the scaled, softcapped,
+    ALiBi-shifted scores over the keys flash-attn's docstring lets each query see; zeros elsewhere."""
+    H, Hkv, D = q_seqs[0].shape[1], k_seqs[0].shape[1], q_seqs[0].shape[2]
+    scale = options.get("softmax_scale") or D ** -0.5
+    softcap, slopes = options.get("softcap", 0.0), options.get("alibi_slopes")
+    left, right = options.get("window_size", (-1, -1))
+    probs = torch.zeros(len(q_seqs), H, max_q, max_k, dtype=F64)
+    for b, (qb, kb) in enumerate(zip(q_seqs, k_seqs, strict=True)):
+        Lq, Lk = qb.shape[0], kb.shape[0]
+        if Lq == 0 or Lk == 0:
+            continue
+        seen = _window_by_formula(Lq, Lk, left, right, options.get("causal", False))
+        distance = (torch.arange(Lq).view(-1, 1) + Lk - Lq - torch.arange(Lk).view(1, -1)).abs()
+        for h in range(H):
+            s = scale * qb[:, h].double().cpu() @ kb[:, h // (H // Hkv)].double().cpu().T
+            if softcap > 0:
+                s = softcap * torch.tanh(s / softcap)
+            if slopes is not None:
+                s = s - float(slopes[b, h] if slopes.dim() == 2 else slopes[h]) * distance
+            p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+            probs[b, h, :Lq, :Lk] = torch.where(seen.any(dim=1, keepdim=True), p, 0.0)
+    return probs
+
+
+PROBS_CASES = [  # (id, q lengths, k lengths (varlen) or None (dense, all of the first's), H, Hkv, options)
+    ("dense-causal-gqa", (5, 5), (9, 9), 4, 2, dict(causal=True), False),
+    ("dense-window-alibi-softcap", (7,), (6,), 2, 2, dict(window_size=(2, 1), alibi_slopes="BH", softcap=2.0,
+                                                          softmax_scale=0.4), False),
+    ("varlen-cross-causal", (3, 0, 6, 4), (5, 2, 0, 9), 2, 1, dict(causal=True), True),
+    ("varlen-window-alibi", (6, 1, 8), (6, 4, 3), 4, 2, dict(window_size=(1, 2), alibi_slopes="H"), True),
+]
+
+
+@pytest.mark.parametrize("case", PROBS_CASES, ids=lambda c: c[0])
+def test_attn_probs_are_the_probabilities_with_the_calls_drop_mask(case, device):
+    """S_dmask.abs() is the softmax of the masked scores and its sign bit the call's drop mask, which
+    varlen.attention_dropout_mask gives before the call."""
+    name, q_lens, k_lens, H, Hkv, options, varlen_call = case
+    torch.manual_seed(zlib.crc32(name.encode()))
+    p, B, D = 0.3, len(q_lens), 8
+    options = dict(options)
+    if "alibi_slopes" in options:
+        options["alibi_slopes"] = _slopes(options["alibi_slopes"], B, H).to(device)
+    q = torch.randn(sum(q_lens), H, D, dtype=F64, device=device)
+    k, v = (torch.randn(sum(k_lens), Hkv, D, dtype=F64, device=device) for _ in range(2))
+    if varlen_call:
+        cu_q, cu_k = _cu(q_lens, device), _cu(k_lens, device)
+        max_q, max_k = max(q_lens) + 1, max(k_lens)  # an upper bound works and sets the shape
+        keep = varlen.attention_dropout_mask(varlen.JaggedTensor(q, cu_q, max_q, validate=False),
+                                             varlen.JaggedTensor(k, cu_k, max_k, validate=False), p)
+        out, _, s_dmask = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=p,
+                                                 return_attn_probs=True, **options)
+        q_seqs, k_seqs = q.split(list(q_lens)), k.split(list(k_lens))
+    else:
+        max_q, max_k = q_lens[0], k_lens[0]
+        q, k, v = q.view(B, max_q, H, D), k.view(B, max_k, Hkv, D), v.view(B, max_k, Hkv, D)
+        keep = varlen.attention_dropout_mask(q, k, p)
+        out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **options)
+        q_seqs, k_seqs = list(q), list(k)
+        # S_dmask describes the call: its kept probabilities, scaled, times v give the output.
+        kept = torch.where(torch.signbit(s_dmask), 0.0, s_dmask) / (1 - p)
+        assert_close(out, torch.einsum("bhij,bjhd->bihd", kept, v.repeat_interleave(H // Hkv, dim=2)), name="out")
+    assert s_dmask.shape == (B, H, max_q, max_k) and s_dmask.dtype == q.dtype and not s_dmask.requires_grad
+    assert torch.equal(torch.signbit(s_dmask), ~keep) and keep.any() and not keep.all()
+    ref = _probabilities_by_formula(q_seqs, k_seqs, max_q, max_k, options)
+    assert_close(s_dmask.abs(), ref, name="S_dmask.abs()")
+    nonzero = ref > 0  # flash-attn's test convention: negative = dropped
+    assert torch.equal((s_dmask >= 0)[nonzero.to(device)], keep[nonzero.to(device)])
+
+
+def test_attn_probs_in_low_precision_and_packed(device):
+    qkv = torch.randn(2, 6, 3, 2, 8, device=device)
+    keep = varlen.attention_dropout_mask(qkv[:, :, 0], qkv[:, :, 1], 0.2)
+    _, _, s_dmask = flash_attn_qkvpacked_func(qkv, dropout_p=0.2, causal=True, return_attn_probs=True)
+    ref = _probabilities_by_formula(list(qkv[:, :, 0]), list(qkv[:, :, 1]), 6, 6, dict(causal=True))
+    assert s_dmask.dtype == torch.float32 and torch.equal(torch.signbit(s_dmask), ~keep)
+    assert_close(s_dmask.abs(), ref, name="S_dmask.abs()")
+
+
+def test_attn_probs_are_computed_only_when_asked_for(device, monkeypatch):
+    """Without dropout (or without return_attn_probs) nothing O(Sq * Sk) is built: S_dmask is empty."""
+    import varlen.flash_attn_interface as module
+
+    monkeypatch.setattr(module, "_probabilities", lambda *a, **k: pytest.fail("probabilities computed"))
+    q = torch.randn(1, 5, 2, 8, device=device)
+    assert flash_attn_func(q, q, q, dropout_p=0.1).shape == q.shape
+    assert flash_attn_func(q, q, q, dropout_p=0.0, return_attn_probs=True)[2].shape == (0,)
 
 
 # ------------------------------------------------------------------------------------------ varlen
@@ -364,6 +464,18 @@ ERRORS = [  # (id, call, exception, message)
      ValueError, "kv: expected shape (total, 2, heads, dim), got (8, 3, 2, 8)"),
     ("window_size", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8), window_size=4),
      ValueError, "window_size: expected (left, right) ints, -1 for unbounded; got 4"),
+    ("window_size float tensor", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8),
+                                                         window_size=torch.tensor([2.0, 0.0])),
+     TypeError, "window_size: expected (left, right) ints or an integer tensor, got a tensor of dtype torch.float32"),
+    ("window_size bool tensor", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8),
+                                                        window_size=torch.tensor([True, False])),
+     TypeError, "got a tensor of dtype torch.bool"),
+    ("window_size tensor shape", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8),
+                                                         window_size=torch.tensor([[2, 0]])),
+     ValueError, "window_size: expected (left, right) ints or a tensor of shape (2,), got a tensor of shape (1, 2)"),
+    ("window_size 0-dim tensor", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8),
+                                                         window_size=torch.tensor(3)),
+     ValueError, "got a tensor of shape ()"),
     ("dense q dims", lambda: flash_attn_func(_t(5, 2, 8), _t(5, 2, 8), _t(5, 2, 8)), ValueError,
      "q: expected 4 dims (batch, seq, heads, dim)"),
     ("dropout_p", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8), dropout_p=1.0),

@@ -171,6 +171,33 @@ def test_gradcheck(device):
                                     (q, k, v, mask), atol=1e-8, rtol=1e-6)
 
 
+# ----------------------------------------------------------------------- 0-dim tensor scale, dropout_p
+@pytest.mark.parametrize("scale", [torch.tensor(0.3), torch.tensor(0.3, dtype=F64), torch.tensor(2)],
+                         ids=["float32", "float64", "int64"])
+def test_scale_may_be_a_0dim_tensor_as_in_torch(scale, device):
+    """torch's Python binding reads a 0-dim tensor given for a float argument; so does varlen."""
+    q, k, v, _ = _make(Case("tensor-scale", (2, 2, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8)), F64, device)
+    scale = scale.to(device)
+    out = scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True)
+    assert_close(out, torch_sdpa(q, k, v, scale=scale, is_causal=True), name="out")  # torch takes it too
+    assert torch.equal(out, scaled_dot_product_attention(q, k, v, scale=scale.item(), is_causal=True))
+    _, nq = _nested((3, 5), 2, 8, device)
+    nested = scaled_dot_product_attention(nq, nq, nq, scale=scale)
+    assert torch.equal(nested.values(), scaled_dot_product_attention(nq, nq, nq, scale=scale.item()).values())
+
+
+@pytest.mark.parametrize("dropout_p", [torch.tensor(0.3), torch.tensor(0.25, dtype=F64), torch.tensor(0)],
+                         ids=["float32", "float64", "int64-zero"])
+def test_dropout_p_may_be_a_0dim_tensor_as_in_torch(dropout_p, device):
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=F64, device=device) for _ in range(3))
+    dropout_p = dropout_p.to(device)
+    torch.manual_seed(5)
+    out = scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    torch.manual_seed(5)
+    assert torch.equal(out, scaled_dot_product_attention(q, k, v, dropout_p=dropout_p.item()))
+    assert torch_sdpa(q, k, v, dropout_p=dropout_p).shape == out.shape  # torch takes it too
+
+
 # ------------------------------------------------------------------------------------------ dropout
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_dropout_matches_reference_on_the_calls_mask(is_causal, device):
@@ -341,6 +368,20 @@ ERRORS = [  # (id, args, kwargs, varlen's exception, message, torch also rejects
      "dropout_p: expected a float in [0, 1), got 1.5", True),
     ("dropout_p 1", (_r(2, 4, 5, 8),) * 3, dict(dropout_p=1.0), ValueError, "dropout_p: expected a float in [0, 1)",
      False),
+    ("scale 1-dim tensor", (_r(2, 4, 5, 8),) * 3, dict(scale=torch.tensor([0.5])), TypeError,
+     "scale: expected a float or a 0-dim float or integer tensor, got a tensor of shape (1,) and dtype torch.float32",
+     True),
+    ("dropout_p 2-element tensor", (_r(2, 4, 5, 8),) * 3, dict(dropout_p=torch.tensor([0.1, 0.2])), TypeError,
+     "dropout_p: expected a float or a 0-dim float or integer tensor, got a tensor of shape (2,)", True),
+    ("scale bool tensor", (_r(2, 4, 5, 8),) * 3, dict(scale=torch.tensor(True)), TypeError,
+     "scale: expected a float or a 0-dim float or integer tensor, got a tensor of shape () and dtype torch.bool",
+     False),
+    ("scale requires grad", (_r(2, 4, 5, 8),) * 3, dict(scale=torch.tensor(0.5, requires_grad=True)), TypeError,
+     "scale: got a tensor that requires grad, but no gradient is computed for scale", True),
+    ("dropout_p tensor above 1", (_r(2, 4, 5, 8),) * 3, dict(dropout_p=torch.tensor(1.5)), ValueError,
+     "dropout_p: expected a float in [0, 1), got 1.5", True),
+    ("scale nan tensor", (_r(2, 4, 5, 8),) * 3, dict(scale=torch.tensor(float("nan"))), ValueError,
+     "scale: expected None or a finite float, got nan", False),
     ("is_causal not a bool", (_r(2, 4, 5, 8),) * 3, dict(is_causal=1), TypeError, "is_causal: expected a bool", True),
     ("scale nan", (_r(2, 4, 5, 8),) * 3, dict(scale=float("nan")), ValueError, "scale: expected None or a finite",
      False),

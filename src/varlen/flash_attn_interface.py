@@ -11,10 +11,21 @@ its defaults and conventions (those of the flash-attn 2.7 / 2.8 releases):
   matrix (flash-attn >= 2.1): query i sees keys ``[i + Lk - Lq - window_size[0], i + Lk - Lq +
   window_size[1]]``, a negative side unbounded, and ``causal`` caps the right side at 0. ALiBi adds
   ``-slope * |i + Lk - Lq - j|``. ``softcap > 0`` caps the scores with ``softcap * tanh(s / softcap)``.
-- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: lse float32 ``(B, H, S)`` dense or
-  ``(H, total_q)`` varlen, and ``S_dmask`` always ``None`` (flash-attn returns a padded, test-only
-  probability matrix there; varlen never materialises one. Get the dropout mask of the next call with
-  ``varlen.attention_dropout_mask``).
+- ``window_size`` may also be a 2-element integer tensor ``[left, right]`` on any device (read on the
+  host: a device-to-host copy on a GPU).
+- ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``: lse float32 (float64 for float64
+  inputs) ``(B, H, Sq)`` dense or ``(H, total_q)`` varlen. ``S_dmask`` is what flash-attn 2.7 / 2.8
+  returns there, made exact: with ``dropout_p == 0`` an empty ``(0,)`` tensor (so asking for the lse
+  costs nothing more); otherwise the attention probabilities ``(B, H, Sq, Sk)`` (varlen ``(B, H,
+  max_seqlen_q, max_seqlen_k)``, entry ``[b, h, i, j]`` being query i and key j of sequence b) in q's
+  dtype, with the dropped ones negated. ``S_dmask.abs()`` is the softmax before dropout and its
+  ``1 / (1 - p)`` scaling (0 where masked or past a sequence's end); ``torch.signbit(S_dmask)`` is the
+  call's drop mask, the complement of ``varlen.attention_dropout_mask`` (a dropped 0 is ``-0.0``, which
+  flash-attn's test convention ``S_dmask >= 0`` counts as kept). flash-attn pads its matrix to
+  multiples of 128 and scales it per block; this one is unpadded and normalised. Computed only when
+  asked for, materialised in float32 (float64 for float64 inputs; ``O(B * H * Sq * Sk)`` memory) and
+  not differentiable: for tests and debugging at small sizes.
+- ``flash_attn.bert_padding``'s ``unpad_input`` / ``pad_input`` are ``varlen.bert_padding``'s.
 
 Differences from flash-attn: dropout draws another random stream (same distribution and scaling); a
 query that sees no key gets lse ``-inf`` (flash-attn gives ``+inf``), output 0 in both; the lse is
@@ -29,8 +40,9 @@ import numbers
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_dtype, check_tensor
+from ._checks import INDEX_DTYPES, accumulate_dtype, check_dtype, check_tensor
 from .attention.api import attention
+from .attention.dropout import attention_dropout_mask
 from .jagged import JaggedTensor
 
 
@@ -38,9 +50,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """Attention over a dense batch: q ``(B, Sq, H, D)``, k ``(B, Sk, Hkv, D)``, v ``(B, Sk, Hkv, Dv)``.
 
-    Returns ``out`` ``(B, Sq, H, Dv)``, or ``(out, softmax_lse (B, H, Sq), None)`` when
-    ``return_attn_probs``. See the module docstring for the conventions; raises ValueError / TypeError
-    naming the argument for invalid inputs.
+    ``window_size``: ``(left, right)`` ints (or an integer tensor of shape ``(2,)``), -1 for unbounded.
+
+    Returns ``out`` ``(B, Sq, H, Dv)``, or ``(out, softmax_lse (B, H, Sq), S_dmask)`` when
+    ``return_attn_probs``: ``S_dmask`` is an empty tensor when ``dropout_p == 0``, else the probabilities
+    ``(B, H, Sq, Sk)`` before dropout with the dropped ones negated (computed only then, ``O(Sq * Sk)``
+    memory). See the module docstring for the conventions; raises ValueError / TypeError naming the
+    argument for invalid inputs.
     """
     return _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                    return_attn_probs)
@@ -75,8 +91,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         block_table: must be None (paged KV caches are not supported).
         Others: as ``flash_attn_func``.
 
-    Returns ``out`` ``(total_q, H, Dv)``, or ``(out, softmax_lse (H, total_q), None)``. No device-to-host
-    copies (a 1-element tensor given for a ``max_seqlen`` is read once, which is one).
+    Returns ``out`` ``(total_q, H, Dv)``, or ``(out, softmax_lse (H, total_q), S_dmask)``, ``S_dmask``
+    as in ``flash_attn_func`` with shape ``(B, H, max_seqlen_q, max_seqlen_k)``. No device-to-host copies
+    (a tensor given for a ``max_seqlen`` or for ``window_size`` is read, which is one).
     """
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported by varlen; pass block_table=None")
@@ -112,16 +129,69 @@ def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, ali
         raise TypeError(f"return_attn_probs: expected a bool, got {type(return_attn_probs).__name__}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a float (<= 0 disables it), got {softcap!r}")
-    out, lse = attention(q, k, v, causal=causal, window=_window(window_size), align="bottom_right",
-                         scale=softmax_scale, alibi_slopes=alibi_slopes, softcap=max(float(softcap), 0.0),
-                         dropout_p=dropout_p, deterministic=deterministic, return_lse=True)
+    window, softcap = _window(window_size), max(float(softcap), 0.0)
+    # The call's keep mask, read before the call draws it (reading doesn't advance the generator).
+    keep = None
+    if return_attn_probs and isinstance(dropout_p, numbers.Real) and dropout_p > 0:
+        keep = attention_dropout_mask(q, k, dropout_p)
+    out, lse = attention(q, k, v, causal=causal, window=window, align="bottom_right", scale=softmax_scale,
+                         alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p,
+                         deterministic=deterministic, return_lse=True)
     if isinstance(out, JaggedTensor):
         out = out.values
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if keep is None:
+        return out, lse, out.new_empty(0)  # flash-attn 2.7 / 2.8 without dropout
+    probs = _probabilities(q, k, causal=causal, window=window, scale=softmax_scale, softcap=softcap,
+                           alibi_slopes=alibi_slopes)
+    return out, lse, torch.where(keep, probs, -probs).to(out.dtype)
+
+
+@torch.no_grad()
+def _probabilities(q, k, *, causal, window, scale, softcap, alibi_slopes) -> torch.Tensor:
+    """Softmax of the masked scores, ``(B, H, Sq, Sk)`` (jagged: padded to the max lengths, zeros past
+    the ends), in float32 (float64 for float64 inputs), with flash-attn's bottom-right alignment."""
+    if isinstance(q, JaggedTensor):
+        len_q, len_k = q.lengths.view(-1, 1, 1), k.lengths.view(-1, 1, 1)
+        q, k = q.to_padded(), k.to_padded()
+    else:
+        len_q, len_k = q.shape[1], k.shape[1]
+    dtype = accumulate_dtype(q.dtype)
+    _, Sq, H, D = q.shape
+    Sk = k.shape[1]
+    k = k.to(dtype).repeat_interleave(H // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.to(dtype), k) * (D ** -0.5 if scale is None else scale)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(Sq, device=q.device).view(1, -1, 1)
+    j = torch.arange(Sk, device=q.device).view(1, 1, -1)
+    behind = i + (len_k - len_q) - j  # (B | 1, Sq, Sk): how far key j lies behind query i's diagonal
+    if alibi_slopes is not None:
+        s = s - alibi_slopes.to(dtype).reshape(-1, H, 1, 1) * behind.abs().unsqueeze(1)
+    visible = (i < len_q) & (j < len_k)
+    left, right = window
+    if causal:
+        visible = visible & (behind >= 0)
+    if left is not None:
+        visible = visible & (behind <= left)
+    if right is not None:
+        visible = visible & (behind >= -right)
+    visible = visible.unsqueeze(1)
+    probs = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.where(visible.any(dim=-1, keepdim=True), probs, 0.0)  # a query that sees no key: zeros
 
 
 def _window(window_size) -> tuple[int | None, int | None]:
     """flash-attn's ``(left, right)``, a negative side meaning unbounded, as varlen's window."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool:
+            raise TypeError(f"window_size: expected (left, right) ints or an integer tensor, got a tensor of dtype "
+                            f"{window_size.dtype}")
+        if window_size.shape != (2,):
+            raise ValueError(f"window_size: expected (left, right) ints or a tensor of shape (2,), got a tensor of "
+                             f"shape {tuple(window_size.shape)}")
+        window_size = window_size.tolist()  # read on the host (a device-to-host copy on a GPU)
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
             isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in window_size):
         raise ValueError(f"window_size: expected (left, right) ints, -1 for unbounded; got {window_size!r}")

@@ -8,6 +8,7 @@ the inputs are viewed as varlen's ``(B, S, H, D)`` layout by a transpose, withou
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -43,10 +44,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             Nested inputs (a varlen extension): broadcastable to ``(B, Hq, max_L, max_S)``, entry
             ``[b, h, i, j]`` being query i and key j of sequence b (entries past the lengths are ignored).
         dropout_p: drop probability of the attention weights (kept ones scaled by ``1 / (1 - p)``), drawn
-            from torch's default generator for the device; pass 0.0 in evaluation.
+            from torch's default generator for the device; pass 0.0 in evaluation. A float, or as in torch
+            a 0-dim float or integer tensor, read on the host (a device-to-host copy on a GPU).
         is_causal: top-left causal mask (query i sees keys ``j <= i``, per sequence for nested inputs).
             Must not be combined with ``attn_mask``.
-        scale: keyword-only; multiplies the scores; default ``1 / sqrt(E)``.
+        scale: keyword-only; multiplies the scores; default ``1 / sqrt(E)``. A float or, as in torch, a
+            0-dim float or integer tensor (read on the host, like ``dropout_p``).
         enable_gqa: keyword-only; let query have ``Hq`` heads, a multiple of key/value's ``H``, query
             head h using key/value head ``h // (Hq // H)``. Without it ``H`` must equal ``Hq`` (or be 1,
             broadcast).
@@ -64,7 +67,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
           (4-dim or nested inputs).
         - Extensions: float masks of any float dtype; nested inputs with ``is_causal``, masks and GQA.
         - Rejected: ``dropout_p == 1`` (torch returns zeros), key and value with different head counts,
-          a query with fewer heads than key (broadcasting query over heads), fewer than 2 dims.
+          a query with fewer heads than key (broadcasting query over heads), fewer than 2 dims, bools
+          (Python or 0-dim tensors) and complex tensors for ``scale`` and ``dropout_p`` (torch reads them).
         - Leading dims beyond one batch dim are flattened (a copy when they can't be viewed as one) and a
           mask broadcast along them is expanded in memory.
 
@@ -96,14 +100,17 @@ def _check_tensors(query, key, value) -> None:
     check_same_device([("query", query), ("key", key), ("value", value)])
 
 
-def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
+def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[float, float | None]:
+    """Checks the options; returns ``dropout_p`` and ``scale`` as host floats (``scale`` may be None)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+    dropout_p = _host_number("dropout_p", dropout_p)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+    scale = None if scale is None else _host_number("scale", scale)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected None or a finite float, got {scale!r}")
     if attn_mask is not None:
@@ -113,6 +120,21 @@ def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
         if is_causal:
             raise ValueError("attn_mask: must be None when is_causal=True (as in torch); put the causal "
                              "pattern into the mask instead")
+    return float(dropout_p), None if scale is None else float(scale)
+
+
+def _host_number(name: str, value):
+    """A 0-dim float or integer tensor read on the host, as torch reads one for its float arguments (a
+    device-to-host copy on a GPU); any other value is returned as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name}: expected a float or a 0-dim float or integer tensor, got a tensor of shape "
+                        f"{tuple(value.shape)} and dtype {value.dtype}")
+    if value.requires_grad:
+        raise TypeError(f"{name}: got a tensor that requires grad, but no gradient is computed for {name} (torch "
+                        f"rejects it too); pass {name}.detach() or a float")
+    return value.item()
 
 
 def _check_heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> None:
@@ -134,7 +156,7 @@ def _dense_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         if t.dim() < 2:
             raise ValueError(f"{name}: expected at least 2 dims (..., L, E), got shape {tuple(t.shape)}")
     _check_tensors(query, key, value)
-    _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p, scale = _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # Each input as (*leading, heads, seq, dim); a 2-dim input has one head.
     q, k, v = (t if t.dim() > 2 else t.unsqueeze(0) for t in (query, key, value))
     try:
@@ -153,8 +175,7 @@ def _dense_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         attn_mask = _flatten_mask(attn_mask, weights)
     # (B, H, S, D) -> (B, S, H, D): a transpose, no copy (varlen needs only stride(-1) == 1).
     q, k, v = (_flatten_lead(t, lead).transpose(1, 2) for t in (q, k, v))
-    out = attention(q, k, v, causal=is_causal, align="top_left", scale=scale, bias=attn_mask,
-                    dropout_p=float(dropout_p))
+    out = attention(q, k, v, causal=is_causal, align="top_left", scale=scale, bias=attn_mask, dropout_p=dropout_p)
     ndim = max(query.dim(), key.dim(), value.dim())
     return out.transpose(1, 2).reshape((*lead, hq, L, Ev)[-ndim:])
 
@@ -194,12 +215,11 @@ def _nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
             raise ValueError(f"{name}: expected SDPA's nested layout (B, H, j, D), a (B, j, H, D) nested tensor "
                              f"transposed(1, 2) (ragged dim 2); got {t.dim()} dims with ragged dim {t._ragged_idx}")
     _check_tensors(query, key, value)
-    _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    dropout_p, scale = _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
     # (B, H, j, D) -> (B, j, H, D) nested view -> JaggedTensor view of its values and offsets.
     q, k, v = (JaggedTensor.from_nested(t.transpose(1, 2)) for t in (query, key, value))
-    out = attention(q, k, v, causal=is_causal, align="top_left", scale=scale, bias=attn_mask,
-                    dropout_p=float(dropout_p))
+    out = attention(q, k, v, causal=is_causal, align="top_left", scale=scale, bias=attn_mask, dropout_p=dropout_p)
     nested = torch.nested.nested_tensor_from_jagged(out.values, query.offsets(), max_seqlen=q.max_len,
                                                     min_seqlen=query._maybe_min_seqlen)
     return nested.transpose(1, 2)

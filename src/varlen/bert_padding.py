@@ -1,0 +1,250 @@
+"""A drop-in for flash-attn 2.x's ``flash_attn.bert_padding``: between padded batches and varlen rows.
+
+``from varlen.bert_padding import unpad_input, pad_input`` in place of ``from flash_attn.bert_padding
+import ...``: the same public names, signatures and returns as flash-attn 2.7 / 2.8 (``unpad_input`` has
+returned five values, with ``unused_mask``, since 2.7.0). The round trip around varlen's attention::
+
+    q_unpad, indices, cu_seqlens, max_seqlen, _ = unpad_input(q, attention_mask)  # (B, S, H, D) -> (total, H, D)
+    out_unpad = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    out = pad_input(out_unpad, indices, B, S)                                       # zeros at the padding
+
+What the returns are, as in flash-attn: the gathered rows in ``hidden_states``' dtype; ``indices`` int64
+positions in the flattened ``(B * S)`` batch, in row-major order; ``cu_seqlens`` int32 ``(B + 1,)``
+offsets; ``max_seqlen_in_batch`` a Python int; ``seqused`` int32 ``(B,)``; all on the mask's device
+(which must be ``hidden_states``' device). ``unpad_input`` reads the lengths on the host (one
+device-to-host copy on a GPU, as in flash-attn); ``pad_input`` and the ``index_*`` functions make none and
+trust their indices (torch checks the range on the CPU; on a GPU an index out of range is a device-side
+error).
+
+The ``index_*`` functions are differentiable: ``index_first_axis`` gathers rows and its backward
+scatters the gradient into zeros; ``index_put_first_axis`` scatters rows into zeros and its backward
+gathers; ``index_first_axis_residual`` also returns the (detached) input, whose gradient its backward
+adds to. The ``IndexFirstAxis``, ``IndexPutFirstAxis`` and ``IndexFirstAxisResidual`` autograd functions
+behind them are exported too (call them with ``.apply``).
+
+Differences from flash-attn: errors are ValueError / TypeError naming the argument (flash-attn asserts
+or fails inside torch); a mask entry counts as valid when it is nonzero (flash-attn sums the mask, which
+is the same for 0/1 masks); ``index_first_axis``'s backward adds the gradients of repeated indices
+(flash-attn keeps one; the same for the distinct indices ``unpad_input`` returns); ``hidden_states`` of
+only ``(B, S)`` and 1-dim inputs to the ``index_*`` functions work; an empty batch gives
+``max_seqlen_in_batch = 0``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import INDEX_DTYPES, check_dtype, check_int, check_tensor
+
+__all__ = [
+    "IndexFirstAxis",
+    "IndexFirstAxisResidual",
+    "IndexPutFirstAxis",
+    "index_first_axis",
+    "index_first_axis_residual",
+    "index_put_first_axis",
+    "pad_input",
+    "unpad_input",
+    "unpad_input_for_concatenated_sequences",
+]
+
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------------------ autograd functions
+class IndexFirstAxis(torch.autograd.Function):
+    """``input[indices]`` along dim 0; the backward scatters the gradient into zeros of ``input``'s shape."""
+
+    @staticmethod
+    def forward(ctx, input, indices):
+        _check_rows("input", input)
+        _check_indices(indices, input, "input")
+        ctx.save_for_backward(indices)
+        ctx.first_axis_dim = input.shape[0]
+        return input.index_select(0, indices)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (indices,) = ctx.saved_tensors
+        grad_input = grad_output.new_zeros(ctx.first_axis_dim, *grad_output.shape[1:])
+        return grad_input.index_add_(0, indices, grad_output), None
+
+
+class IndexPutFirstAxis(torch.autograd.Function):
+    """Zeros of ``(first_axis_dim, *values.shape[1:])`` with row ``indices[r]`` set to ``values[r]``; the
+    backward gathers the gradient's rows ``indices``. The indices should be distinct."""
+
+    @staticmethod
+    def forward(ctx, values, indices, first_axis_dim):
+        _check_rows("values", values)
+        _check_indices(indices, values, "values")
+        if indices.shape[0] != values.shape[0]:
+            raise ValueError(f"indices: {indices.shape[0]} indices for the {values.shape[0]} rows of values; "
+                             "there must be one index per row")
+        first_axis_dim = _host_int("first_axis_dim", first_axis_dim)
+        ctx.save_for_backward(indices)
+        output = values.new_zeros(first_axis_dim, *values.shape[1:])
+        output[indices] = values
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (indices,) = ctx.saved_tensors
+        return grad_output.index_select(0, indices), None, None
+
+
+class IndexFirstAxisResidual(torch.autograd.Function):
+    """``(input[indices], input)``: the rows and the input itself (detached), for a block that goes on with
+    both; the backward adds the rows' gradient into the input's."""
+
+    @staticmethod
+    def forward(ctx, input, indices):
+        _check_rows("input", input)
+        _check_indices(indices, input, "input")
+        ctx.save_for_backward(indices)
+        return input.index_select(0, indices), input.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_residual):
+        (indices,) = ctx.saved_tensors
+        return grad_residual.index_add(0, indices, grad_output), None
+
+
+def index_first_axis(input, indices):
+    """``input[indices]`` for ``input`` ``(N, ...)`` and int ``indices`` ``(n,)``: ``(n, ...)``. Differentiable
+    (the backward scatters into zeros)."""
+    return IndexFirstAxis.apply(input, indices)
+
+
+def index_put_first_axis(values, indices, first_axis_dim):
+    """A ``(first_axis_dim, ...)`` zero tensor with rows ``indices`` set to ``values`` ``(n, ...)``.
+    Differentiable (the backward gathers); the indices should be distinct."""
+    return IndexPutFirstAxis.apply(values, indices, first_axis_dim)
+
+
+def index_first_axis_residual(input, indices):
+    """``(input[indices], input.detach())``; gradients of both outputs reach ``input``."""
+    return IndexFirstAxisResidual.apply(input, indices)
+
+
+# ------------------------------------------------------------------------------------- padding helpers
+def unpad_input(hidden_states, attention_mask, unused_mask=None):
+    """The valid tokens of a padded batch, one after another, as flash-attn's varlen functions take them.
+
+    Args:
+        hidden_states: ``(B, S, ...)``.
+        attention_mask: ``(B, S)`` bool or integer; nonzero marks a valid token (anywhere in its row).
+        unused_mask: None, or ``(B, S)`` like ``attention_mask``: tokens that are allocated but unused.
+            They are kept in the rows and counted in ``cu_seqlens``, but not in ``seqused`` (for kernels
+            that take ``seqused``; put them after the used tokens of their sequence).
+
+    Returns:
+        ``(hidden_states_unpadded (total, ...), indices (total,) int64, cu_seqlens (B + 1,) int32,
+        max_seqlen_in_batch int, seqused (B,) int32)``: the tokens where either mask is nonzero, their
+        positions in the flattened ``(B * S, ...)`` batch, the offsets of each sequence's tokens, the
+        longest sequence, and each sequence's count of ``attention_mask`` tokens.
+    """
+    _check_rows("hidden_states", hidden_states, ndim=2, layout="(batch, seqlen, ...)")
+    valid = _check_mask("attention_mask", attention_mask, hidden_states)
+    kept = valid if unused_mask is None else valid | _check_mask("unused_mask", unused_mask, hidden_states)
+    seqlens = kept.sum(dim=-1, dtype=torch.int32)
+    indices = kept.flatten().nonzero().flatten()
+    rows = hidden_states.flatten(0, 1)
+    return (index_first_axis(rows, indices), indices, _cu_seqlens(seqlens), _max(seqlens),
+            valid.sum(dim=-1, dtype=torch.int32))
+
+
+def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_length):
+    """``unpad_input`` for rows that each hold several sequences one after another.
+
+    Args:
+        hidden_states: ``(B, S, ...)``.
+        attention_mask_in_length: ``(B, S)`` integer: row b lists the lengths of the sequences packed at
+            the start of ``hidden_states[b]``, then zeros; e.g. ``[2, 3, 0, 0, 0, 0]`` is two sequences
+            of lengths 2 and 3 followed by one padding token.
+
+    Returns:
+        ``(hidden_states_unpadded (total, ...), indices (total,) int64, cu_seqlens (n + 1,) int32,
+        max_seqlen_in_batch int)``, with one offset per packed sequence (n of them, in row order).
+    """
+    _check_rows("hidden_states", hidden_states, ndim=2, layout="(batch, seqlen, ...)")
+    lengths = attention_mask_in_length
+    check_tensor("attention_mask_in_length", lengths)
+    check_dtype("attention_mask_in_length", lengths, _MASK_DTYPES[1:])  # lengths: integers, not bools
+    _check_mask("attention_mask_in_length", lengths, hidden_states)
+    if bool((lengths < 0).any()):
+        raise ValueError("attention_mask_in_length: has negative entries; each row holds sequence lengths")
+    S = lengths.shape[1]
+    per_row = lengths.sum(dim=-1)
+    if bool((per_row > S).any()):
+        b = int((per_row > S).nonzero()[0, 0])
+        raise ValueError(f"attention_mask_in_length: row {b} sums to {int(per_row[b])}, more than its "
+                         f"{S} positions")
+    seqlens = lengths.flatten()[lengths.flatten() != 0]
+    kept = torch.arange(S, device=lengths.device) < per_row.unsqueeze(1)
+    indices = kept.flatten().nonzero().flatten()
+    rows = hidden_states.flatten(0, 1)
+    return index_first_axis(rows, indices), indices, _cu_seqlens(seqlens), _max(seqlens)
+
+
+def pad_input(hidden_states, indices, batch, seqlen):
+    """The inverse of ``unpad_input``: ``(batch, seqlen, ...)`` zeros with the given rows put back.
+
+    Args:
+        hidden_states: ``(total, ...)``, one row per index.
+        indices: ``(total,)`` integer positions in the flattened ``(batch * seqlen)`` batch, distinct
+            (``unpad_input``'s).
+        batch, seqlen: ints (or 1-element integer tensors), the padded shape.
+
+    Returns:
+        ``(batch, seqlen, ...)``, differentiable with respect to ``hidden_states``.
+    """
+    batch, seqlen = _host_int("batch", batch), _host_int("seqlen", seqlen)
+    output = index_put_first_axis(hidden_states, indices, batch * seqlen)
+    return output.view(batch, seqlen, *output.shape[1:])
+
+
+# ------------------------------------------------------------------------------------------- checks
+def _check_rows(name: str, t, ndim: int = 1, layout: str = "(rows, ...)") -> None:
+    check_tensor(name, t)
+    if t.dim() < ndim:
+        raise ValueError(f"{name}: expected at least {ndim} dim{'s' if ndim > 1 else ''} {layout}, got shape "
+                         f"{tuple(t.shape)}")
+
+
+def _check_indices(indices, rows: torch.Tensor, rows_name: str) -> None:
+    check_tensor("indices", indices)
+    check_dtype("indices", indices, INDEX_DTYPES)
+    if indices.dim() != 1:
+        raise ValueError(f"indices: expected 1 dim (n,), got shape {tuple(indices.shape)}")
+    if indices.device != rows.device:
+        raise ValueError(f"indices: on device {indices.device}, but {rows_name} is on {rows.device}")
+
+
+def _check_mask(name: str, mask, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The mask as bool (nonzero = set), after checking it against ``hidden_states`` ``(B, S, ...)``."""
+    check_tensor(name, mask)
+    check_dtype(name, mask, _MASK_DTYPES)
+    if mask.shape != hidden_states.shape[:2]:
+        raise ValueError(f"{name}: expected shape (batch, seqlen) = {tuple(hidden_states.shape[:2])} to match "
+                         f"hidden_states, got {tuple(mask.shape)}")
+    if mask.device != hidden_states.device:
+        raise ValueError(f"{name}: on device {mask.device}, but hidden_states is on {hidden_states.device}")
+    return mask != 0
+
+
+def _cu_seqlens(seqlens: torch.Tensor) -> torch.Tensor:
+    """``(n + 1,)`` int32 offsets, starting at 0, of sequences of the given lengths."""
+    return torch.cat([seqlens.new_zeros(1, dtype=torch.int32), seqlens.cumsum(0, dtype=torch.int32)])
+
+
+def _max(seqlens: torch.Tensor) -> int:
+    return int(seqlens.max()) if seqlens.numel() else 0
+
+
+def _host_int(name: str, value) -> int:
+    """A non-negative Python int; a 1-element integer tensor is read on the host."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
+            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        value = int(value)
+    return check_int(name, value, minimum=0)
