@@ -1,8 +1,11 @@
-"""``attn_implementation="varlen"`` in Hugging Face transformers, on a tiny randomly initialised Llama.
+"""``attn_implementation="varlen"`` in Hugging Face transformers, on tiny randomly initialised models.
 
 Logits and parameter gradients must match ``attn_implementation="eager"`` (and ``"sdpa"``, more tightly)
 for padded batches, packed batches (``position_ids`` restarting per sequence, or the collator's
-``cu_seq_lens`` kwargs), GQA/MQA/MHA, sliding windows and cached generation. transformers is a test
+``cu_seq_lens`` kwargs), GQA/MQA/MHA and sliding windows (Llama, Mistral); generation with dynamic and
+static caches must give sdpa's tokens and logits (Llama, Qwen2, Gemma3); ``torch.compile(model,
+fullgraph=True)`` must give eager's logits with no host reads in the graph; Falcon, GPT-J and GPT-Neo, which
+bypass transformers' AttentionInterface, must refuse "varlen" with a ValueError. transformers is a test
 dependency: this module fails to import without it, on purpose.
 """
 
@@ -15,7 +18,23 @@ import types
 import pytest
 import torch
 import transformers
-from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorWithFlattening,
+    FalconConfig,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPTJConfig,
+    GPTNeoConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    StaticCache,
+)
 
 import varlen
 import varlen.integrations.transformers as integration
@@ -25,6 +44,8 @@ F64 = torch.float64
 # eager computes its softmax in float32 even for a float64 model, so it agrees with varlen to ~1e-7 only;
 # sdpa (torch's math kernel in float64 here) agrees to float64 rounding.
 EAGER_TOL, SDPA_TOL = 1e-5, 1e-10
+# A compiled float32 forward on the CPU differs from eager's only by fused and reordered rounding.
+COMPILE_TOL = 1e-5
 
 
 def _config(kv_heads=2, **extra):
@@ -160,22 +181,121 @@ def test_sliding_window(device):
     _assert_matches(model, mask.bool(), dict(input_ids=ids, attention_mask=mask), references=("sdpa",))
 
 
-def test_cached_generation_matches_sdpa(device):
-    """Decoding after a KV cache needs bottom-right alignment; the left-padded prompt a 2-D mask. (sdpa, not
-    eager, for the reason given in test_left_padded_batch.)"""
-    model = _llama(device).eval()
-    ids = torch.randint(0, 100, (2, 6), device=device)
-    mask = torch.ones(2, 6, dtype=torch.long, device=device)
-    mask[0, :2] = 0
+# ------------------------------------------------------------------------ generation, static caches
+# Gemma3 alternates sliding-window (static: a rolling cache of `sliding_window` slots) and full layers.
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM,
+               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+def _model(arch, device):
+    config_class, model_class, extra = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    return model_class(config_class(**_config(), **extra)).to(device, F64).eval()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_generate_matches_sdpa(arch, cache, padded, device):
+    """Greedy generation gives sdpa's tokens and step logits. A static cache has empty slots past the tokens
+    seen, which must never be attended; decoding after any cache needs bottom-right alignment. (sdpa, not
+    eager, for the reason given in test_left_padded_batch.) disable_compile: on the GPU, generate would
+    compile the static-cache forward; compiled forwards have tests of their own below."""
+    model = _model(arch, device)
+    ids = torch.randint(3, 100, (2, 7), device=device)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :3] = 0
     results = {}
     for name in ("sdpa", "varlen"):
         model.set_attn_implementation(name)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        results[name] = out
+        results[name] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                                       cache_implementation="static" if cache == "static" else None,
+                                       disable_compile=True, output_logits=True, return_dict_in_generate=True,
+                                       pad_token_id=0)
     assert torch.equal(results["varlen"].sequences, results["sdpa"].sequences)
     for got, ref in zip(results["varlen"].logits, results["sdpa"].logits, strict=True):
         assert_close(got, ref, tol=SDPA_TOL, name="step logits")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_static_cache_forward_without_mask(arch, device):
+    """Forwards with a StaticCache and no attention mask: a prefill, a chunk continuing it and decoded tokens
+    give sdpa's logits at every position (transformers gives no mask for the empty slots unless asked). Gemma3's
+    4-slot sliding layers go from part-filled to full on the way."""
+    model = _model(arch, device)
+    ids = torch.randint(3, 100, (2, 7), device=device)
+    logits = {}
+    for name in ("sdpa", "varlen"):
+        model.set_attn_implementation(name)
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        logits[name] = [model(input_ids=chunk, past_key_values=cache).logits for chunk in ids.split([3, 2, 1, 1], 1)]
+    for step, (got, ref) in enumerate(zip(logits["varlen"], logits["sdpa"], strict=True)):
+        assert_close(got, ref, tol=SDPA_TOL, name=f"logits of forward {step}")
+
+
+# ------------------------------------------------------------------------------------- torch.compile
+# Dynamo-graph calls that read a tensor on the host (a device-to-host copy on the GPU).
+HOST_READS = {"cpu", "item", "tolist", "nonzero", "numpy"}
+
+
+def _compile_inputs(style):
+    """A tiny float32 Llama on the CPU (the compile path doesn't depend on the device) and the inputs of one
+    batch layout: unpadded with no mask, right-padded, the flattening collator's kwargs, position_ids only."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**_config(), attn_implementation="varlen")).eval()
+    ids = torch.randint(0, 100, (2, 9))
+    if style == "unpadded":
+        return model, dict(input_ids=ids)
+    if style == "right_padded":
+        mask = torch.ones_like(ids)
+        mask[0, 6:] = 0
+        return model, dict(input_ids=ids, attention_mask=mask)
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(_packed_features(), return_tensors="pt")
+    batch.pop("labels")
+    if style == "collator":
+        return model, batch
+    return model, dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+
+
+def _assert_compiles_to_eager(style, backend):
+    model, inputs = _compile_inputs(style)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    with torch.no_grad():
+        eager = model(**inputs, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=True, backend=counter)(**inputs, use_cache=False).logits
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    reads = [f"{n.target}: {n.meta.get('stack_trace', '')}" for g in counter.graphs for n in g.graph.nodes
+             if n.op == "call_method" and n.target in HOST_READS]
+    assert not reads, "host reads in the compiled graph:\n" + "\n".join(reads)
+    assert_close(compiled, eager, tol=COMPILE_TOL, name="compiled logits")
+
+
+@pytest.mark.parametrize("style", ["unpadded", "right_padded", "collator"])
+def test_compiles_to_one_graph_without_host_reads(style):
+    """torch.compile(model, fullgraph=True) gives eager's logits (aot_eager: dynamo and AOTAutograd trace
+    everything but skip code generation); the mask function decides from shapes, never from mask values."""
+    _assert_compiles_to_eager(style, "aot_eager")
+
+
+@pytest.mark.inductor
+def test_compiles_with_inductor():
+    """The same through TorchInductor's code generation (C++ on the CPU)."""
+    _assert_compiles_to_eager("unpadded", "inductor")
+
+
+@pytest.mark.xfail(strict=True, reason="position_ids-packed batches under fullgraph compile need the "
+                                       "document-mask path (issue 9)")
+def test_position_ids_packed_batch_compiles():
+    """Packed rows given by position_ids alone (no cu_seq_lens kwargs) under fullgraph compile."""
+    _assert_compiles_to_eager("position_ids", "aot_eager")
 
 
 # -------------------------------------------------------------------------- the function on its own
@@ -207,7 +327,8 @@ def test_four_dim_mask_is_a_bias(device):
 
 @pytest.mark.parametrize("kwargs,mask,message", [
     (dict(s_aux=torch.zeros(2)), None, "s_aux: attention sinks are not supported"),
-    ({}, torch.ones(1, 1, 5), "attention_mask: expected a 2-D padding mask (batch, keys) or a 4-D mask"),
+    ({}, torch.ones(1, 1, 5), "attention_mask: expected a 2-D padding mask (batch, 5 keys) or a 4-D mask"),
+    ({}, torch.ones(1, 4), "attention_mask: expected a 2-D padding mask (batch, 5 keys) or a 4-D mask"),
 ])
 def test_unsupported_inputs(kwargs, mask, message):
     q = torch.randn(1, 2, 5, 8)
@@ -218,7 +339,20 @@ def test_unsupported_inputs(kwargs, mask, message):
 # --------------------------------------------------------------------------------------- registration
 def test_registered_with_transformers():
     assert transformers.AttentionInterface._global_mapping["varlen"] is integration.varlen_attention_forward
-    assert "varlen" in transformers.AttentionMaskInterface._global_mapping
+    assert transformers.AttentionMaskInterface._global_mapping["varlen"] is integration.varlen_mask
+
+
+@pytest.mark.parametrize("architecture,config_class,sizes", [
+    ("Falcon", FalconConfig, dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=1)),
+    ("GPT-J", GPTJConfig, dict(n_embd=32, n_head=4, n_layer=1, rotary_dim=4)),
+    ("GPT-Neo", GPTNeoConfig, dict(hidden_size=32, num_heads=4, num_layers=1, attention_types=[[["global"], 1]])),
+], ids=["falcon", "gptj", "gpt_neo"])
+def test_models_outside_the_attention_interface_raise(architecture, config_class, sizes):
+    """These models pick their attention classes from a table of their own and would never call varlen:
+    building one with "varlen" names the model instead of failing with a bare KeyError."""
+    config = config_class(**sizes, vocab_size=100, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match=f'attn_implementation="varlen": {architecture} picks its attention'):
+        AutoModelForCausalLM.from_config(config, attn_implementation="varlen")
 
 
 def test_import_varlen_does_not_import_transformers():
