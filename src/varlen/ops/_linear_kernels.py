@@ -45,7 +45,7 @@ def input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, offsets_ptr, block_seq_ptr, block_row_ptr,
     B, K, N,
@@ -78,7 +78,7 @@ def _grouped_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["CHUNKS", "rows_per_chunk"])
 def _transposed_matmul_kernel(
     x_ptr, y_ptr, out_ptr, offsets_ptr,
     K, N, CHUNKS, rows_per_chunk,

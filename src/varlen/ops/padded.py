@@ -117,11 +117,15 @@ def chunk_coords(pid, n_chunks, n_col_tiles, offsets, chunk_rows):
     return b, b_chunk, col_tile, start, length, lo, hi
 
 
-@triton.jit
+# The padded width and the tile counts change with every batch: Triton must not specialize on them (a new
+# kernel variant per batch). The padded side's batch stride is passed as a number of rows, so that its
+# alignment (known from the row stride, a model constant) survives.
+@triton.jit(do_not_specialize=["width", "n_row_tiles"])
 def _jagged_to_padded_kernel(values, offsets, pad, out, width, n_cols, n_row_tiles, n_col_tiles,
-                             stride_vr, stride_vc, stride_ob, stride_or,
+                             stride_vr, stride_vc, stride_or,
                              BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # One program per (sequence, block of padded rows, block of columns); every padded row is written.
+    # out is a contiguous (B, width, n_cols) tensor.
     b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets)
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
@@ -129,13 +133,13 @@ def _jagged_to_padded_kernel(values, offsets, pad, out, width, n_cols, n_row_til
     in_seq = (rows < length)[:, None] & col_ok
     x = tl.load(values + (start + rows)[:, None] * stride_vr + cols[None, :] * stride_vc, mask=in_seq)
     x = tl.where(in_seq, x, tl.load(pad))
-    dst = out + b.to(tl.int64) * stride_ob + rows[:, None] * stride_or + cols[None, :]
+    dst = out + (b.to(tl.int64) * width + rows[:, None]) * stride_or + cols[None, :]
     tl.store(dst, x, mask=(rows < width)[:, None] & col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_row_tiles", "rows_per_batch"])
 def _padded_to_jagged_kernel(padded, offsets, out, n_cols, n_row_tiles, n_col_tiles,
-                             stride_pb, stride_pr, stride_pc, stride_or,
+                             rows_per_batch, stride_pr, stride_pc, stride_or,
                              BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # One program per (sequence, block of rows up to max_len, block of columns); blocks past the
     # sequence's end have nothing to copy and return at once.
@@ -145,7 +149,7 @@ def _padded_to_jagged_kernel(padded, offsets, out, n_cols, n_row_tiles, n_col_ti
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     mask = (rows < length)[:, None] & (cols < n_cols)[None, :]
-    src = padded + b.to(tl.int64) * stride_pb + rows[:, None] * stride_pr + cols[None, :] * stride_pc
+    src = padded + (b.to(tl.int64) * rows_per_batch + rows[:, None]) * stride_pr + cols[None, :] * stride_pc
     x = tl.load(src, mask=mask)
     tl.store(out + (start + rows)[:, None] * stride_or + cols[None, :], x, mask=mask)
 
@@ -169,7 +173,7 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
     n_row_tiles, n_col_tiles = triton.cdiv(width, bt), triton.cdiv(n_cols, bf)
     _jagged_to_padded_kernel[(B * n_row_tiles * n_col_tiles,)](
         v, offsets, pad, o, width, n_cols, n_row_tiles, n_col_tiles,
-        v.stride(0), v.stride(1), o.stride(0), o.stride(1), BLOCK_T=bt, BLOCK_F=bf)
+        v.stride(0), v.stride(1), o.stride(1), BLOCK_T=bt, BLOCK_F=bf)
     return out
 
 
@@ -180,6 +184,8 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     if out.numel() == 0:
         return out
     p = as_columns(padded, 2)
+    if p.stride(1) == 0 or p.stride(0) % p.stride(1):
+        p = p.contiguous()  # the kernel takes the batch stride as a whole number of rows
     o = as_columns(out, 1)
     n_cols = o.shape[1]
     bt, bf = copy_tiles(max_len, n_cols, o.element_size(), o.device)
@@ -187,7 +193,7 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
     _padded_to_jagged_kernel[(B * n_row_tiles * n_col_tiles,)](
         p, offsets, o, n_cols, n_row_tiles, n_col_tiles,
-        p.stride(0), p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)
+        p.stride(0) // p.stride(1), p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)
     return out
 
 

@@ -26,7 +26,7 @@ from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_til
 
 
 # ------------------------------------------------------------------------------------ kernels
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
 def _segment_sum_kernel(x, offsets, out, n_cols, n_chunks, chunk_rows, n_col_tiles, stride_xr, stride_xc,
                         MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # out is (B * n_chunks, n_cols) contiguous; every row is written (0 for a chunk past the end).
@@ -44,7 +44,7 @@ def _segment_sum_kernel(x, offsets, out, n_cols, n_chunks, chunk_rows, n_col_til
     tl.store(out + b_chunk.to(tl.int64) * n_cols + cols, total.to(out.dtype.element_ty), mask=cols < n_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_row_tiles"])
 def _broadcast_rows_kernel(g, offsets, out, n_cols, n_row_tiles, n_col_tiles, stride_gb, stride_gc, stride_or,
                            MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_F: tl.constexpr):

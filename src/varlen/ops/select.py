@@ -33,7 +33,7 @@ def _positions(offsets, bs, batch, index, FROM_END: tl.constexpr):
     return start + pos, b_ok & (pos >= 0) & (pos < length)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "index"])
 def _gather_kernel(x, offsets, fill, out, batch, index, n_cols, n_col_tiles, stride_xr, stride_xc, stride_ob,
                    FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     col_tile = tl.program_id(0) % n_col_tiles
@@ -46,7 +46,7 @@ def _gather_kernel(x, offsets, fill, out, batch, index, n_cols, n_col_tiles, str
     tl.store(out + bs[:, None] * stride_ob + cols, v, mask=(bs < batch)[:, None] & col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "index"])
 def _scatter_kernel(g, offsets, out, batch, index, n_cols, n_col_tiles, stride_gb, stride_gc, stride_or,
                     FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     # out is zero-filled; only the selected rows are written (distinct rows: one per sequence).

@@ -57,7 +57,7 @@ def _softmax_single_kernel(x, y, offsets, n_cols, n_col_tiles, stride_xr, stride
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
 def _softmax_stats_kernel(x, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           stride_xr, stride_xc,
                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -84,7 +84,7 @@ def _softmax_stats_kernel(x, offsets, part_max, part_sum, n_cols, n_chunks, chun
     tl.store(part_sum + idx, s, mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "chunk_rows", "n_programs"])
 def _softmax_write_kernel(x, y, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           n_programs, stride_xr, stride_xc, stride_yr,
                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -134,7 +134,7 @@ def _softmax_bwd_single_kernel(y, dy, dx, offsets, n_cols, n_col_tiles, stride_y
     tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot[None, :])).to(dx.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
 def _softmax_bwd_dot_kernel(y, dy, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                             stride_yr, stride_dyr, stride_dyc,
                             ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -155,7 +155,7 @@ def _softmax_bwd_dot_kernel(y, dy, offsets, part_dot, n_cols, n_chunks, chunk_ro
     tl.store(part_dot + idx, tl.sum(acc, 0)[None, :], mask=cols < n_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "chunk_rows", "n_programs"])
 def _softmax_bwd_write_kernel(y, dy, dx, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                               n_programs, stride_yr, stride_dyr, stride_dyc, stride_dxr,
                               ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):

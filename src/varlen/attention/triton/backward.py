@@ -21,7 +21,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .configs import DQ_SEPARATE, DQ_TMA
-from .launch import broadcast_strides, cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from .launch import (
+    DATA_DEPENDENT,
+    broadcast_strides,
+    cdiv,
+    dot_precision,
+    feature_args,
+    head_block,
+    lse_strides,
+    row_strides,
+    use_tma,
+)
 from .masks import key_stages, query_stages, seq_bounds
 from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc
@@ -32,7 +42,7 @@ DBIAS_STORE = 1  # a full-shape bias: each element is written once
 DBIAS_ATOMIC = 2  # a broadcast bias: tile sums over the broadcast axes, added atomically in fp32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_preprocess(
     Out, dOut, dLse, Lse, Delta, Lse2, cu_q,
     stride_ob, stride_os, stride_oh,
@@ -155,7 +165,7 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_c
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(
     Q, K, V, dOut, dQacc, dQ_desc, dK, dV, Lse2, Delta, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,
@@ -289,7 +299,7 @@ def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_q_kernel(
     Q, K, V, dOut, dQ, Lse2, Delta, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,
@@ -360,7 +370,7 @@ def _bwd_q_kernel(
              (dq * dq_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*DATA_DEPENDENT, "B"])
 def _bwd_dbias_kernel(
     Q, K, V, dOut, Lse2, Delta, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,

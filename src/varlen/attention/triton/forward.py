@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from .launch import DATA_DEPENDENT, cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
 from .masks import key_stages, seq_bounds
 from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc
@@ -50,7 +50,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, stride_ks, stride_vs,
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,

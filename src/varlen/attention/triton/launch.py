@@ -9,6 +9,12 @@ from ..._backend import interpreter_enabled
 from ..dropout import dropout_threshold
 from .scores import LOG2E
 
+# Kernel arguments whose values change from batch to batch: the longest lengths, the dropout key and the
+# lse buffer's strides (its rows are the batch's tokens). Triton specializes integer arguments on their
+# value (equal to 1, divisible by 16); these must not be, or every new batch could meet a new kernel
+# variant and compile it. (tests/specialization_probe.py finds them.)
+DATA_DEPENDENT = ["seq_q", "seq_k", "seed", "offset_lo", "stride_lb", "stride_lh"]
+
 
 # Plain Python on the launch path: triton.cdiv / next_power_of_2 are JIT-callable wrappers in recent Triton,
 # about 10 us per call on the host, which small attention calls feel.
