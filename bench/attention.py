@@ -193,6 +193,68 @@ def suite_features(args, rows):
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
 
+def with_fp32_precision(precision: str, fn):
+    """``fn`` run with torch's float32 matmuls (and varlen's) in ``precision``: "ieee" or "tf32"."""
+    def run():
+        saved = torch.backends.cuda.matmul.fp32_precision
+        torch.backends.cuda.matmul.fp32_precision = precision
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.matmul.fp32_precision = saved
+    return run
+
+
+def suite_fp32(args, rows):
+    """float32 inputs: varlen at full float32 accuracy (torch's default: three-pass TF32 dots) and with TF32
+    allowed, next to SDPA's memory-efficient kernel (the only fused float32 one), B·S = 16k tokens, H·D = 512.
+    Then the demo's shape: 64 jagged sequences of 1-1024 tokens, H4 D64, against the padded batch + mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F32 = torch.float32
+    for D in (64, 128):
+        for S in (1024, 4096):
+            B, H = 16384 // S, 512 // D
+            for causal in (False, True):
+                q, k, v = (torch.randn(B, S, H, D, device=DEV, dtype=F32, requires_grad=True) for _ in range(3))
+                qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+                flops = 4 * B * H * S * S * D * (0.5 if causal else 1)
+                res = {}
+                for prec in ("ieee", "tf32"):
+                    res[f"varlen {prec}"] = time_fwd_bwd(
+                        with_fp32_precision(prec, lambda: varlen.attention(q, k, v, causal=causal)), [q, k, v], flops)
+
+                    def efficient():
+                        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    res[f"sdpa_efficient {prec}"] = time_fwd_bwd(with_fp32_precision(prec, efficient), [qt, kt, vt],
+                                                                 flops)
+                rows.append(dict(suite="fp32", case=f"D{D} S{S} B{B} H{H}" + (" causal" if causal else ""), res=res))
+                print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(2, 1026, (64,), generator=g).tolist()
+    H, D = 4, 64
+    flops = sum(4 * H * L * L * D for L in lens)
+    q, k, v = (varlen.jagged([torch.randn(L, H, D) for L in lens], device=DEV) for _ in range(3))
+    for t in (q, k, v):
+        t.values.requires_grad_(True)
+    S = max(lens)
+    qq, kk, vv = (torch.randn(len(lens), H, S, D, device=DEV, requires_grad=True) for _ in range(3))
+    keep = (torch.arange(S)[None] < torch.tensor(lens)[:, None]).to(DEV)[:, None, None, :]
+    res = {}
+    for prec in ("ieee", "tf32"):
+        res[f"varlen {prec}"] = time_fwd_bwd(with_fp32_precision(prec, lambda: varlen.attention(q, k, v)),
+                                             [q.values, k.values, v.values], flops)
+
+        def padded():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=keep)
+        res[f"padded sdpa_efficient {prec}"] = time_fwd_bwd(with_fp32_precision(prec, padded), [qq, kk, vv], flops)
+    rows.append(dict(suite="fp32", case=f"demo shape: 64 seqs 2-1025 ({sum(lens)} tokens) H4 D64, useful FLOPs",
+                     res=res))
+    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+
+
 def suite_bias_dropout(args, rows):
     """Issue 4's cases: a learnable bias, dropout, and a jagged batch with a learnable bias."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -305,8 +367,8 @@ def write_table(rows, path):
     import triton
 
     head = (f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"{datetime.date.today()}. TFLOP/s forward / backward (bf16), medians of do_bench; "
-            "backward = (fwd+bwd) - fwd; FLOPs 4·B·H·Sq·Sk·D, halved when causal, backward 2.5x. "
+            f"{datetime.date.today()}. TFLOP/s forward / backward (bf16 unless the suite says float32), "
+            "medians of do_bench; backward = (fwd+bwd) - fwd; FLOPs 4·B·H·Sq·Sk·D, halved when causal, backward 2.5x. "
             "Peak memory: one forward+backward step, above what was allocated before it (inputs included "
             "there; the bias gradient, where there is one, counts).\n")
     lines = [head]
@@ -329,15 +391,15 @@ def write_table(rows, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", nargs="+", default=["dense", "varlen", "features", "bias_dropout"],
-                    choices=["dense", "varlen", "features", "bias_dropout", "sweep"])
+    ap.add_argument("--suite", nargs="+", default=["dense", "varlen", "features", "bias_dropout", "fp32"],
+                    choices=["dense", "varlen", "features", "bias_dropout", "fp32", "sweep"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
     rows = []
     for s in args.suite:
         {"dense": suite_dense, "varlen": suite_varlen, "features": suite_features,
-         "bias_dropout": suite_bias_dropout, "sweep": sweep}[s](args, rows)
+         "bias_dropout": suite_bias_dropout, "fp32": suite_fp32, "sweep": sweep}[s](args, rows)
     if rows:
         write_table(rows, args.out)
 

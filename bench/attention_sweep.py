@@ -38,7 +38,20 @@ BWD_HEAVY = [BC(K(64, 128, 8, 3, tma=False), None, configs.DQ_TMA),
              BC(K(64, 64, 4, 2), K(64, 64, 4, 2), configs.DQ_SEPARATE)]
 
 
+# float32 tiles: 4-byte operands take twice the shared memory of bf16 ones, and "tf32x3" dots (float32
+# accuracy) hold split operands in registers: smaller tiles than bf16's.
+FWD_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(128, 32, 4, 2), K(128, 64, 8, 2), K(64, 64, 4, 3), K(128, 64, 4, 2),
+           K(64, 32, 4, 3), K(32, 64, 4, 2)]
+KV_F32 = [K(32, 64, 4, 1), K(32, 64, 4, 2), K(64, 64, 4, 2), K(64, 32, 4, 2), K(32, 32, 4, 2), K(64, 64, 8, 2),
+          K(32, 128, 8, 2), K(64, 128, 8, 2)]
+QK_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(32, 64, 4, 2), K(128, 32, 4, 2)]
+
+
 def shapes(args):
+    if args.focus == "fp32":
+        for D, causal, prec in itertools.product((64, 128), (False, True), ("tf32", "tf32x3")):
+            yield dict(D=D, causal=causal, S=2048, B=8, H=512 // D, feat=None, dtype=torch.float32, prec=prec)
+        return
     if args.focus == "all":
         for D, causal in itertools.product((64, 128), (False, True)):
             yield dict(D=D, causal=causal, S=4096 if not args.quick else 1024, B=4, H=2048 // D, feat=None)
@@ -56,6 +69,15 @@ def shapes(args):
 def variants(args):
     """(kind, shape, config, tma): TMA tile loads, plus the pointer path for reference."""
     for sh in shapes(args):
+        if sh.get("dtype") == torch.float32:
+            for c in FWD_F32:
+                yield ("fwd", sh, c, None)
+            for c in KV_F32:
+                for mode in (configs.DQ_TMA, configs.DQ_ATOMIC):
+                    yield ("bwd", sh, BC(c, None, mode), None)
+            for kv, q in itertools.product(KV_F32[:4], QK_F32):
+                yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), None)
+            continue
         if "Hkv" in sh or "window" in sh:
             for c in (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), K(64, 64, 4, 2, tma=False), K(64, 64, 4, 3),
                       K(32, 128, 8, 2, tma=False), K(64, 128, 8, 2, tma=False)):
@@ -81,8 +103,11 @@ def variants(args):
 
 def make(sh):
     B, S, H, D, Hkv = sh["B"], sh["S"], sh["H"], sh["D"], sh.get("Hkv", sh["H"])
-    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dtype = sh.get("dtype", torch.bfloat16)
+    # float32 shapes name the dot precision: "tf32" (torch allows TF32) or "tf32x3" (it doesn't).
+    torch.backends.cuda.matmul.fp32_precision = "tf32" if sh.get("prec") == "tf32" else "ieee"
+    q, do = (torch.randn(B, S, H, D, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, D, device="cuda", dtype=dtype) for _ in range(2))
     bias = seed = None
     if sh["feat"] == "bias":
         bias = torch.randn(B, H, S, S, device="cuda", dtype=torch.bfloat16)
@@ -130,7 +155,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window"])
+    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32"])
     a = ap.parse_args()
     vs = list(variants(a))
     with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
@@ -140,9 +165,10 @@ def main():
         r = run(v, timing=True)
         kind, sh, cfg, tma = v
         print(json.dumps(dict(kind=kind, D=sh["D"], S=sh["S"], causal=sh["causal"], feat=sh["feat"], tma=tma,
-                              cfg=str(cfg),
+                              prec=sh.get("prec"), cfg=str(cfg),
                               tflops=r if isinstance(r, str) else round(r))), flush=True)
-        key = (kind, sh["D"], sh["S"], sh.get("Hkv"), sh["causal"], sh["feat"], getattr(cfg, "dq_mode", None), tma)
+        key = (kind, sh["D"], sh["S"], sh.get("Hkv"), sh["causal"], sh["feat"], sh.get("prec"),
+               getattr(cfg, "dq_mode", None), tma)
         if not isinstance(r, str) and r > best.get(key, (0,))[0]:
             best[key] = (round(r), str(cfg))
     for key, val in sorted(best.items(), key=str):

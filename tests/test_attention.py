@@ -216,6 +216,33 @@ def test_torch_backend_gradcheck(case, device):
     assert torch.autograd.gradcheck(attention, leaves, atol=1e-8, rtol=1e-6)
 
 
+FLOAT32_GPU_CASES = [
+    AttnCase(False, (300, 300), None, 4, 2, 64, 64, causal=True),
+    AttnCase(True, (1000, 17, 0, 1, 513), None, 4, 4, 128, 128),
+    AttnCase(True, (200, 31), (150, 400), 6, 2, 40, 40, causal=True, align="bottom_right", bias="1HQK"),
+    AttnCase(False, (257,), None, 2, 1, 96, 96, window=(64, 8), dropout_p=0.2),
+]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("precision,tol", [("ieee", 2e-5), ("tf32", 3e-3)])
+@pytest.mark.parametrize("case", FLOAT32_GPU_CASES, ids=lambda c: c.id)
+def test_triton_float32_follows_torch_precision(case, precision, tol, device):
+    """float32 on the GPU: float32 accuracy by default (three-pass TF32 dots), TF32's when torch allows TF32."""
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
+    try:
+        inputs = case.make(torch.float32, device)
+        out, lse, grads = run_attention(case, inputs, "triton")
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+    ref_out, ref_lse, ref_grads = run_reference(case, inputs)
+    assert_close(_values(out), _values(ref_out), tol=tol, name="out")
+    assert_close(lse, ref_lse, tol=tol, name="lse")
+    for name, grad, ref in zip(GRAD_NAMES, grads, ref_grads, strict=False):
+        assert_close(grad, ref, tol=tol, name=name, floor=1e-3 * float(ref.abs().max()))
+
+
 # --------------------------------------------------------------------------- the reference itself
 def _visible_by_loops(Lq, Lk, causal, window, align):
     """The visibility rule of the API docstring, written out element by element."""

@@ -157,33 +157,20 @@ def test_per_sequence_gradcheck():
         assert torch.autograd.gradgradcheck(fn, inputs)
 
 
-def test_float32_precision_follows_torch():
-    from varlen.ops._linear_kernels import input_precision
-
-    saved = torch.get_float32_matmul_precision()
-    try:
-        torch.set_float32_matmul_precision("highest")
-        assert input_precision(torch.float32) == "ieee"
-        torch.set_float32_matmul_precision("high")
-        assert input_precision(torch.float32) == "tf32"
-        assert input_precision(torch.float16) == "tf32"  # no effect on 16-bit inputs
-    finally:
-        torch.set_float32_matmul_precision(saved)
-
-
 @pytest.mark.gpu_only
 def test_float32_full_precision_on_gpu():
-    """With PyTorch's default ("highest"), float32 kernels on the GPU don't round inputs to tf32."""
-    saved = torch.get_float32_matmul_precision()
+    """With PyTorch's default (no TF32), float32 kernels on the GPU keep float32 accuracy (three-pass TF32), not
+    TF32's."""
+    saved = torch.backends.cuda.matmul.fp32_precision
     try:
-        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
         x = random_jagged([300, 1000, 0, 7], (512,))
         w = torch.randn(4, 512, 256, device=DEVICE)
         with varlen.use_backend("triton"):
             out = matmul(x, w)
             t_out = transposed_matmul(x, out)
     finally:
-        torch.set_float32_matmul_precision(saved)
+        torch.backends.cuda.matmul.fp32_precision = saved
     bounds = _bounds(x)
     ref = _ref_grouped(x.values.double(), bounds, w.double())
     assert rel_err(out.values, ref) < 1e-5

@@ -43,6 +43,30 @@ def cast(policy: str, device: torch.device, *tensors):
                  for t in tensors)
 
 
+def float32_matmul_uses_tf32() -> bool:
+    """Whether float32 matmuls on CUDA may use TF32 matrix units: torch's own switch
+    (``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32`` and
+    ``torch.set_float32_matmul_precision`` also set). varlen's float32 kernels follow it: TF32 when allowed,
+    else full float32 accuracy."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9 has only the global setting
+        return torch.get_float32_matmul_precision() != "highest"
+    return precision == "tf32"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype`` in varlen's kernels.
+
+    float32: ``"tf32"`` when torch allows TF32 (:func:`float32_matmul_uses_tf32`), else ``"tf32x3"``: three
+    TF32 products that split each operand into a high and a low part, about float32's accuracy at tensor-core
+    speed (plain float32 ``"ieee"`` dots run on the CUDA cores, many times slower, and spill registers in the
+    attention kernels). 16-bit inputs multiply exactly either way.
+    """
+    if dtype == torch.float32 and not float32_matmul_uses_tf32():
+        return "tf32x3"
+    return "tf32"
+
+
 def disabled(device: torch.device):
     """A context without autocast on ``device``: varlen's kernels run in the dtypes they were given."""
     if device.type not in ("cpu", "cuda"):

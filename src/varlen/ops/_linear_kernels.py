@@ -10,10 +10,9 @@ Both take strides (no ``.contiguous()``), accumulate in fp32, use int64 pointer 
 once for the whole batch and size their grids from host ints only (``total``, ``B``, ``max_len``).
 This module imports Triton: ``linear.py`` imports it only when the Triton path runs.
 
-float32 precision: ``tl.dot`` on float32 uses tf32 on the GPU by default. We follow PyTorch's own
-switch instead (``torch.get_float32_matmul_precision()``, which ``torch.backends.cuda.matmul.allow_tf32``
-also sets): "highest", PyTorch's default, gives full-precision ``"ieee"`` dots, anything else tf32. So
-the per-sequence path rounds like the dense ``values @ w`` path in the same process.
+float32 precision follows PyTorch's own switch (``_amp.dot_precision``): TF32 when torch allows it for its
+matmuls, else three-pass TF32 with about float32's accuracy. So the per-sequence path rounds like the dense
+``values @ w`` path in the same process.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._amp import dot_precision
 from .padded import chunk_rows_for
 
 # Grouped matmul tiles: BLOCK_M rows of one sequence x BLOCK_N output columns, K in BLOCK_K steps.
@@ -35,14 +35,6 @@ TRANSPOSED_BLOCK_N = 64
 # chunks of rows reduced by separate programs; a chunk gets at least this many rows, so that reading
 # them outweighs writing and re-reading its fp32 partial tile.
 MIN_ROWS_PER_CHUNK = 512
-
-
-def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input_precision for this dtype (see the module docstring)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    # tf32 is tl.dot's default; it only changes float32 dots, 16-bit inputs multiply exactly.
-    return "tf32"
 
 
 @triton.jit(do_not_specialize=["B"])
@@ -154,7 +146,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     _grouped_matmul_kernel[grid](
         x, w, out, offsets, block_seq, block_row, B, K, N,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        INPUT_PRECISION=input_precision(x.dtype), **cfg,
+        INPUT_PRECISION=dot_precision(x.dtype), **cfg,
     )
     return out
 
@@ -188,7 +180,7 @@ def transposed_matmul(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, m
             x, y, partial, offsets, K, N, chunks, rows_per_chunk,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1),
             partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
-            BLOCK_R=BR, BLOCK_K=BK, BLOCK_N=BN, INPUT_PRECISION=input_precision(x.dtype),
+            BLOCK_R=BR, BLOCK_K=BK, BLOCK_N=BN, INPUT_PRECISION=dot_precision(x.dtype),
             num_warps=4, num_stages=3,
         )
     if chunks == 1:

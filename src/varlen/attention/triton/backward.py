@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..._amp import dot_precision
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
     DATA_DEPENDENT,
     broadcast_strides,
     cdiv,
-    dot_precision,
     feature_args,
     head_block,
     lse_strides,

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import DATA_DEPENDENT, cdiv, dot_precision, feature_args, head_block, lse_strides, row_strides, use_tma
+from ..._amp import dot_precision
+from .launch import DATA_DEPENDENT, cdiv, feature_args, head_block, lse_strides, row_strides, use_tma
 from .masks import key_stages, seq_bounds
 from .scores import LOG2E, keep_tile, score_tile
 from .tiles import load_rows, rows_desc

@@ -27,13 +27,6 @@ def head_block(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 inputs follow torch's matmul setting: tf32 unless the user asked for "highest"."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
 def row_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:
     """(batch, row, head) strides of a (B, S, H, X) or (T, H, X) tensor; batch stride 0 when jagged."""
     return (t.stride(0), t.stride(1), t.stride(2)) if dense else (0, t.stride(0), t.stride(1))
