@@ -4,6 +4,7 @@ import dataclasses
 
 import torch
 
+from ..._amp import dot_precision
 from ..._backend import interpreter_enabled
 
 
@@ -49,7 +50,23 @@ _BACKWARD = {
     (256, False): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
     (256, True): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
 }
-_FLOAT32 = K(32, 64, 4, 1)
+# float32, by dot precision ("tf32" when torch allows TF32, "tf32x3" for float32 accuracy) and head dim bound.
+# Measured by bench/attention_sweep.py --focus fp32 on an H100 (B8 S2048 H=512/D, 2026-11-22; TFLOP/s in the
+# comments, full and causal).
+_FORWARD_FLOAT32 = {
+    ("tf32", 64): K(128, 64, 4, 2),  # 155 / 111
+    ("tf32", 128): K(32, 64, 4, 2),  # 118 / 98
+    ("tf32x3", 64): K(128, 64, 8, 2),  # 56 / 47
+    ("tf32x3", 128): K(128, 64, 8, 2),  # 41 / 31
+}
+_BACKWARD_FLOAT32 = {
+    ("tf32", 64): (K(64, 128, 8, 2), K(64, 32, 4, 2), DQ_ATOMIC),  # 117 / 87
+    ("tf32", 128): (K(32, 128, 8, 2), K(64, 32, 4, 2), DQ_TMA),  # 100 / 60
+    ("tf32x3", 64): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 34 / 25
+    ("tf32x3", 128): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 19 / 12
+}
+# D256 and the float32 calls with a bias or dropout: the smallest tiles, which fit their shared memory.
+_FLOAT32_UNTUNED = K(32, 64, 4, 1)
 # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared
 # memory) the largest tiles above overflow the 227 KiB of shared memory of sm_90. Measured at B4 S2048 H16
 # D128 (bench/attention_sweep.py --focus heavy): a bias runs best with 128x64 forward tiles and a separate
@@ -77,9 +94,11 @@ def _bound(d: int) -> int:
 def forward_config(problem, dtype: torch.dtype, bias: bool = False, dropout: bool = False) -> KernelConfig:
     if interpreter_enabled():
         return INTERPRETER_CONFIG
-    if dtype == torch.float32:
-        return K(64, 32, 4, 2)
     bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    if dtype == torch.float32:
+        if bias or dropout:  # their float32 tiles would overflow the tuned configs' shared memory: untuned
+            return _FLOAT32_UNTUNED
+        return _FORWARD_FLOAT32.get((dot_precision(dtype), bound), _FLOAT32_UNTUNED)
     if dropout:
         return _FORWARD_DROPOUT[bound]
     if bias:
@@ -99,7 +118,8 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
     bound = _bound(max(problem.head_dim, problem.head_dim_v))
     if dtype == torch.float32:
-        kv, q, mode = _FLOAT32, _FLOAT32, DQ_TMA
+        untuned = (_FLOAT32_UNTUNED, _FLOAT32_UNTUNED, DQ_TMA)
+        kv, q, mode = untuned if bias or dropout else _BACKWARD_FLOAT32.get((dot_precision(dtype), bound), untuned)
     elif bias and bound in _BACKWARD_BIAS:
         kv, q, mode = _BACKWARD_BIAS[bound]
     elif dropout and bound in _BACKWARD_DROPOUT:
