@@ -11,6 +11,7 @@ backward 2.5 x forward. Peers: SDPA flash, efficient and cuDNN, and FlexAttentio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 
@@ -193,16 +194,16 @@ def suite_features(args, rows):
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
 
-def with_fp32_precision(precision: str, fn):
-    """``fn`` run with torch's float32 matmuls (and varlen's) in ``precision``: "ieee" or "tf32"."""
-    def run():
-        saved = torch.backends.cuda.matmul.fp32_precision
-        torch.backends.cuda.matmul.fp32_precision = precision
-        try:
-            return fn()
-        finally:
-            torch.backends.cuda.matmul.fp32_precision = saved
-    return run
+@contextlib.contextmanager
+def fp32_precision(precision: str):
+    """torch's float32 matmuls (and varlen's, which follow them) in ``precision``, "ieee" or "tf32", for the
+    forward and the backward alike."""
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
 
 
 def suite_fp32(args, rows):
@@ -221,14 +222,13 @@ def suite_fp32(args, rows):
                 flops = 4 * B * H * S * S * D * (0.5 if causal else 1)
                 res = {}
                 for prec in ("ieee", "tf32"):
-                    res[f"varlen {prec}"] = time_fwd_bwd(
-                        with_fp32_precision(prec, lambda: varlen.attention(q, k, v, causal=causal)), [q, k, v], flops)
-
                     def efficient():
                         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                    res[f"sdpa_efficient {prec}"] = time_fwd_bwd(with_fp32_precision(prec, efficient), [qt, kt, vt],
-                                                                 flops)
+                    with fp32_precision(prec):
+                        res[f"varlen {prec}"] = time_fwd_bwd(lambda: varlen.attention(q, k, v, causal=causal),
+                                                             [q, k, v], flops)
+                        res[f"sdpa_efficient {prec}"] = time_fwd_bwd(efficient, [qt, kt, vt], flops)
                 rows.append(dict(suite="fp32", case=f"D{D} S{S} B{B} H{H}" + (" causal" if causal else ""), res=res))
                 print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
     g = torch.Generator().manual_seed(0)
@@ -243,13 +243,13 @@ def suite_fp32(args, rows):
     keep = (torch.arange(S)[None] < torch.tensor(lens)[:, None]).to(DEV)[:, None, None, :]
     res = {}
     for prec in ("ieee", "tf32"):
-        res[f"varlen {prec}"] = time_fwd_bwd(with_fp32_precision(prec, lambda: varlen.attention(q, k, v)),
-                                             [q.values, k.values, v.values], flops)
-
         def padded():
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                 return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=keep)
-        res[f"padded sdpa_efficient {prec}"] = time_fwd_bwd(with_fp32_precision(prec, padded), [qq, kk, vv], flops)
+        with fp32_precision(prec):
+            res[f"varlen {prec}"] = time_fwd_bwd(lambda: varlen.attention(q, k, v), [q.values, k.values, v.values],
+                                                 flops)
+            res[f"padded sdpa_efficient {prec}"] = time_fwd_bwd(padded, [qq, kk, vv], flops)
     rows.append(dict(suite="fp32", case=f"demo shape: 64 seqs 2-1025 ({sum(lens)} tokens) H4 D64, useful FLOPs",
                      res=res))
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)

@@ -10,12 +10,17 @@ import torch
 
 from .options import AttentionOptions, DropoutSeed, Problem
 
+_MODULES: dict = {}
+
 
 def _modules():
-    from . import torch_backend
-    from .triton import backend as triton_backend
+    """The backend modules by name; the Triton one is imported on first use (it imports Triton)."""
+    if not _MODULES:
+        from . import torch_backend
+        from .triton import backend as triton_backend
 
-    return {"triton": triton_backend, "torch": torch_backend}
+        _MODULES.update(triton=triton_backend, torch=torch_backend)
+    return _MODULES
 
 
 def select(name: str, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions):

@@ -18,7 +18,6 @@
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..._amp import dot_precision
 from .configs import DQ_SEPARATE, DQ_TMA
@@ -26,6 +25,7 @@ from .launch import (
     DATA_DEPENDENT,
     broadcast_strides,
     cdiv,
+    ensure_allocator,
     feature_args,
     head_block,
     lse_strides,
@@ -104,7 +104,7 @@ def _dbias_tile(dst, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk,
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0, Lse2_head, Delta_head,
+def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dq_desc, Lse2_head, Delta_head,
                   stride_qs, stride_gs, stride_dqs, start, end, n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale,
                   bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
                   seed, offset_lo, threshold, keep_scale, bh, dbias_bh, stride_dbq, stride_dbk,
@@ -149,10 +149,9 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_c
             dst = dst * (1.0 - tt * tt)
         dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
         if DQ_MODE == 2:
-            # One bulk reduce of the tile (TMA). Rows past the sequence's end carry exact zeros (their P
-            # is masked), so the tile may overlap the next sequence's rows.
+            # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
             dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PRECISION) * dq_scale
-            dQ_desc.atomic_add([dq_row0 + m0, dq_col0], dq)
+            dq_desc.atomic_add([m0, 0], dq)
         elif DQ_MODE == 1:
             dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PRECISION) * dq_scale
             dq_ptrs = dQ_head + rows64[:, None] * stride_dqs + offs_d[None, :]
@@ -167,7 +166,7 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_c
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(
-    Q, K, V, dOut, dQacc, dQ_desc, dK, dV, Lse2, Delta, cu_q, cu_k,
+    Q, K, V, dOut, dQacc, dK, dV, Lse2, Delta, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -217,14 +216,13 @@ def _bwd_kv_kernel(
     g_base = b64 * stride_gb + q_start.to(tl.int64) * stride_gs
     dq_base = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
     l_base = b64 * stride_lb + q_start.to(tl.int64)
-    # Row of the fp32 dQ buffer, seen by the TMA descriptor as (rows, H * BLOCK_D).
-    dq_row0 = q_start if VARLEN else b * seq_q + q_start
     for g in range(GROUP):
         h = hk * GROUP + g
         q_desc = rows_desc(Q + q_base + h * stride_qh, Lq, stride_qs, D, BLOCK_M, BLOCK_D, TMA)
         do_desc = rows_desc(dOut + g_base + h * stride_gh, Lq, stride_gs, DV, BLOCK_M, BLOCK_DV, TMA)
         dQ_head = dQacc + dq_base + h * stride_dqh
-        dq_col0 = h * BLOCK_D
+        # The fp32 dQ rows of this sequence and head, for the TMA bulk reduce (rows padded to BLOCK_D).
+        dq_desc = rows_desc(dQ_head, Lq, stride_dqs, BLOCK_D, BLOCK_M, BLOCK_D, DQ_MODE == 2)
         Lse2_head = Lse2 + l_base + h * stride_lh
         Delta_head = Delta + l_base + h * stride_lh
         bias_bh = Bias + b64 * stride_bb + h * stride_bh
@@ -234,9 +232,9 @@ def _bwd_kv_kernel(
             slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
         bh = b * H + h
         for stage in tl.static_range(3):
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dQ_desc, dq_row0, dq_col0,
-                                   Lse2_head, Delta_head, stride_qs, stride_gs, stride_dqs, bounds[stage],
-                                   bounds[stage + 1], n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale, bias_bh,
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dq_desc, Lse2_head, Delta_head,
+                                   stride_qs, stride_gs, stride_dqs, bounds[stage], bounds[stage + 1], n0, Lq, Lk,
+                                   shift, WL, R, qk_scale, dq_scale, bias_bh,
                                    stride_bq, stride_bk, slope2, softcap_scale, softcap2, seed, offset_lo,
                                    threshold, keep_scale, bh, dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n,
                                    offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1, HAS_BIAS, HAS_ALIBI,
@@ -522,19 +520,15 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     rows = q.shape[0] * q.shape[1] if dense else q.shape[0]
     if config.dq_mode == DQ_SEPARATE:
         dq_acc = dq = torch.empty_like(q)  # not touched by the kv kernel
-        dq_desc = dq_acc
         dq_strides = row_strides(dq, dense)
     else:
         # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds.
         dq_acc = torch.zeros((rows, H, BD), device=q.device, dtype=torch.float32)
         dq_strides = (problem.max_q * H * BD if dense else 0, H * BD, BD)
         if config.dq_mode == DQ_TMA:
-            dq_desc = TensorDescriptor(dq_acc.view(rows, H * BD), shape=[rows, H * BD], strides=[H * BD, 1],
-                                       block_shape=[kv.block_m, BD])
-        else:
-            dq_desc = dq_acc
+            ensure_allocator()  # the kernel builds the dQ descriptors on the device
     _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
-        q, k, v, dout, dq_acc, dq_desc, dk, dv, lse2, delta, cu_q, cu_k,
+        q, k, v, dout, dq_acc, dk, dv, lse2, delta, cu_q, cu_k,
         *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
         *dq_strides, *row_strides(dk, dense), *row_strides(dv, dense), *l_strides, *features,
         dbias_buf, *db_strides,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
+from triton.runtime import _allocation
 
 from ..._backend import interpreter_enabled
 from ..dropout import dropout_threshold
@@ -65,12 +68,15 @@ def feature_args(q, bias, alibi, opts, seed):
     return args, constexprs
 
 
+@functools.cache
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def use_tma(*tensors) -> bool:
     """Tiles load through TMA descriptors on Hopper+, when every base and row stride is 16-byte aligned."""
     t0 = tensors[0]
-    if t0.device.type != "cuda" or interpreter_enabled():
-        return False
-    if torch.cuda.get_device_capability(t0.device)[0] < 9:
+    if t0.device.type != "cuda" or interpreter_enabled() or not _has_tma(t0.device.index or 0):
         return False
     for t in tensors:
         size = t.element_size()
@@ -90,8 +96,6 @@ def ensure_allocator() -> None:
     Triton keeps the allocator in a ContextVar, which autograd's backward thread does not inherit, so
     this runs before every launch that needs it; an allocator the user set is left alone.
     """
-    from triton.runtime import _allocation
-
     current = getattr(_allocation, "_allocator", None)
     if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
