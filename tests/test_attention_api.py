@@ -179,3 +179,38 @@ def test_zero_head_dim_is_rejected():
     q = _dense(dim=0)
     with pytest.raises(ValueError, match="head dim"):
         varlen.attention(q, q, q, backend="torch")
+
+
+# -------------------------------------------------------------------- autograd beyond first order
+def _sdpa(q, k, v):
+    return varlen.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+
+
+@pytest.mark.parametrize("entry", [varlen.attention, _sdpa], ids=["attention", "sdpa"])
+def test_double_backward_raises_a_clear_error(entry):
+    q, k, v = (t.double().requires_grad_() for t in _qkv())
+    dq, = torch.autograd.grad(entry(q, k, v).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.sum().backward()
+    # Without create_graph, first-order gradients are unaffected.
+    dq_plain, = torch.autograd.grad(entry(q, k, v).sum(), q)
+    assert torch.equal(dq.detach(), dq_plain)
+
+
+def test_torch_func_grad_and_vjp_match_autograd():
+    q, k, v = (t.double() for t in _qkv())
+    f = lambda q, k: varlen.attention(q, k, v, causal=True, backend="torch")  # noqa: E731
+    dq, dk = torch.func.grad(lambda q, k: f(q, k).square().sum(), argnums=(0, 1))(q, k)
+    leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+    want = torch.autograd.grad(f(*leaves).square().sum(), leaves)
+    assert torch.allclose(dq, want[0]) and torch.allclose(dk, want[1])
+    out, vjp = torch.func.vjp(f, q, k)
+    assert all(torch.allclose(a, b) for a, b in zip(vjp(2 * out), want, strict=True))
+
+
+def test_torch_func_limits_raise_clear_errors(device):
+    q, k, v = (t.to(device) for t in _qkv())
+    with pytest.raises(NotImplementedError, match="vmap is not supported"):
+        torch.func.vmap(lambda q: varlen.attention(q, k, v))(q[None].expand(3, -1, -1, -1, -1))
+    with pytest.raises(NotImplementedError, match="PyTorch backend only"):
+        torch.func.grad(lambda q: varlen.attention(q, k, v, backend="triton").sum())(q)

@@ -216,12 +216,13 @@ def _opchecks(backend: str) -> tuple[str, ...]:
 
 
 def _attention_args(q, k, v, *, bias=None, causal=False, window=None, backend="torch"):
-    """The custom op's arguments for one ``varlen.attention`` call, as ``attention_function`` builds them."""
+    """The op's arguments for one ``varlen.attention`` call, as ``attention_function`` builds them."""
     call = api._prepare(q, k, v, causal=causal, window=window, align="top_left", scale=None, bias=bias,
                         alibi_slopes=None, softcap=0.0, dropout_p=0.0, generator=None, deterministic=False,
                         backend=backend)
     qt, kt, vt, bias, alibi, problem, opts, impl, seed = call.args
-    return (qt, kt, vt, bias, alibi, problem.cu_q, problem.cu_k, seed, *function._flatten(problem, opts, impl.NAME))
+    extras, primitives = function.flatten(alibi, problem, opts, impl.NAME, seed)
+    return (qt, kt, vt, bias, extras, *primitives)
 
 
 def _dense(*shape, dtype=torch.float32):
@@ -256,32 +257,34 @@ def test_attention_ops_opcheck(case, backend):
 
     out, lse = torch.ops.varlen.attention_forward(*args)
     assert out.shape == (*args[0].shape[:-1], args[2].shape[-1]) and lse.dtype == torch.float32
-    detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    need_bias = kwargs.get("bias") is not None
+    detach = lambda a: a.detach() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    q, k, v, bias, extras, *primitives = args
+    need_bias = bias is not None
     for dlse in (None, torch.randn_like(lse)):
-        backward_args = (torch.randn_like(out), dlse, *detached[:3], out.detach(), lse.detach(), *detached[3:],
-                         True, True, True, need_bias)
+        backward_args = (torch.randn_like(out), dlse, detach(q), detach(k), detach(v), out.detach(), lse.detach(),
+                         detach(bias), [detach(e) for e in extras], *primitives, [True, True, True, need_bias])
         torch.library.opcheck(torch.ops.varlen.attention_backward.default, backward_args, test_utils=checks)
     grads = torch.ops.varlen.attention_backward(*backward_args)
-    assert [g.shape for g in grads] == [t.shape for t in args[:3]] + ([args[3].shape] if need_bias else [])
+    assert [g.shape for g in grads] == [t.shape for t in args[:3]] + ([bias.shape] if need_bias else [])
 
 
 def test_attention_op_boundary_rebuilds_problem_and_options():
-    """Every Problem/AttentionOptions field crosses the op boundary (a new field must be threaded through
-    function._flatten/_rebuild, or this fails)."""
+    """Every Problem/AttentionOptions field crosses the op boundary: function.flatten/rebuild are inverses."""
     q, k, v = ATTENTION_CASES["jagged_gqa"]()
     v = k.with_values(v.values)
-    call = api._prepare(q, k, v, causal=True, window=(3, None), align="bottom_right", scale=0.3, bias=None,
-                        alibi_slopes=None, softcap=2.0, dropout_p=0.25, generator=None, deterministic=True,
-                        backend="torch")
-    _, _, _, _, _, problem, opts, impl, seed = call.args
-    args = (*call.args[:3], problem.cu_q, problem.cu_k, seed, *function._flatten(problem, opts, impl.NAME))
-    rebuilt_problem, rebuilt_opts, rebuilt_seed = function._rebuild(*args[:-1])
-    assert rebuilt_opts == opts
+    bias = torch.randn(3, 1, 5, 4, device=DEVICE)
+    call = api._prepare(q, k, v, causal=True, window=(3, None), align="bottom_right", scale=0.3, bias=bias,
+                        alibi_slopes=torch.rand(4, device=DEVICE), softcap=2.0, dropout_p=0.25, generator=None,
+                        deterministic=True, backend="torch")
+    qt, kt, vt, bias, alibi, problem, opts, impl, seed = call.args
+    extras, primitives = function.flatten(alibi, problem, opts, impl.NAME, seed)
+    assert len(extras) == len(function.EXTRA_TENSORS)
+    got_alibi, got_problem, got_opts, backend, got_seed = function.rebuild(qt, kt, vt, extras, primitives)
+    assert got_alibi is alibi and got_opts == opts and backend == impl.NAME
     for field in dataclasses.fields(Problem):
-        got, want = getattr(rebuilt_problem, field.name), getattr(problem, field.name)
+        got, want = getattr(got_problem, field.name), getattr(problem, field.name)
         assert got is want or got == want, field.name
-    assert (rebuilt_seed.seed, rebuilt_seed.offset) == tuple(seed.tolist())
+    assert (got_seed.seed, got_seed.offset) == tuple(seed.tolist())
 
 
 def _jagged_op_cases(backend):

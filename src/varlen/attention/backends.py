@@ -23,6 +23,11 @@ def _modules():
     return _MODULES
 
 
+def module(name: str):
+    """The backend module called ``name`` (``"triton"`` or ``"torch"``)."""
+    return _modules()[name]
+
+
 def select(name: str, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions):
     """The backend module that runs this call; ValueError listing every reason when none can."""
     modules = _modules()

@@ -1,4 +1,4 @@
-"""The attention op: two PyTorch custom ops (forward, backward) gluing a backend to autograd.
+"""The attention op: one forward and one backward, run by a backend, glued to autograd.
 
 Backend calling convention (a backend is a module of ``backends.py``):
     forward(q, k, v, bias, alibi, problem, opts, seed) -> (out, lse)
@@ -7,21 +7,28 @@ Backend calling convention (a backend is a module of ``backends.py``):
 ``seed`` is a ``DropoutSeed`` or None (no dropout); ``needs_grad`` is ``(q, k, v, bias)`` booleans;
 ``dlse`` is None when the caller didn't use the lse (eager; a compiled graph may pass zeros instead);
 ``dbias`` has the bias's own shape and dtype (None when not needed). Layouts are those of ``options.py``.
-Double backward is not supported (the backward op has no derivative of its own).
 
-Why custom ops. ``torch.compile`` sees ``varlen::attention_forward`` and ``varlen::attention_backward``
-as two opaque nodes whose fake implementations give the exact output shapes, so a compiled model keeps
-the attention in one graph (no break, whatever a backend does inside: Triton launches, the PyTorch
-backend's loop over query chunks), and the host ints ``max_q``/``max_k`` stay symbolic: batches of new
-lengths reuse the compiled graph. Custom ops take only tensors and primitives, so the frozen
-``Problem``/``AttentionOptions`` are flattened into their fields at the boundary and rebuilt inside, the
-backend travels by name, and the dropout seed as a CPU int64 tensor ``[seed, offset]`` (built on the host:
-no device sync). Inside a compiled graph that tensor is drawn by the graph itself (:func:`dropout_seed`).
+Two entries share :func:`run_forward` and :func:`run_backward`:
 
+- Eager calls take ``_EagerAttention``, a plain ``autograd.Function`` (a custom op's Python dispatch costs
+  a few hundred microseconds per call, the whole GPU time of a small attention). It supports
+  ``torch.func.grad``/``vjp`` (``setup_context``); ``vmap`` raises a clear error.
+- ``torch.compile`` traces the ops ``varlen::attention_forward`` and ``varlen::attention_backward``: opaque
+  nodes whose fake implementations give the exact output shapes, so a compiled model keeps attention in
+  one graph and the host ints ``max_q``/``max_k`` stay symbolic (new lengths reuse the graph). Ops take
+  only tensors and primitives: the bias (which gets a gradient) on its own, the other optional tensors as
+  one list (``EXTRA_TENSORS``: no gradient), the options as
+  one argument per field of ``AttentionOptions`` (the schema is generated from the dataclass, so a new
+  option crosses the boundary with no edit here), the backend by name, and the dropout seed as a CPU int64
+  tensor ``[seed, offset]`` (built on the host; inside a compiled graph drawn by the graph itself).
+
+Double backward (the gradient of a gradient) is not supported: it raises a clear error, on both paths.
 Outputs are contiguous (the fake implementations promise it), gradients included.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -33,30 +40,143 @@ from .options import AttentionOptions, DropoutSeed, Problem
 
 # Seeds drawn inside a compiled graph lie in [0, SEED_LIMIT), as the eager ones (63 bits).
 SEED_LIMIT = 2**63 - 1
+DOUBLE_BACKWARD = ("varlen.attention: double backward (the gradient of a gradient through attention) is not "
+                   "supported; compute first-order gradients only (no create_graph=True through attention)")
 
 
-# --------------------------------------------------------------------------------- the boundary
-def _flatten(problem: Problem, opts: AttentionOptions, backend: str) -> tuple:
-    """The primitives after the tensors in both ops' signatures. Shapes that the tensors carry (batch,
-    heads, head dims) are read back from them; ``max_q``/``max_k`` are not, for jagged inputs."""
-    return (problem.max_q, problem.max_k, opts.scale, opts.causal, opts.window_left, opts.window_right,
-            opts.bottom_right, opts.softcap, opts.dropout_p, opts.deterministic, backend)
+# --------------------------------------------------------------------------------- shared core
+def run_forward(impl, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
+    """``(out, lse)`` from the backend module ``impl``, contiguous, outside autocast."""
+    with _amp.disabled(q.device):
+        out, lse = impl.forward(q, k, v, bias, alibi, problem, opts, seed)
+    return out.contiguous(), lse.contiguous()
 
 
-def _rebuild(q, k, v, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left, window_right, bottom_right,
-             softcap, dropout_p, deterministic):
+def run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts: AttentionOptions,
+                 seed: DropoutSeed | None, needs: tuple[bool, bool, bool, bool]):
+    """``(dq, dk, dv, dbias)`` (None where not needed), contiguous, outside autocast."""
+    if impl.NAME != "torch" and any(map(_functorch_wrapped, (dout, q, k, v))):
+        raise NotImplementedError("varlen.attention: torch.func transforms (grad, vjp, jacrev) run on the PyTorch "
+                                  "backend only (pass backend='torch'); the Triton kernels take plain tensors")
+    if dout is None:
+        dout = torch.zeros_like(out)
+    with _amp.disabled(q.device):
+        grads = impl.backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs)
+    return tuple(g.contiguous() if need else None for g, need in zip(grads, needs, strict=True))
+
+
+def _functorch_wrapped(t) -> bool:
+    """Whether ``t`` is a tensor wrapped by a ``torch.func`` transform."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return t is not None and check is not None and check(t)
+
+
+def _seed(seed: Tensor | None) -> DropoutSeed | None:
+    return None if seed is None else DropoutSeed(*seed.tolist())
+
+
+class _DoubleBackward(torch.autograd.Function):
+    """Passes gradients through, attached to ``anchor`` (an input that requires grad, so that the outputs do
+    too); differentiating them again raises :data:`DOUBLE_BACKWARD`."""
+
+    @staticmethod
+    def forward(anchor, *grads):
+        return tuple(None if g is None else g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(DOUBLE_BACKWARD)
+
+
+def _guard(grads: tuple, *inputs) -> tuple:
+    """``grads``, made to raise a clear error if a double backward (``create_graph=True``) reaches them."""
+    anchors = [t for t in inputs if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and anchors:
+        return _DoubleBackward.apply(anchors[0], *grads)
+    return grads
+
+
+# --------------------------------------------------------------------------------- eager entry
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, bias, alibi, problem, opts, impl, seed):
+        return run_forward(impl, q, k, v, bias, alibi, problem, opts, _seed(seed))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, bias, alibi, problem, opts, impl, seed = inputs
+        ctx.set_materialize_grads(False)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(q, k, v, *output, bias, alibi)
+        ctx.call = (problem, opts, impl, _seed(seed))
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        needs = tuple(ctx.needs_input_grad[:4])
+        if (dout is None and dlse is None) or not any(needs):
+            return (None,) * 9
+        q, k, v, out, lse, bias, alibi = ctx.saved_tensors
+        problem, opts, impl, seed = ctx.call
+        with torch.no_grad():
+            grads = run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs)
+        return (*_guard(grads, dout, dlse, q, k, v), None, None, None, None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError("varlen.attention: torch.func.vmap is not supported; attention already takes a "
+                                  "batch dim (or jagged batches): fold the vmapped dim into it")
+
+
+# ------------------------------------------------------------------------------- the op boundary
+EXTRA_TENSORS = ("alibi", "cu_q", "cu_k", "seed")  # the optional tensors without a gradient, in the ops' list
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionOptions))
+_SCHEMA_TYPES = {"float": "float", "bool": "bool", "int": "int"}
+_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(AttentionOptions))
+
+
+def flatten(alibi, problem: Problem, opts: AttentionOptions, backend: str, seed: Tensor | None):
+    """``(extras, primitives)``: the ops' arguments after q, k, v and the bias. The problem's other fields are
+    read back from the tensors (batch, heads, head dims, layout); ``max_q``/``max_k`` can't be, for jagged
+    inputs."""
+    extras = [alibi, problem.cu_q, problem.cu_k, seed]
+    return extras, (problem.max_q, problem.max_k, *(getattr(opts, name) for name in _OPTION_FIELDS), backend)
+
+
+def rebuild(q, k, v, extras, primitives):
+    """The inverse of :func:`flatten`: ``(alibi, problem, opts, backend, seed)``."""
+    alibi, cu_q, cu_k, seed = extras
+    max_q, max_k, *options, backend = primitives
     problem = Problem(batch=q.shape[0] if cu_q is None else cu_q.shape[0] - 1, heads=q.shape[-2],
                       kv_heads=k.shape[-2], head_dim=q.shape[-1], head_dim_v=v.shape[-1], max_q=max_q,
                       max_k=max_k, dense=cu_q is None, cu_q=cu_q, cu_k=cu_k)
-    opts = AttentionOptions(scale=scale, causal=causal, window_left=window_left, window_right=window_right,
-                            bottom_right=bottom_right, softcap=softcap, dropout_p=dropout_p,
-                            deterministic=deterministic)
-    drawn = None if seed is None else DropoutSeed(*seed.tolist())
-    return problem, opts, drawn
+    return alibi, problem, AttentionOptions(*options), backend, _seed(seed)
 
 
-def _backend_module(name: str):
-    return backends._modules()[name]
+_LIB = torch.library.Library("varlen", "FRAGMENT")
+_LIB.define(f"attention_forward(Tensor q, Tensor k, Tensor v, Tensor? bias, Tensor?[] extras, SymInt max_q, "
+            f"SymInt max_k, {_OPTIONS_SCHEMA}, str backend) -> (Tensor, Tensor)")
+_LIB.define(f"attention_backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            f"Tensor? bias, Tensor?[] extras, SymInt max_q, SymInt max_k, {_OPTIONS_SCHEMA}, str backend, "
+            "bool[4] needs) -> Tensor[]")
+
+
+def _forward_impl(q, k, v, bias, extras, *primitives):
+    alibi, problem, opts, backend, seed = rebuild(q, k, v, extras, primitives)
+    return run_forward(backends.module(backend), q, k, v, bias, alibi, problem, opts, seed)
+
+
+def _backward_impl(dout, dlse, q, k, v, out, lse, bias, extras, *primitives_and_needs):
+    """The gradients flagged in ``needs``, in the order q, k, v, bias (an op can't return None, so the list
+    holds only the needed ones)."""
+    *primitives, needs = primitives_and_needs
+    alibi, problem, opts, backend, seed = rebuild(q, k, v, extras, primitives)
+    grads = run_backward(backends.module(backend), dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts,
+                         seed, tuple(needs))
+    return [g for g in grads if g is not None]
 
 
 def _lse_shape(q: Tensor, cu_q: Tensor | None) -> tuple:
@@ -64,79 +184,49 @@ def _lse_shape(q: Tensor, cu_q: Tensor | None) -> tuple:
     return (q.shape[0], q.shape[2], q.shape[1]) if cu_q is None else (q.shape[1], q.shape[0])
 
 
-# ------------------------------------------------------------------------------------ forward op
-@torch.library.custom_op("varlen::attention_forward", mutates_args=())
-def _forward_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi: Tensor | None, cu_q: Tensor | None,
-                cu_k: Tensor | None, seed: Tensor | None, max_q: int, max_k: int, scale: float, causal: bool,
-                window_left: int, window_right: int, bottom_right: bool, softcap: float, dropout_p: float,
-                deterministic: bool, backend: str) -> tuple[Tensor, Tensor]:
-    problem, opts, drawn = _rebuild(q, k, v, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left,
-                                    window_right, bottom_right, softcap, dropout_p, deterministic)
-    with _amp.disabled(q.device):
-        out, lse = _backend_module(backend).forward(q, k, v, bias, alibi, problem, opts, drawn)
-    return out.contiguous(), lse.contiguous()
-
-
-@_forward_op.register_fake
-def _forward_fake(q, k, v, bias, alibi, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left, window_right,
-                  bottom_right, softcap, dropout_p, deterministic, backend):
+def _forward_fake(q, k, v, bias, extras, *primitives):
+    cu_q = extras[EXTRA_TENSORS.index("cu_q")]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     return out, q.new_empty(_lse_shape(q, cu_q), dtype=accumulate_dtype(q.dtype))
 
 
-# ----------------------------------------------------------------------------------- backward op
-@torch.library.custom_op("varlen::attention_backward", mutates_args=())
-def _backward_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                 bias: Tensor | None, alibi: Tensor | None, cu_q: Tensor | None, cu_k: Tensor | None,
-                 seed: Tensor | None, max_q: int, max_k: int, scale: float, causal: bool, window_left: int,
-                 window_right: int, bottom_right: bool, softcap: float, dropout_p: float, deterministic: bool,
-                 backend: str, need_q: bool, need_k: bool, need_v: bool, need_bias: bool) -> list[Tensor]:
-    """The gradients of the inputs flagged ``need_*``, in the order q, k, v, bias (a custom op can't
-    return None, so the list holds only the needed ones)."""
-    problem, opts, drawn = _rebuild(q, k, v, cu_q, cu_k, seed, max_q, max_k, scale, causal, window_left,
-                                    window_right, bottom_right, softcap, dropout_p, deterministic)
-    needs = (need_q, need_k, need_v, need_bias)
-    with _amp.disabled(q.device):
-        grads = _backend_module(backend).backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts,
-                                                  drawn, needs)
-    return [g.contiguous() for g, need in zip(grads, needs, strict=True) if need]
-
-
-@_backward_op.register_fake
-def _backward_fake(dout, dlse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, seed, max_q, max_k, scale, causal,
-                   window_left, window_right, bottom_right, softcap, dropout_p, deterministic, backend, need_q,
-                   need_k, need_v, need_bias):
-    needs = (need_q, need_k, need_v, need_bias)
+def _backward_fake(dout, dlse, q, k, v, out, lse, bias, extras, *primitives_and_needs):
+    needs = primitives_and_needs[-1]
     return [t.new_empty(t.shape) for t, need in zip((q, k, v, bias), needs, strict=True) if need]
 
 
-# ------------------------------------------------------------------------------------- autograd
-_N_TENSOR_INPUTS = 8  # q, k, v, bias, alibi, cu_q, cu_k, seed
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, alibi, cu_q, cu_k, seed = inputs[:_N_TENSOR_INPUTS]
-    out, lse = output
+    q, k, v, bias, extras, *primitives = inputs
     ctx.set_materialize_grads(False)
-    ctx.primitives = inputs[_N_TENSOR_INPUTS:]
-    if any(ctx.needs_input_grad[:4]):
-        ctx.save_for_backward(q, k, v, out, lse, bias, alibi, cu_q, cu_k, seed)
+    ctx.primitives = primitives
+    ctx.needs = tuple(ctx.needs_input_grad[:4])
+    if any(ctx.needs):
+        ctx.save_for_backward(q, k, v, *output, bias, *extras)
 
 
 def _backward(ctx, dout, dlse):
-    needs = tuple(ctx.needs_input_grad[:4])
-    nones = (None,) * (_N_TENSOR_INPUTS - 4 + len(ctx.primitives))
-    if dout is None and dlse is None:
-        return (None,) * 4 + nones
-    q, k, v, out, lse, bias, alibi, cu_q, cu_k, seed = ctx.saved_tensors
+    nones = (None,) * (1 + len(ctx.primitives))  # the extras and the primitives get no gradient
+    if (dout is None and dlse is None) or not any(ctx.needs):
+        return None, None, None, None, *nones
+    q, k, v, out, lse, bias, *extras = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    grads = iter(torch.ops.varlen.attention_backward(dout, dlse, q, k, v, out, lse, bias, alibi, cu_q, cu_k, seed,
-                                                     *ctx.primitives, *needs))
-    return (*(next(grads) if need else None for need in needs), *nones)
+    grads = iter(torch.ops.varlen.attention_backward(dout, dlse, q, k, v, out, lse, bias, extras, *ctx.primitives,
+                                                     list(ctx.needs)))
+    return (*(next(grads) if need else None for need in ctx.needs), *nones)
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
+def _no_double_backward(ctx, *_):
+    raise NotImplementedError(DOUBLE_BACKWARD)
+
+
+_LIB.impl("attention_forward", _forward_impl, "CompositeExplicitAutograd")
+_LIB.impl("attention_backward", _backward_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("varlen::attention_forward", _forward_fake, lib=_LIB)
+torch.library.register_fake("varlen::attention_backward", _backward_fake, lib=_LIB)
+torch.library.register_autograd("varlen::attention_forward", _backward, setup_context=_setup_context, lib=_LIB)
+torch.library.register_autograd("varlen::attention_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None, lib=_LIB)
 
 
 # ---------------------------------------------------------------------------------------- entry
@@ -159,40 +249,6 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
 
 
-class _EagerAttention(torch.autograd.Function):
-    """The same backend calls as the custom ops, for eager mode.
-
-    Calling a ``torch.library.custom_op`` from Python costs a few hundred microseconds of dispatch
-    (``fill_defaults`` alone took 0.16 ms per call here), which is the whole GPU time of a small attention
-    (B16 S1024 H32 D64 causal ran at 89 TFLOP/s forward through the op on an H200). Eager calls take this
-    plain autograd function; ``torch.compile`` traces the custom ops, whose results it must match (tested).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, alibi, problem, opts, impl, seed):
-        drawn = None if seed is None else DropoutSeed(*seed.tolist())
-        with _amp.disabled(q.device):
-            out, lse = impl.forward(q, k, v, bias, alibi, problem, opts, drawn)
-        ctx.set_materialize_grads(False)
-        if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(q, k, v, out, lse, bias, alibi)
-        ctx.call = (problem, opts, impl, drawn)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:
-            return (None,) * 9
-        q, k, v, out, lse, bias, alibi = ctx.saved_tensors
-        problem, opts, impl, drawn = ctx.call
-        if dout is None:
-            dout = torch.zeros_like(out)
-        with _amp.disabled(q.device):
-            grads = impl.backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, drawn,
-                                  tuple(ctx.needs_input_grad[:4]))
-        return (*grads, None, None, None, None, None)
-
-
 def attention_function(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, impl, seed: Tensor | None):
     """(out, lse) for normalized inputs (see ``options.py`` for layouts), differentiable.
 
@@ -200,5 +256,5 @@ def attention_function(q, k, v, bias, alibi, problem: Problem, opts: AttentionOp
     """
     if not torch.compiler.is_compiling():
         return _EagerAttention.apply(q, k, v, bias, alibi, problem, opts, impl, seed)
-    return torch.ops.varlen.attention_forward(q, k, v, bias, alibi, problem.cu_q, problem.cu_k, seed,
-                                              *_flatten(problem, opts, impl.NAME))
+    extras, primitives = flatten(alibi, problem, opts, impl.NAME, seed)
+    return torch.ops.varlen.attention_forward(q, k, v, bias, extras, *primitives)
