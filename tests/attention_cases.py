@@ -68,6 +68,8 @@ class AttnCase:
     deterministic: bool = False
     grad_lse: bool = False  # the loss also uses the lse
     strided: bool = False  # q, k, v are non-contiguous views (only stride(-1) == 1)
+    prefix: int | None = None  # prefix_len: a per-sequence tensor derived from this (see make)
+    documents: bool = False  # dense self-attention over packed rows of random documents
 
     @property
     def batch(self) -> int:
@@ -99,7 +101,9 @@ class AttnCase:
             parts.append(f"cap{self.softcap}")
         if self.dropout_p:
             parts.append(f"drop{self.dropout_p}")
-        for flag in ("deterministic", "grad_lse", "strided"):
+        if self.prefix is not None:
+            parts.append(f"prefix{self.prefix}")
+        for flag in ("documents", "deterministic", "grad_lse", "strided"):
             if getattr(self, flag):
                 parts.append(flag.replace("_", ""))
         return "-".join(parts)
@@ -145,8 +149,19 @@ class AttnCase:
         out_rows = leaves[0].shape[:-1] + (Dv,)
         dout = torch.randn(out_rows, dtype=dtype, device=device)
         dlse = torch.randn(lse_shape, dtype=torch.float32, device=device) if self.grad_lse else None
+        prefix_len = None
+        if self.prefix is not None:  # varied per sequence, some past the sequence's end, one empty
+            prefix_len = torch.tensor([(self.prefix * (b + 1)) % (max(self.kv_lens) + 3) for b in range(self.batch)],
+                                      dtype=torch.int32, device=device)
+        document_ids = None
+        if self.documents:  # runs of 1 to 9 tokens with ids 0..2 (an id recurs: only runs separate documents)
+            S = self.q_lens[0]
+            runs = [torch.repeat_interleave(torch.randint(0, 3, (S,)), torch.randint(1, 10, (S,)))[:S]
+                    for _ in range(self.batch)]
+            document_ids = torch.stack(runs).to(device)
         return AttnInputs(q=q, k=k, v=v, bias=bias, alibi_slopes=slopes, generator=generator, keep=keep,
-                          leaves=leaves, dout=dout, dlse=dlse, poisoned=poisoned)
+                          leaves=leaves, dout=dout, dlse=dlse, poisoned=poisoned, prefix_len=prefix_len,
+                          document_ids=document_ids)
 
     def _bias(self, dtype, device):
         if self.bias is None:
@@ -199,6 +214,8 @@ class AttnInputs:
     dout: torch.Tensor  # gradient of the output (values layout when jagged)
     dlse: torch.Tensor | None
     poisoned: torch.Tensor | None  # bias entries set to NaN
+    prefix_len: torch.Tensor | None
+    document_ids: torch.Tensor | None
 
 
 def _dense(shape, dtype, device, strided):
@@ -236,6 +253,7 @@ def run_attention(case: AttnCase, inputs: AttnInputs, backend: str):
     out, lse = varlen.attention(inputs.q, inputs.k, inputs.v, **case.options(), bias=inputs.bias,
                                 alibi_slopes=inputs.alibi_slopes, dropout_p=case.dropout_p,
                                 generator=inputs.generator, deterministic=case.deterministic,
+                                prefix_len=inputs.prefix_len, document_ids=inputs.document_ids,
                                 return_lse=True, backend=backend)
     grads = torch.autograd.grad(_loss(out, lse, inputs, torch.isfinite(lse)), inputs.leaves)
     return out, lse, grads
@@ -251,7 +269,8 @@ def run_reference(case: AttnCase, inputs: AttnInputs):
     bias = up[3] if len(up) > 3 else inputs.bias
     slopes = None if inputs.alibi_slopes is None else inputs.alibi_slopes.to(torch.float64)
     out, lse = attention_reference(q, k, v, **case.options(), bias=bias, alibi_slopes=slopes,
-                                   dropout_mask=inputs.keep, dropout_p=case.dropout_p)
+                                   dropout_mask=inputs.keep, dropout_p=case.dropout_p, prefix_len=inputs.prefix_len,
+                                   document_ids=inputs.document_ids)
     grads = torch.autograd.grad(_loss(out, lse, inputs, torch.isfinite(lse)), up)
     return out, lse, grads
 
@@ -338,6 +357,14 @@ def _feature_cases(shapes) -> list[AttnCase]:
         AttnCase(*jagged, 2, 2, 32, 32, window=(2, 2), deterministic=True, bias="1HQK"),
         AttnCase(*dense, 4, 2, 32, 32, causal=True, deterministic=True, bias="11Q1", grad_lse=True),
         AttnCase(*cross, 2, 1, 16, 16, align="bottom_right", deterministic=True, bias="QK"),
+        # prefix-LM (causal with a prefix), with windows, cross lengths, bottom-right; documents in packed rows
+        AttnCase(*jagged, 4, 2, 32, 32, causal=True, prefix=5),
+        AttnCase(*cross, 4, 2, 32, 32, causal=True, align="bottom_right", prefix=4, grad_lse=True),
+        AttnCase(*dense, 2, 2, 16, 16, causal=True, window=(3, None), prefix=7),
+        AttnCase(*dense, 4, 2, 32, 32, causal=True, documents=True),
+        AttnCase(*dense, 4, 1, 64, 64, documents=True, bias="1HQK", dropout_p=0.2, grad_lse=True),
+        AttnCase(*dense, 2, 2, 16, 16, causal=True, window=(4, None), alibi="H", softcap=3.0, documents=True,
+                 prefix=6, deterministic=True),
         # everything at once
         AttnCase(*cross, 8, 2, 64, 48, causal=True, align="bottom_right", window=(7, None), bias="B11K",
                  alibi="BH", softcap=4.0, dropout_p=0.2, deterministic=True, grad_lse=True),

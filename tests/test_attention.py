@@ -189,6 +189,8 @@ GRADCHECK_CASES = [
     AttnCase(False, (4, 4), (6, 6), 2, 1, 4, 4, causal=True, bias="B11K"),
     # The chunked path's.
     AttnCase(False, (4, 4), (5, 5), 2, 1, 4, 3, causal=True, align="bottom_right", bias="1HQK"),
+    AttnCase(True, (4, 6), None, 2, 2, 4, 4, causal=True, prefix=3),
+    AttnCase(False, (7,), None, 2, 1, 4, 4, causal=True, documents=True, bias="1HQK"),
     AttnCase(True, (3, 0, 4), (2, 4, 5), 2, 2, 4, 4, window=(1, 1), softcap=2.0, bias="BHQK"),
     AttnCase(False, (3,), (5,), 4, 2, 4, 4, window=(None, 1), alibi="BH", bias="11Q1"),
     AttnCase(True, (4, 2), None, 2, 1, 4, 4, causal=True, bias="B11K", dropout_p=0.3),
@@ -210,6 +212,7 @@ def test_torch_backend_gradcheck(case, device):
         generator = torch.Generator(device=device).manual_seed(7) if case.dropout_p else None
         out, lse = varlen.attention(q, k, v, **case.options(), bias=tensors[3] if case.bias else None,
                                     alibi_slopes=inputs.alibi_slopes, dropout_p=case.dropout_p, generator=generator,
+                                    prefix_len=inputs.prefix_len, document_ids=inputs.document_ids,
                                     return_lse=True, backend="torch")
         return _values(out), lse.nan_to_num(neginf=0.0)
 

@@ -214,3 +214,55 @@ def test_torch_func_limits_raise_clear_errors(device):
         torch.func.vmap(lambda q: varlen.attention(q, k, v))(q[None].expand(3, -1, -1, -1, -1))
     with pytest.raises(NotImplementedError, match="PyTorch backend only"):
         torch.func.grad(lambda q: varlen.attention(q, k, v, backend="triton").sum())(q)
+
+
+# ------------------------------------------------------------------------------- prefix and documents
+@pytest.mark.parametrize("prefix_len, error, match", [
+    (-1, ValueError, r"prefix_len: got -1; must be >= 0"),
+    (torch.tensor([1.0, 2.0]), TypeError, "prefix_len: dtype float32 is not supported"),
+    (torch.tensor([1, 2, 3]), ValueError, r"prefix_len: expected shape \(2,\)"),
+    (torch.tensor([1, -2]), ValueError, "prefix_len: got negative lengths"),
+    ("3", TypeError, "prefix_len: expected an int or an integer tensor"),
+])
+def test_bad_prefix_len(prefix_len, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        varlen.attention(q, k, v, causal=True, prefix_len=prefix_len)
+
+
+def test_prefix_len_int_is_per_sequence_tensor():
+    q, k, v = (t.double() for t in _qkv())
+    a = varlen.attention(q, k, v, causal=True, prefix_len=3, backend="torch")
+    b = varlen.attention(q, k, v, causal=True, prefix_len=torch.tensor([3, 3]), backend="torch")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda q: torch.zeros(B, S + 1, dtype=torch.int64), ValueError, r"document_ids: expected shape \(B, S\)"),
+    (lambda q: torch.zeros(B, S), TypeError, "document_ids: expected an integer or bool tensor"),
+    (lambda q: torch.zeros(B, S, dtype=torch.int64, device="meta"), ValueError, "document_ids: on device meta"),
+])
+def test_bad_document_ids(make, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        varlen.attention(q, k, v, document_ids=make(q))
+
+
+def test_document_ids_need_dense_self_attention():
+    q = varlen.jagged([torch.randn(3, H, D), torch.randn(2, H, D)])
+    with pytest.raises(ValueError, match="document_ids: only for dense inputs"):
+        varlen.attention(q, q, q, document_ids=torch.zeros(2, 3, dtype=torch.int64))
+    q, k, v = _dense(), _dense(seq=S + 2, heads=HKV), _dense(seq=S + 2, heads=HKV)
+    with pytest.raises(ValueError, match=r"document_ids: needs self-attention over packed rows \(Sq == Sk\)"):
+        varlen.attention(q, k, v, document_ids=torch.zeros(B, S, dtype=torch.int64))
+
+
+def test_documents_equal_separate_sequences():
+    """Packed rows with document_ids give what the documents as jagged sequences give."""
+    lengths = [3, 5, 1, 6]
+    q, k, v = (torch.randn(1, sum(lengths), H, D, dtype=torch.float64) for _ in range(3))
+    ids = torch.repeat_interleave(torch.tensor([7, 2, 7, 0]), torch.tensor(lengths))[None]
+    packed = varlen.attention(q, k, v, causal=True, document_ids=ids, backend="torch")
+    qj, kj, vj = (varlen.jagged(list(t[0].split(lengths))) for t in (q, k, v))
+    separate = varlen.attention(qj, kj, vj, causal=True, backend="torch")
+    assert torch.allclose(packed[0], separate.values)

@@ -18,46 +18,13 @@ import sys
 import tempfile
 import time
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
-           torch.int32: "i32", torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "u1",
-           torch.int16: "i16"}
 _seen = {}
 _failures = []
-
-
-def _signature(fn, args, kwargs):
-    bound = fn.signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    signature, constexprs = {}, {}
-    for p in fn.params:
-        v = bound.arguments[p.name]
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = v
-        elif type(v).__name__ == "TensorDescriptor":
-            signature[p.name] = f"tensordesc<{_DTYPES[v.base.dtype]}[{', '.join(map(str, v.block_shape))}]>"
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = "*" + _DTYPES[v.dtype]
-        elif isinstance(v, bool):
-            signature[p.name] = "u1"
-        elif isinstance(v, int):
-            signature[p.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-        elif isinstance(v, float):
-            signature[p.name] = "fp32"
-        elif v is None:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = None
-        else:
-            raise TypeError(f"{fn.__name__}: can't type argument {p.name}={v!r}")
-    return signature, constexprs
-
-
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
@@ -93,17 +60,23 @@ def main():
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     target = GPUTarget("cuda", a.arch, 32)
+    backend = make_backend(target)
+    binders = {}
 
     def run(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas", "maxnreg") if k in kwargs}
-        signature, constexprs = _signature(self, args, kwargs)
-        key = (self.__name__, tuple(signature.items()), tuple((k, str(v)) for k, v in constexprs.items()),
-               tuple(sorted(options.items())))
+        # What JITFunction.run does before compiling, with Triton's own binder: the specialization key,
+        # signature (tuples and namedtuples included), constexprs and attributes of this launch.
+        if self not in binders:
+            binders[self] = create_function_from_signature(self.signature, self.params, backend)
+        bound, specialization, options = binders[self](*args, **kwargs)
+        key = (self.__name__, compute_cache_key({}, specialization, options))
         if key in _seen:
             return None
+        options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
         t0 = time.time()
         try:
-            k = triton.compile(ASTSource(self, signature, constexprs), target=target, options=options)
+            k = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
             _seen[key] = _resources(k) + f" smem {k.metadata.shared}"
             if k.metadata.shared > a.smem_limit:
                 raise RuntimeError(f"shared memory {k.metadata.shared} exceeds the limit {a.smem_limit}")
@@ -111,11 +84,13 @@ def main():
                 _dump_sass(k, a.sass, self.__name__, len(_seen))
         except Exception as exc:  # report and go on: the point is to see every failure at once
             _seen[key] = "FAILED"
-            _failures.append((self.__name__, constexprs, options, str(exc).splitlines()[-1][:300]))
-            print(f"FAILED {self.__name__} {options} {constexprs}\n{exc}", file=sys.stderr)
+            cause = exc.__cause__ or exc  # the compiler's own error, under the located one
+            _failures.append((self.__name__, constexprs, f"{type(cause).__name__}: {str(cause)[-300:]}"))
+            print(f"FAILED {self.__name__} {constexprs}\n{exc}\n{cause!r}", file=sys.stderr)
             return None
         if a.verbose:
-            print(f"compiled {self.__name__} {options} in {time.time() - t0:.1f}s: {_seen[key]}", flush=True)
+            print(f"compiled {self.__name__} (warps {options.num_warps}, stages {options.num_stages}) in "
+                  f"{time.time() - t0:.1f}s: {_seen[key]}", flush=True)
         return None
 
     JITFunction.run = run

@@ -274,10 +274,21 @@ def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     """``(total,)`` int64: for each row, the index b of its sequence. No host sync.
 
     Row r belongs to the sequence whose end offset is the first one greater than r (empty sequences
-    share their end offset with the next one and so are skipped).
+    share their end offset with the next one and so are skipped). Rows past the last offset (offsets that
+    don't cover the rows: trusted metadata gone wrong) are given to the last sequence, so that the ids
+    always index a ``(B,)`` tensor.
     """
     ends = offsets[1:].to(torch.int64)
-    return torch.searchsorted(ends, torch.arange(total, device=offsets.device), right=True)
+    ids = torch.searchsorted(ends, torch.arange(total, device=offsets.device), right=True)
+    return ids.clamp_(max=offsets.shape[0] - 2)
+
+
+def row_positions(offsets: torch.Tensor, total: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of ``total`` rows: its sequence and its position inside it (int64, no host sync), clamped
+    to index a ``(B, width)`` tensor whatever the offsets say."""
+    seq = segment_ids(offsets, total)
+    pos = torch.arange(total, device=offsets.device) - offsets.to(torch.int64)[seq]
+    return seq, pos.clamp_(0, max(width - 1, 0))
 
 
 def jagged(tensors: Sequence[torch.Tensor], *, device=None, dtype=None,

@@ -39,6 +39,8 @@ def attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     deterministic: bool = False,
+    prefix_len: int | torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
 ):
@@ -66,6 +68,14 @@ def attention(
             and the backward replays it. Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when
             ``torch.are_deterministic_algorithms_enabled()``).
+        prefix_len: an int or an integer tensor ``(B,)``: the first ``prefix_len[b]`` keys of sequence b
+            are visible to all its queries, whatever the other masks say. With ``causal=True`` this is a
+            prefix-LM: bidirectional inside the prefix, causal after it.
+        document_ids: dense self-attention over packed rows (``Sq == Sk``): an integer tensor ``(B, S)``;
+            a query sees only keys of its own document, a document being a run of equal ids along the
+            row (positions for causal masks, windows and ALiBi stay the row's). For transformers-style
+            packed batches without ``cu_seqlens``: no host sync, one launch. (Jagged inputs express
+            documents as sequences instead.)
         return_lse: also return the logsumexp of the scores (natural log, float32): ``(B, H, Sq)``
             dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
@@ -79,7 +89,7 @@ def attention(
     """
     call = _prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
-                    deterministic=deterministic, backend=backend)
+                    deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend)
     out, lse = attention_function(*call.args)
     if not call.problem.dense:
         out = JaggedTensor._trusted(out, call.q_jagged.offsets, call.q_jagged.max_len,
@@ -101,7 +111,7 @@ def _is_jagged(x) -> bool:
 
 
 def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softcap, dropout_p, generator,
-             deterministic, backend) -> _Call:
+             deterministic, backend, prefix_len=None, document_ids=None) -> _Call:
     kinds = [_is_jagged(t) for t in (q, k, v)]
     if any(kinds) and not all(kinds):
         raise TypeError("q, k, v: mix dense tensors and jagged tensors; pass all three dense "
@@ -173,9 +183,6 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
-    opts = AttentionOptions(scale=float(scale), causal=causal, window_left=window_left,
-                            window_right=window_right, bottom_right=align == "bottom_right",
-                            softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic)
     if jagged:
         cu_q = _int32_offsets(q_jagged, "q")
         cu_k = cu_q if kj.offsets is qj.offsets else _int32_offsets(kj, "k")
@@ -183,6 +190,11 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
         cu_q = cu_k = None
     problem = Problem(batch=B, heads=H, kv_heads=Hkv, head_dim=D, head_dim_v=Dv, max_q=max_q, max_k=max_k,
                       dense=not jagged, cu_q=cu_q, cu_k=cu_k)
+    opts = AttentionOptions(scale=float(scale), causal=causal, window_left=window_left,
+                            window_right=window_right, bottom_right=align == "bottom_right",
+                            softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic,
+                            prefix_len=_check_prefix(prefix_len, problem, qt.device),
+                            documents=_documents(document_ids, problem, qt.device))
     bias = _check_bias(bias, problem)
     alibi = _check_alibi(alibi_slopes, problem)
 
@@ -235,6 +247,56 @@ def _check_bias(bias, problem: Problem):
     if bias.dtype == torch.bool:
         bias = torch.zeros(shape, dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
     return bias
+
+
+def _check_prefix(prefix_len, problem: Problem, device: torch.device) -> torch.Tensor | None:
+    """``prefix_len`` as an int32 ``(B,)`` tensor on ``device``; values checked where that costs no sync."""
+    if prefix_len is None:
+        return None
+    if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
+        if prefix_len < 0:
+            raise ValueError(f"prefix_len: got {prefix_len}; must be >= 0")
+        return torch.full((problem.batch,), min(prefix_len, INT32_MAX), dtype=torch.int32, device=device)
+    check_tensor("prefix_len", prefix_len, kind="an int or an integer tensor of shape (B,)")
+    check_dtype("prefix_len", prefix_len, (torch.int32, torch.int64))
+    if tuple(prefix_len.shape) != (problem.batch,):
+        raise ValueError(f"prefix_len: expected shape ({problem.batch},) (one length per sequence), got "
+                         f"{tuple(prefix_len.shape)}")
+    if prefix_len.device != device:
+        raise ValueError(f"prefix_len: on device {prefix_len.device}, but q is on {device}")
+    if device.type == "cpu" and bool((prefix_len < 0).any()):
+        raise ValueError(f"prefix_len: got negative lengths {prefix_len.tolist()}; must be >= 0")
+    return prefix_len.clamp(max=INT32_MAX).to(torch.int32)
+
+
+def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Tensor | None:
+    """``(2, B, S)`` int32: for each token the first row of its document and one past its last (documents
+    are runs of equal ids along a row). Built on the device: no sync."""
+    if document_ids is None:
+        return None
+    check_tensor("document_ids", document_ids)
+    if not problem.dense:
+        raise ValueError("document_ids: only for dense inputs (packed rows); jagged inputs express documents as "
+                         "their sequences")
+    if problem.max_q != problem.max_k:
+        raise ValueError(f"document_ids: needs self-attention over packed rows (Sq == Sk), got Sq = "
+                         f"{problem.max_q}, Sk = {problem.max_k}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex:
+        raise TypeError(f"document_ids: expected an integer or bool tensor, got {document_ids.dtype}")
+    if tuple(document_ids.shape) != (problem.batch, problem.max_q):
+        raise ValueError(f"document_ids: expected shape (B, S) = ({problem.batch}, {problem.max_q}), got "
+                         f"{tuple(document_ids.shape)}")
+    if document_ids.device != device:
+        raise ValueError(f"document_ids: on device {document_ids.device}, but q is on {device}")
+    S = problem.max_q
+    pos = torch.arange(S, device=device)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    ends = torch.ones_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    first = torch.where(starts, pos, 0).cummax(dim=1).values
+    last = torch.where(ends, pos + 1, S).flip(1).cummin(dim=1).values.flip(1)
+    return torch.stack([first, last]).to(torch.int32)
 
 
 def _check_alibi(slopes, problem: Problem):

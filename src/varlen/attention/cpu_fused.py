@@ -9,9 +9,9 @@ padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call. On t
 to wait for, so the host reads the offsets and loops over buckets freely. A plan is built once per
 offsets tensor and reused by every layer's forward and backward of that batch.
 
-What the kernel can't do (dropout, ALiBi, softcap, windows, Dv != D, bottom-right causal masks between
-different lengths, a bias on a jagged batch, a bias or lse that needs a gradient) stays with the chunked
-PyTorch path: :func:`unsupported_reasons` says why, per call.
+What the kernel can't do (dropout, ALiBi, softcap, windows, prefixes, documents, Dv != D, bottom-right
+causal masks between different lengths, a bias on a jagged batch, a bias or lse that needs a gradient)
+stays with the chunked PyTorch path: :func:`unsupported_reasons` says why, per call.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions
         reasons.append("softcap")
     if opts.window_left >= 0 or opts.window_right >= 0:
         reasons.append("a window")
+    if opts.prefix_len is not None:
+        reasons.append("a prefix")
+    if opts.documents is not None:
+        reasons.append("documents")
     if bias is not None and not problem.dense:
         reasons.append("a bias on a jagged batch")
     if opts.causal and opts.bottom_right and not _same_lengths(problem):

@@ -132,28 +132,34 @@ class _EagerAttention(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- the op boundary
-EXTRA_TENSORS = ("alibi", "cu_q", "cu_k", "seed")  # the optional tensors without a gradient, in the ops' list
-_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionOptions))
+# AttentionOptions fields holding tensors cross in the extras list, the others as one argument each.
+_TENSOR_OPTIONS = tuple(f.name for f in dataclasses.fields(AttentionOptions) if "Tensor" in f.type)
+_OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionOptions) if f.name not in _TENSOR_OPTIONS)
+# The optional tensors without a gradient, in the ops' list.
+EXTRA_TENSORS = ("alibi", "cu_q", "cu_k", "seed", *_TENSOR_OPTIONS)
 _SCHEMA_TYPES = {"float": "float", "bool": "bool", "int": "int"}
-_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(AttentionOptions))
+_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[f.type]} {f.name}" for f in dataclasses.fields(AttentionOptions)
+                            if f.name in _OPTION_FIELDS)
 
 
 def flatten(alibi, problem: Problem, opts: AttentionOptions, backend: str, seed: Tensor | None):
     """``(extras, primitives)``: the ops' arguments after q, k, v and the bias. The problem's other fields are
     read back from the tensors (batch, heads, head dims, layout); ``max_q``/``max_k`` can't be, for jagged
     inputs."""
-    extras = [alibi, problem.cu_q, problem.cu_k, seed]
+    extras = [alibi, problem.cu_q, problem.cu_k, seed, *(getattr(opts, name) for name in _TENSOR_OPTIONS)]
     return extras, (problem.max_q, problem.max_k, *(getattr(opts, name) for name in _OPTION_FIELDS), backend)
 
 
 def rebuild(q, k, v, extras, primitives):
     """The inverse of :func:`flatten`: ``(alibi, problem, opts, backend, seed)``."""
-    alibi, cu_q, cu_k, seed = extras
+    alibi, cu_q, cu_k, seed, *tensor_options = extras
     max_q, max_k, *options, backend = primitives
     problem = Problem(batch=q.shape[0] if cu_q is None else cu_q.shape[0] - 1, heads=q.shape[-2],
                       kv_heads=k.shape[-2], head_dim=q.shape[-1], head_dim_v=v.shape[-1], max_q=max_q,
                       max_k=max_k, dense=cu_q is None, cu_q=cu_q, cu_k=cu_k)
-    return alibi, problem, AttentionOptions(*options), backend, _seed(seed)
+    opts = AttentionOptions(**dict(zip(_OPTION_FIELDS, options, strict=True)),
+                            **dict(zip(_TENSOR_OPTIONS, tensor_options, strict=True)))
+    return alibi, problem, opts, backend, _seed(seed)
 
 
 _LIB = torch.library.Library("varlen", "FRAGMENT")

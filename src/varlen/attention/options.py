@@ -11,6 +11,9 @@ Tensor layouts seen by backends (``dense`` tells which):
   (jagged: ``(B, H, >= max_q, >= max_k)``, entry ``[b, h, i, j]`` is query i, key j of sequence b).
 - alibi: ``None`` or float32 ``(B, H)`` (possibly a stride-0 expansion of ``(H,)``).
 Only ``stride(-1) == 1`` is guaranteed for q, k, v.
+
+Options that are tensors (``AttentionOptions.prefix_len``, ``.documents``) are validated and on q's device;
+they are excluded from equality (``compare=False``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,13 @@ class AttentionOptions:
 
     ``shift`` is 0 for top-left alignment and ``Lk - Lq`` for bottom-right. Query i sees key j iff
     ``j <= i + shift`` (causal) and ``i + shift - window_left <= j <= i + shift + window_right``
-    (each side unbounded when -1). Scores: ``s = scale * q.k``; ``softcap * tanh(s / softcap)`` when
+    (each side unbounded when -1), or ``j < prefix_len[b]``; and, with ``documents``, only when i and j
+    lie in the same document. Scores: ``s = scale * q.k``; ``softcap * tanh(s / softcap)`` when
     ``softcap > 0``; ``+ bias + alibi``; masking; softmax; dropout with keep probability ``1 - dropout_p``.
+
+    ``prefix_len``: ``(B,)`` int32, keys visible to every query of their sequence. ``documents``: dense
+    self-attention over packed rows, ``(2, B, S)`` int32: for each token, the first row of its document and
+    one past its last (documents are runs of rows).
     """
 
     scale: float
@@ -38,6 +46,8 @@ class AttentionOptions:
     softcap: float = 0.0
     dropout_p: float = 0.0
     deterministic: bool = False
+    prefix_len: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    documents: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     @property
     def masked(self) -> bool:

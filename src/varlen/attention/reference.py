@@ -14,7 +14,8 @@ from ..jagged import JaggedTensor, as_jagged
 def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
                         align: str = "top_left", scale: float | None = None, bias: torch.Tensor | None = None,
                         alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
-                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0):
+                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        prefix_len: int | torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
     """Attention computed naively in the inputs' dtype; returns ``(out, lse)``.
 
     Same arguments and semantics as ``varlen.attention`` (see its docstring), except that dropout is
@@ -24,7 +25,7 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
     Args:
         q, k, v: dense ``(B, Sq, H, D)``, ``(B, Sk, Hkv, D)``, ``(B, Sk, Hkv, Dv)`` tensors, or jagged
             tensors (JaggedTensor or ``torch.nested``) of logical shapes ``(B, j, H, D)`` etc.
-        causal, window, align, scale, softcap: as in ``varlen.attention``.
+        causal, window, align, scale, softcap, prefix_len, document_ids: as in ``varlen.attention``.
         bias: float or bool, broadcastable to ``(B, H, Sq, Sk)`` (jagged: ``(B, H, >= max_q, >= max_k)``).
         alibi_slopes: ``(H,)`` or ``(B, H)``.
         dropout_mask: bool keep mask ``(B, H, max_q, max_k)`` (dense: ``(B, H, Sq, Sk)``), applied to
@@ -89,6 +90,13 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
             visible &= j >= i + shift - left
         if right is not None and right >= 0:
             visible &= j <= i + shift + right
+        if prefix_len is not None:
+            visible |= j < int(prefix_len if isinstance(prefix_len, int) else prefix_len[b])
+        if document_ids is not None:
+            # A document is a run of equal ids: number the runs along the row.
+            ids = document_ids[b]
+            run = torch.cat([ids.new_zeros(1), (ids[1:] != ids[:-1]).to(ids.dtype)]).cumsum(0)
+            visible &= run.view(-1, 1) == run.view(1, -1)
         s = s.masked_fill(~visible, float("-inf"))
         p, lse = _softmax_and_lse(s)
         if dropout_mask is not None:

@@ -222,14 +222,24 @@ def _scores(batch: _Batch, rows: tuple[int, int], bias, alibi, problem: Problem,
     rel = j - (i + shift)  # key position relative to the query's diagonal: (n, Sk) or (B, 1, 1, n, Sk)
     if alibi is not None:
         s = s - alibi.reshape(B, Hkv, G, 1, 1).to(s.dtype) * rel.abs()
-    hidden = None
-    if not problem.dense:
-        hidden = (i >= batch.q_len) | (j >= batch.k_len)
+    # The band (causal, window) hides what the prefix (keys every query sees) doesn't show.
+    band = None
     right = opts.visible_right()
     for beyond in ((rel > right) if right >= 0 else None,
                    (rel < -opts.window_left) if opts.window_left >= 0 else None):
         if beyond is not None:
-            hidden = beyond if hidden is None else hidden | beyond
+            band = beyond if band is None else band | beyond
+    if band is not None and opts.prefix_len is not None:
+        band = band & (j >= opts.prefix_len.to(torch.int64).view(B, 1, 1, 1, 1))
+    hidden = band
+    if not problem.dense:
+        padding = (i >= batch.q_len) | (j >= batch.k_len)
+        hidden = padding if hidden is None else hidden | padding
+    if opts.documents is not None:
+        # Same document iff same first row; documents are dense self-attention, rows i0..i1 of each batch row.
+        first = opts.documents[0].to(torch.int64)
+        other = first[:, i0:i1].view(B, 1, 1, i1 - i0, 1) != first[:, :Sk].view(B, 1, 1, 1, Sk)
+        hidden = other if hidden is None else hidden | other
     if hidden is not None:
         s = s.masked_fill(hidden, float("-inf"))
     return s, capped

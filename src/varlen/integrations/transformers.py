@@ -16,11 +16,9 @@ How each batch layout runs (no copies of q, k, v unless noted):
 
 - Packed batches (``DataCollatorWithFlattening``: sequences one after another, ``position_ids`` restarting
   at each sequence). With ``return_flash_attn_kwargs=True`` the collator also gives ``cu_seq_lens_q/k``
-  and ``max_length_q/k``: jagged attention with no device-to-host copy. With ``position_ids`` alone the
-  sequence starts are read from them: one device-to-host copy per forward pass (shared by the layers). Under
-  ``torch.compile`` that read can't be traced: compiled rows must each be one sequence, which is checked on
-  the device without a copy (a packed row trips a device-side assertion). Batches of more than one row are
-  flattened (a copy of q, k, v).
+  and ``max_length_q/k``: jagged attention over the flattened rows. With ``position_ids`` alone, each
+  row's documents (where positions restart) are found on the device and attention stays within them
+  (``varlen.attention``'s ``document_ids``). Neither reads anything on the host, and both compile.
 - Padded batches (2-D ``attention_mask``): dense attention with the padding as a key mask (an all-ones mask
   too: telling it apart would read it on the host); exact for any mask, no device-to-host copy, but the
   padding is computed over (pack the batch to skip it).
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import weakref
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
@@ -96,67 +93,31 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         out = attention(q, k, v, bias=keep, causal=causal, window=window, align="bottom_right", **options)
         return out, None
 
-    packed = _packed_offsets(kwargs, B, Sq, Sk)
-    if packed is None:
-        return attention(q, k, v, causal=causal, window=window, align="bottom_right", **options), None
-    cu_q, cu_k, max_q, max_k = packed
-    H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
-    out = flash_attn_varlen_func(q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, v.shape[3]),
-                                 cu_q, cu_k, max_q, max_k, dropout_p=options["dropout_p"], softmax_scale=scaling,
-                                 causal=causal, window_size=(-1, -1) if window is None else window,
-                                 softcap=options["softcap"])
-    return out.view(B, Sq, H, out.shape[-1]), None
-
-
-def _packed_offsets(kwargs: dict, batch: int, seq_q: int, seq_k: int):
-    """``(cu_q, cu_k, max_q, max_k)`` of a packed batch, or None when the rows are single sequences."""
     names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     if all(kwargs.get(n) is not None for n in names):
-        return tuple(kwargs[n] for n in names)
-    position_ids = kwargs.get("position_ids")
+        cu_q, cu_k, max_q, max_k = (kwargs[n] for n in names)
+        H, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+        out = flash_attn_varlen_func(q.reshape(-1, H, D), k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, v.shape[3]),
+                                     cu_q, cu_k, max_q, max_k, dropout_p=options["dropout_p"], softmax_scale=scaling,
+                                     causal=causal, window_size=(-1, -1) if window is None else window,
+                                     softcap=options["softcap"])
+        return out.view(B, Sq, H, out.shape[-1]), None
+    documents = _documents(kwargs.get("position_ids"), B, Sq, Sk)
+    out = attention(q, k, v, causal=causal, window=window, align="bottom_right", document_ids=documents, **options)
+    return out, None
+
+
+def _documents(position_ids, batch: int, seq_q: int, seq_k: int) -> torch.Tensor | None:
+    """The document of each token of packed rows, ``(B, S)``, or None when the batch can't be packed (no
+    position_ids, or a cache: Sq != Sk). A document starts at each row's start and wherever the position
+    doesn't follow the previous one's by 1, as transformers' packed-sequence masks define it. Computed on the
+    device: no host sync, and it traces under ``torch.compile``; a row that is one sequence is one document."""
     if not isinstance(position_ids, torch.Tensor) or seq_q != seq_k or seq_q < 2:
         return None
     if position_ids.shape[-1] != seq_q or position_ids.numel() not in (seq_q, batch * seq_q):
         return None
-    if torch.compiler.is_compiling():
-        # Finding the sequence starts takes a device-to-host copy, which a compiled graph can't hold. Until
-        # packed rows get a sync-free path (issue 9), a compiled forward takes each row as one sequence and
-        # checks that on the device: a packed row fails loudly instead of attending across its sequences.
-        pos = position_ids.reshape(-1, seq_q)
-        torch._assert_async((pos[:, 1:] == pos[:, :-1] + 1).all(),
-                            "position_ids: packed sequences (positions restarting inside a row) are not supported "
-                            "under torch.compile without the cu_seq_lens_q/k and max_length_q/k kwargs")
-        return None
-    found = _sequence_starts(position_ids, batch)
-    if found is None:
-        return None
-    offsets, max_len = found
-    return offsets, offsets, max_len, max_len
-
-
-# One entry: the layers of a forward pass get the same position_ids tensor, so its offsets are read once.
-_last_starts: tuple = (lambda: None, -1, 0, None)
-
-
-def _sequence_starts(position_ids: torch.Tensor, batch: int):
-    """``(offsets int32 on the device, max_len)`` of the sequences in the flattened rows, or None if each row
-    is one sequence. A sequence starts at each row's start and wherever the position doesn't follow the
-    previous one's by 1 (as transformers' packed-sequence masks define it). One device-to-host copy."""
-    global _last_starts
-    ref, version, rows, found = _last_starts
-    if ref() is position_ids and version == position_ids._version and rows == batch:
-        return found
-    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, -1)
-    starts = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    host = starts.flatten().cpu()  # the device-to-host copy
-    found = None
-    if int(host.sum()) > batch:
-        offsets = torch.cat([host.nonzero().flatten(), torch.tensor([host.numel()])])
-        max_len = int((offsets[1:] - offsets[:-1]).max())
-        found = offsets.to(device=position_ids.device, dtype=torch.int32), max_len
-    _last_starts = (weakref.ref(position_ids), position_ids._version, batch, found)
-    return found
+    pos = position_ids.reshape(-1, seq_q).expand(batch, -1)
+    return torch.cat([pos.new_zeros(batch, 1), (pos[:, 1:] != pos[:, :-1] + 1).cumsum(1)], dim=1)
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,

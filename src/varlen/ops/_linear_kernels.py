@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .._amp import dot_precision
-from .padded import chunk_rows_for
+from .tiling import chunk_rows_for, sequence_rows
 
 # Grouped matmul tiles: BLOCK_M rows of one sequence x BLOCK_N output columns, K in BLOCK_K steps.
 # A sequence of length L wastes at most BLOCK_M - 1 rows of its last tile.
@@ -37,10 +37,10 @@ TRANSPOSED_BLOCK_N = 64
 MIN_ROWS_PER_CHUNK = 512
 
 
-@triton.jit(do_not_specialize=["B"])
+@triton.jit(do_not_specialize=["B", "total"])
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, offsets_ptr, block_seq_ptr, block_row_ptr,
-    B, K, N,
+    B, total, K, N,
     stride_xm, stride_xk, stride_wb, stride_wk, stride_wn, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -52,10 +52,11 @@ def _grouped_matmul_kernel(
     if seq >= B:  # the grid is an upper bound on the number of row tiles; the rest are idle
         return
     row_start = tl.load(block_row_ptr + pid_m)
-    row_end = tl.load(offsets_ptr + seq + 1).to(tl.int64)
+    seq_start, seq_len = sequence_rows(offsets_ptr, seq, total)
+    row_end = seq_start + seq_len
     rows = row_start + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < row_end
+    row_ok = (rows >= seq_start) & (rows < row_end)  # row_start came from unclamped offsets
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None] * stride_xm
     w_cols = w_ptr + seq.to(tl.int64) * stride_wb + cols[None, :] * stride_wn
@@ -70,10 +71,10 @@ def _grouped_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["CHUNKS", "rows_per_chunk"])
+@triton.jit(do_not_specialize=["total", "CHUNKS", "rows_per_chunk"])
 def _transposed_matmul_kernel(
     x_ptr, y_ptr, out_ptr, offsets_ptr,
-    K, N, CHUNKS, rows_per_chunk,
+    total, K, N, CHUNKS, rows_per_chunk,
     stride_xm, stride_xk, stride_ym, stride_yn, stride_os, stride_ob, stride_ok, stride_on,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -83,8 +84,8 @@ def _transposed_matmul_kernel(
     pid = tl.program_id(0)
     seq = pid // CHUNKS
     chunk = (pid % CHUNKS).to(tl.int64)
-    seq_start = tl.load(offsets_ptr + seq).to(tl.int64)
-    seq_end = tl.load(offsets_ptr + seq + 1).to(tl.int64)
+    seq_start, seq_len = sequence_rows(offsets_ptr, seq, total)
+    seq_end = seq_start + seq_len
     lo = seq_start + chunk * rows_per_chunk
     hi = tl.minimum(seq_end, lo + rows_per_chunk)
     ks = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -144,7 +145,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     block_seq, block_row = _row_blocks(offsets, cfg["BLOCK_M"], num_blocks)
     grid = (num_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
     _grouped_matmul_kernel[grid](
-        x, w, out, offsets, block_seq, block_row, B, K, N,
+        x, w, out, offsets, block_seq, block_row, B, total, K, N,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         INPUT_PRECISION=dot_precision(x.dtype), **cfg,
     )
@@ -177,7 +178,7 @@ def transposed_matmul(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, m
         partial = torch.empty((chunks, B, K, N), dtype=torch.float32, device=x.device)
     if partial.numel() > 0:
         _transposed_matmul_kernel[(B * chunks, *grid_kn)](
-            x, y, partial, offsets, K, N, chunks, rows_per_chunk,
+            x, y, partial, offsets, x.shape[0], K, N, chunks, rows_per_chunk,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1),
             partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
             BLOCK_R=BR, BLOCK_K=BK, BLOCK_N=BN, INPUT_PRECISION=dot_precision(x.dtype),

@@ -22,16 +22,16 @@ from torch import Tensor
 from .. import _amp, _backend
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
 from ..jagged import JaggedTensor, as_jagged, segment_ids
-from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
+from .tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
-@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
-def _segment_sum_kernel(x, offsets, out, n_cols, n_chunks, chunk_rows, n_col_tiles, stride_xr, stride_xc,
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
+def _segment_sum_kernel(x, offsets, out, total, n_cols, n_chunks, chunk_rows, n_col_tiles, stride_xr, stride_xc,
                         MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # out is (B * n_chunks, n_cols) contiguous; every row is written (0 for a chunk past the end).
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows)
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_F], ACC)
     for t0 in range(lo, hi, BLOCK_T):
@@ -44,12 +44,13 @@ def _segment_sum_kernel(x, offsets, out, n_cols, n_chunks, chunk_rows, n_col_til
     tl.store(out + b_chunk.to(tl.int64) * n_cols + cols, total.to(out.dtype.element_ty), mask=cols < n_cols)
 
 
-@triton.jit(do_not_specialize=["n_row_tiles"])
-def _broadcast_rows_kernel(g, offsets, out, n_cols, n_row_tiles, n_col_tiles, stride_gb, stride_gc, stride_or,
-                           MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+@triton.jit(do_not_specialize=["total", "n_row_tiles"])
+def _broadcast_rows_kernel(g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, stride_gb, stride_gc,
+                           stride_or, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_F: tl.constexpr):
     # out[row] = g[b] (/ L_b for mean) for every row of sequence b; blocks past the end return.
-    b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets)
+    b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets,
+                                                       total)
     if row_tile * BLOCK_T >= length:
         return
     rows = (row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
@@ -90,7 +91,7 @@ def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mea
     else:
         out = torch.empty((batch * n_chunks, n_cols), dtype=accumulate_dtype(x.dtype), device=x.device)
     _segment_sum_kernel[(batch * n_chunks * n_col_tiles,)](
-        x, offsets, out, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
+        x, offsets, out, total, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
         MEAN=mean and n_chunks == 1, ACC=acc, BLOCK_T=bt, BLOCK_F=bf)
     if n_chunks == 1:
         return out
@@ -111,7 +112,7 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
     bt, bf = block_t or bt, block_f or bf
     n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
     _broadcast_rows_kernel[(batch * n_row_tiles * n_col_tiles,)](
-        g, offsets, out, n_cols, n_row_tiles, n_col_tiles, g.stride(0), g.stride(1), out.stride(0),
+        g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, g.stride(0), g.stride(1), out.stride(0),
         MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf)
     return out
 

@@ -19,26 +19,29 @@ from torch.types import Number
 
 from .._checks import check_int, normalize_dim
 from ..jagged import JaggedTensor, as_jagged
-from .padded import as_columns, copy_backend, copy_tiles
+from .padded import copy_backend
+from .tiling import as_columns, copy_tiles
 
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit
-def _positions(offsets, bs, batch, index, FROM_END: tl.constexpr):
-    """For sequences ``bs``: the row of position ``index`` and whether that position exists."""
+def _positions(offsets, bs, batch, index, total, FROM_END: tl.constexpr):
+    """For sequences ``bs``: the row of position ``index`` and whether that position exists (sequence
+    bounds clamped into the ``total`` rows, as ``tiling.sequence_rows``)."""
     b_ok = bs < batch
-    start = tl.load(offsets + bs, mask=b_ok, other=0).to(tl.int64)
-    length = tl.load(offsets + bs + 1, mask=b_ok, other=0).to(tl.int64) - start
+    start = tl.minimum(tl.maximum(tl.load(offsets + bs, mask=b_ok, other=0).to(tl.int64), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(offsets + bs + 1, mask=b_ok, other=0).to(tl.int64), start), total)
+    length = end - start
     pos = length + index if FROM_END else tl.zeros_like(length) + index
     return start + pos, b_ok & (pos >= 0) & (pos < length)
 
 
-@triton.jit(do_not_specialize=["batch", "index"])
-def _gather_kernel(x, offsets, fill, out, batch, index, n_cols, n_col_tiles, stride_xr, stride_xc, stride_ob,
-                   FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
+@triton.jit(do_not_specialize=["batch", "index", "total"])
+def _gather_kernel(x, offsets, fill, out, batch, index, total, n_cols, n_col_tiles, stride_xr, stride_xc,
+                   stride_ob, FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     col_tile = tl.program_id(0) % n_col_tiles
     bs = (tl.program_id(0) // n_col_tiles).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    rows, ok = _positions(offsets, bs, batch, index, FROM_END)
+    rows, ok = _positions(offsets, bs, batch, index, total, FROM_END)
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     col_ok = cols < n_cols
     v = tl.load(x + rows[:, None] * stride_xr + cols * stride_xc, mask=ok[:, None] & col_ok)
@@ -46,13 +49,13 @@ def _gather_kernel(x, offsets, fill, out, batch, index, n_cols, n_col_tiles, str
     tl.store(out + bs[:, None] * stride_ob + cols, v, mask=(bs < batch)[:, None] & col_ok)
 
 
-@triton.jit(do_not_specialize=["batch", "index"])
-def _scatter_kernel(g, offsets, out, batch, index, n_cols, n_col_tiles, stride_gb, stride_gc, stride_or,
+@triton.jit(do_not_specialize=["batch", "index", "total"])
+def _scatter_kernel(g, offsets, out, batch, index, total, n_cols, n_col_tiles, stride_gb, stride_gc, stride_or,
                     FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
     # out is zero-filled; only the selected rows are written (distinct rows: one per sequence).
     col_tile = tl.program_id(0) % n_col_tiles
     bs = (tl.program_id(0) // n_col_tiles).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B).to(tl.int64)
-    rows, ok = _positions(offsets, bs, batch, index, FROM_END)
+    rows, ok = _positions(offsets, bs, batch, index, total, FROM_END)
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     mask = ok[:, None] & (cols < n_cols)
     v = tl.load(g + bs[:, None] * stride_gb + cols * stride_gc, mask=mask)
@@ -78,8 +81,8 @@ def gather_triton(x: torch.Tensor, offsets: torch.Tensor, index: int, fill_value
     bb, bf = block_b or bb, block_f or bf
     n_col_tiles = triton.cdiv(n_cols, bf)
     _gather_kernel[(triton.cdiv(batch, bb) * n_col_tiles,)](
-        xs, offsets, fill, o, batch, index, n_cols, n_col_tiles, xs.stride(0), xs.stride(1), o.stride(0),
-        FROM_END=index < 0, BLOCK_B=bb, BLOCK_F=bf)
+        xs, offsets, fill, o, batch, index, xs.shape[0], n_cols, n_col_tiles, xs.stride(0), xs.stride(1),
+        o.stride(0), FROM_END=index < 0, BLOCK_B=bb, BLOCK_F=bf)
     return out
 
 
@@ -95,15 +98,15 @@ def scatter_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, index: in
     bb, bf = block_b or bb, block_f or bf
     n_col_tiles = triton.cdiv(n_cols, bf)
     _scatter_kernel[(triton.cdiv(batch, bb) * n_col_tiles,)](
-        gs, offsets, o, batch, index, n_cols, n_col_tiles, gs.stride(0), gs.stride(1), o.stride(0),
+        gs, offsets, o, batch, index, total, n_cols, n_col_tiles, gs.stride(0), gs.stride(1), o.stride(0),
         FROM_END=index < 0, BLOCK_B=bb, BLOCK_F=bf)
     return out
 
 
 def _positions_torch(offsets: torch.Tensor, total: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of position ``index`` of every sequence (clamped into range) and whether each exists."""
-    start = offsets[:-1].to(torch.int64)
-    length = offsets[1:].to(torch.int64) - start
+    start = offsets[:-1].to(torch.int64).clamp(0, total)
+    length = torch.maximum(offsets[1:].to(torch.int64).clamp(max=total), start) - start
     pos = length + index if index < 0 else torch.full_like(start, index)
     ok = (pos >= 0) & (pos < length)
     return (start + pos).clamp(0, max(total - 1, 0)), ok

@@ -32,18 +32,17 @@ from torch import Tensor
 from .. import _amp, _backend
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from ..jagged import JaggedTensor, as_jagged, segment_ids
-from .padded import acc_type, as_columns, chunk_coords, chunk_rows_for
+from .tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows
 
 
 # ------------------------------------------------------------------------------------ kernels
-@triton.jit
-def _softmax_single_kernel(x, y, offsets, n_cols, n_col_tiles, stride_xr, stride_xc, stride_yr,
+@triton.jit(do_not_specialize=["total"])
+def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr, stride_xc, stride_yr,
                            ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # The whole sequence (length <= BLOCK_T) in one tile: one read of x, one write of y.
     col_tile = tl.program_id(0) % n_col_tiles
     b = tl.program_id(0) // n_col_tiles
-    start = tl.load(offsets + b).to(tl.int64)
-    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    start, length = sequence_rows(offsets, b, total)
     rows = tl.arange(0, BLOCK_T).to(tl.int64)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     mask = (rows < length)[:, None] & (cols < n_cols)[None, :]
@@ -57,13 +56,13 @@ def _softmax_single_kernel(x, y, offsets, n_cols, n_col_tiles, stride_xr, stride
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
-def _softmax_stats_kernel(x, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
+def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           stride_xr, stride_xc,
                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # Online max and sum of exponentials of one chunk of one sequence, per column.
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows)
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
         return
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
@@ -84,14 +83,14 @@ def _softmax_stats_kernel(x, offsets, part_max, part_sum, n_cols, n_chunks, chun
     tl.store(part_sum + idx, s, mask=col_ok)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "chunk_rows", "n_programs"])
-def _softmax_write_kernel(x, y, offsets, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
+def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           n_programs, stride_xr, stride_xc, stride_yr,
                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # Reverse order: the stats kernel's last chunks are the ones still in L2.
     pid = n_programs - 1 - tl.program_id(0)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        pid, n_chunks, n_col_tiles, offsets, chunk_rows)
+        pid, n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
         return
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
@@ -99,7 +98,8 @@ def _softmax_write_kernel(x, y, offsets, part_max, part_sum, n_cols, n_chunks, c
     m = tl.full([BLOCK_F], float("-inf"), ACC)
     s = tl.zeros([BLOCK_F], ACC)
     first = b.to(tl.int64) * n_chunks
-    for c in range(0, tl.cdiv(length, chunk_rows)):
+    # A sequence longer than the host's max_len (wrong offsets) has no partials past its n_chunks.
+    for c in range(0, tl.minimum(tl.cdiv(length, chunk_rows), n_chunks)):
         idx = (first + c) * n_cols + cols
         m_c = tl.load(part_max + idx, mask=col_ok, other=float("-inf"))
         s_c = tl.load(part_sum + idx, mask=col_ok, other=0.0)
@@ -118,13 +118,12 @@ def _softmax_write_kernel(x, y, offsets, part_max, part_sum, n_cols, n_chunks, c
                  mask=mask)
 
 
-@triton.jit
-def _softmax_bwd_single_kernel(y, dy, dx, offsets, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
+@triton.jit(do_not_specialize=["total"])
+def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
                                stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     col_tile = tl.program_id(0) % n_col_tiles
     b = tl.program_id(0) // n_col_tiles
-    start = tl.load(offsets + b).to(tl.int64)
-    length = tl.load(offsets + b + 1).to(tl.int64) - start
+    start, length = sequence_rows(offsets, b, total)
     rows = (start + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     mask = (rows < start + length) & (cols < n_cols)
@@ -134,13 +133,13 @@ def _softmax_bwd_single_kernel(y, dy, dx, offsets, n_cols, n_col_tiles, stride_y
     tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot[None, :])).to(dx.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "chunk_rows"])
-def _softmax_bwd_dot_kernel(y, dy, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
+def _softmax_bwd_dot_kernel(y, dy, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                             stride_yr, stride_dyr, stride_dyc,
                             ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # sum_t y * dy over one chunk of one sequence, per column.
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows)
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
         return
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
@@ -155,20 +154,21 @@ def _softmax_bwd_dot_kernel(y, dy, offsets, part_dot, n_cols, n_chunks, chunk_ro
     tl.store(part_dot + idx, tl.sum(acc, 0)[None, :], mask=cols < n_cols)
 
 
-@triton.jit(do_not_specialize=["n_chunks", "chunk_rows", "n_programs"])
-def _softmax_bwd_write_kernel(y, dy, dx, offsets, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
+def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                               n_programs, stride_yr, stride_dyr, stride_dyc, stride_dxr,
                               ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     pid = n_programs - 1 - tl.program_id(0)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        pid, n_chunks, n_col_tiles, offsets, chunk_rows)
+        pid, n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
         return
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     col_ok = cols < n_cols
     dot = tl.zeros([1, BLOCK_F], ACC)
     first = b.to(tl.int64) * n_chunks
-    for c in range(0, tl.cdiv(length, chunk_rows)):
+    # A sequence longer than the host's max_len (wrong offsets) has no partials past its n_chunks.
+    for c in range(0, tl.minimum(tl.cdiv(length, chunk_rows), n_chunks)):
         dot += tl.load(part_dot + (first + c) * n_cols + cols, mask=col_ok, other=0.0)
     for t0 in range(lo, hi, BLOCK_T):
         rows = (start + t0 + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
@@ -232,15 +232,15 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     acc = acc_type(x.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
     if plan.chunk_rows is None:
-        _softmax_single_kernel[(n_programs,)](x, y, offsets, n_cols, n_col_tiles, x.stride(0), x.stride(1),
+        _softmax_single_kernel[(n_programs,)](x, y, offsets, total, n_cols, n_col_tiles, x.stride(0), x.stride(1),
                                               y.stride(0), **tiles)
         return y
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
-    _softmax_stats_kernel[(n_programs,)](x, offsets, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
+    _softmax_stats_kernel[(n_programs,)](x, offsets, total, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
                                          n_col_tiles, x.stride(0), x.stride(1), **tiles)
-    _softmax_write_kernel[(n_programs,)](x, y, offsets, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
+    _softmax_write_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
                                          n_col_tiles, n_programs, x.stride(0), x.stride(1), y.stride(0),
                                          **tiles)
     return y
@@ -260,14 +260,14 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
     if plan.chunk_rows is None:
-        _softmax_bwd_single_kernel[(n_programs,)](y, dy, dx, offsets, n_cols, n_col_tiles, y.stride(0),
+        _softmax_bwd_single_kernel[(n_programs,)](y, dy, dx, offsets, total, n_cols, n_col_tiles, y.stride(0),
                                                   dy.stride(0), dy.stride(1), dx.stride(0), **tiles)
         return dx
     part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
-    _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, part_dot, n_cols, n_chunks, plan.chunk_rows,
+    _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,
                                            n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1), **tiles)
-    _softmax_bwd_write_kernel[(n_programs,)](y, dy, dx, offsets, part_dot, n_cols, n_chunks, plan.chunk_rows,
+    _softmax_bwd_write_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,
                                              n_col_tiles, n_programs, y.stride(0), dy.stride(0), dy.stride(1),
                                              dx.stride(0), **tiles)
     return dx

@@ -8,6 +8,7 @@ from ..._backend import triton_unsupported_reason
 from . import configs
 from .backward import launch_backward
 from .forward import launch_forward
+from .launch import use_tma
 
 NAME = "triton"
 MAX_HEAD_DIM = 256
@@ -32,15 +33,17 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q, k, v, bias, alibi, problem, opts, seed):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    config = configs.forward_config(problem, q.dtype, bias=bias is not None, dropout=seed is not None)
-    return launch_forward(q, k, v, bias, alibi, problem, opts, seed, config)
+    tma = use_tma(q, k, v)
+    config = configs.forward_config(problem, q.dtype, bias=bias is not None, dropout=seed is not None, tma=tma)
+    return launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=tma and config.tma)
 
 
 def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad):
     q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     if dlse is not None:
         dlse = dlse.contiguous()
+    tma = use_tma(q, k, v, dout)
     config = configs.backward_config(problem, q.dtype, opts.masked, opts.deterministic, q.device,
-                                     bias=bias is not None, dropout=seed is not None)
+                                     bias=bias is not None, dropout=seed is not None, tma=tma)
     return launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config,
-                           need_dbias=bias is not None and needs_grad[3])
+                           need_dbias=bias is not None and needs_grad[3], tma=tma and config.kv.tma)

@@ -5,457 +5,290 @@
 2. ``_bwd_kv_kernel``: one program per (key block, kv head, sequence) keeps dK and dV in registers,
    walks the query tiles that can see its keys (for each q head of its GQA group), recomputes
    P = exp2(S - lse), and computes dV += (P∘M)ᵀ dO, dP = (dO Vᵀ)∘M (M: the dropout keep mask scaled by
-   1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless deterministic, dQ += dS K added into an fp32
-   buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
-   and under the interpreter (1). dS is also the bias gradient: stored as is for a full-shape bias,
-   summed over the broadcast axes of the tile and added atomically for a broadcast one.
-3. Deterministic mode: ``_bwd_q_kernel``, one program per query block walking its key tiles, computes
-   dQ without atomics (recomputing S and dP: seven matmuls of work for five counted); a broadcast bias
-   gets its gradient from ``_bwd_dbias_kernel``, one program per bias-gradient tile looping over the
-   broadcast batches, heads, queries and keys in a fixed order.
+   1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless the dQ kernel runs, dQ += dS K added into an
+   fp32 buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
+   and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``).
+3. ``_bwd_q_kernel`` (``DQ_MODE`` 0, also the deterministic mode): one program per query block walking
+   its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
+   counted); a broadcast bias then gets its gradient from ``_bwd_dbias_kernel``, one program per
+   bias-gradient tile looping over the broadcast batches, heads, queries and keys in a fixed order.
 """
+
+import collections
 
 import torch
 import triton
 import triton.language as tl
 
-from ..._amp import dot_precision
 from .configs import DQ_SEPARATE, DQ_TMA
-from .launch import (
-    DATA_DEPENDENT,
+from .launch import DATA_DEPENDENT, cdiv, constexprs, ensure_allocator, features, head_block, tiles, use_tma
+from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
+from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs, sequence
+from .scores import (
+    LOG2E,
+    Dropout,
+    HeadDropout,
+    HeadScores,
+    Scores,
+    bias_grad,
     broadcast_strides,
-    cdiv,
-    ensure_allocator,
-    feature_args,
-    head_block,
-    lse_strides,
-    row_strides,
-    use_tma,
+    dropout_args,
+    head_dropout,
+    head_scores,
+    keep_tile,
+    score_args,
+    score_tile,
+    softcap_grad,
 )
-from .masks import key_stages, query_stages, seq_bounds
-from .scores import LOG2E, keep_tile, score_tile
-from .tiles import load_rows, rows_desc
+from .tiles import load_rows, rows_desc, store_rows
 
-# How the kv kernel handles the bias gradient.
-DBIAS_NONE = 0
-DBIAS_STORE = 1  # a full-shape bias: each element is written once
-DBIAS_ATOMIC = 2  # a broadcast bias: tile sums over the broadcast axes, added atomically in fp32
+# The bias gradient (runtime bundle: pointer and broadcast strides) and how the kernels write it
+# (constexpr): MODE 0 none, 1 a full-shape bias (each element stored once), 2 a broadcast bias (tile sums
+# added atomically); BQ / BK: the bias is broadcast over queries / keys.
+DBias = collections.namedtuple("DBias", "ptr sb sh sq sk")
+DBiasMode = collections.namedtuple("DBiasMode", "MODE BQ BK")
+DBIAS_NONE, DBIAS_STORE, DBIAS_ATOMIC = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
-def _bwd_preprocess(
-    Out, dOut, dLse, Lse, Delta, Lse2, cu_q,
-    stride_ob, stride_os, stride_oh,
-    stride_gb, stride_gs, stride_gh,
-    stride_lb, stride_lh,
-    seq_q, DV: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
+def _bwd_preprocess(O: Rows, dO: Rows, dLSE, LSE, DELTA, LSE2, seqs: Seqs, total_q, total_k, max_q, max_k,
+                    F: tl.constexpr, HAS_DLSE: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_DV: tl.constexpr):
+    """Grid ``(cdiv(max_q, BLOCK_M), H, B)``. Writes DELTA = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e)
+    (+inf for a query that sees no key), lse-shaped fp32 like LSE and dLSE; O and dO are shaped like Q
+    with head dim DV."""
+    block = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= Lq:
+    bt = batch(seqs, total_q, total_k, max_q, max_k)
+    seq = sequence(bt, tl.program_id(2), F)
+    m0 = block * BLOCK_M
+    if m0 >= seq.Lq:
         return
-    b64 = b.to(tl.int64)
-    rows = m0 + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = rows < Lq
-    tile_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
-    grows = (q_start + rows).to(tl.int64)
-    o = tl.load(Out + b64 * stride_ob + grows[:, None] * stride_os + h * stride_oh + offs_dv[None, :],
-                mask=tile_ok, other=0.0)
-    do = tl.load(dOut + b64 * stride_gb + grows[:, None] * stride_gs + h * stride_gh + offs_dv[None, :],
-                 mask=tile_ok, other=0.0)
+    rows_m = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows_m < seq.Lq
+    o = load_rows(base(O, seq.b, seq.q_start, h), m0, seq.Lq, O.stride_s, DV, BLOCK_M, BLOCK_DV, True, False)
+    do = load_rows(base(dO, seq.b, seq.q_start, h), m0, seq.Lq, dO.stride_s, DV, BLOCK_M, BLOCK_DV, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse_off = b64 * stride_lb + h * stride_lh + grows
     if HAS_DLSE:
-        delta -= tl.load(dLse + lse_off, mask=row_ok, other=0.0)
-    lse = tl.load(Lse + lse_off, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    tl.store(Delta + lse_off, delta, mask=row_ok)
-    tl.store(Lse2 + lse_off, lse2, mask=row_ok)
+        delta -= tl.load(lse_row(dLSE, bt, seq, h, F) + rows_m, mask=row_ok, other=0.0)
+    lse = tl.load(lse_row(LSE, bt, seq, h, F) + rows_m, mask=row_ok, other=0.0)
+    tl.store(lse_row(DELTA, bt, seq, h, F) + rows_m, delta, mask=row_ok)
+    tl.store(lse_row(LSE2, bt, seq, h, F) + rows_m, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
+             mask=row_ok)
 
 
 @triton.jit
-def _dbias_tile(dst, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk,
-                DBIAS_MODE: tl.constexpr, BIAS_BQ: tl.constexpr, BIAS_BK: tl.constexpr):
-    """Write a keys x queries tile of dS (natural units) into the bias gradient. ``q_idx``/``k_idx`` are
-    the tile's in-sequence query and key positions (1-D)."""
-    rows = q_idx[None, :]
-    cols = k_idx[:, None]
-    if DBIAS_MODE == 1:
-        ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
-        tl.store(ptrs, dst.to(dbias_bh.dtype.element_ty), mask=(rows < Lq) & (cols < Lk))
-    else:
-        # Masked and out-of-sequence entries of dS are exact zeros, so tile sums need no mask.
-        if BIAS_BQ and BIAS_BK:
-            tl.atomic_add(dbias_bh, tl.sum(tl.sum(dst, 1), 0), sem="relaxed")
-        elif BIAS_BQ:
-            tl.atomic_add(dbias_bh + k_idx.to(tl.int64) * stride_dbk, tl.sum(dst, 1), mask=k_idx < Lk,
-                          sem="relaxed")
-        elif BIAS_BK:
-            tl.atomic_add(dbias_bh + q_idx.to(tl.int64) * stride_dbq, tl.sum(dst, 0), mask=q_idx < Lq,
-                          sem="relaxed")
-        else:
-            ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
-            tl.atomic_add(ptrs, dst, mask=(rows < Lq) & (cols < Lk), sem="relaxed")
+def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout,
+             F: tl.constexpr, T: tl.constexpr, MASKED: tl.constexpr):
+    """(dS in natural units, dS through the softcap) of queries ``m0..`` x keys ``n0..`` (query-major)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=T.DOT_PRECISION)
+    s, t = score_tile(qk, m0 + tl.arange(0, T.BLOCK_M)[:, None], n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq,
+                      seq.Lk, m, hs, F, MASKED)
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=T.DOT_PRECISION)
+    if F.DROPOUT:
+        dp = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), dp * hd.keep_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    return ds, softcap_grad(ds, t, F)
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dq_desc, Lse2_head, Delta_head,
-                  stride_qs, stride_gs, stride_dqs, start, end, n0, Lq, Lk, shift, WL, R, qk_scale, dq_scale,
-                  bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                  seed, offset_lo, threshold, keep_scale, bh, dbias_bh, stride_dbq, stride_dbk,
-                  offs_m, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-                  HAS_WL: tl.constexpr, HAS_R: tl.constexpr, MASKED: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-                  DBIAS_MODE: tl.constexpr, BIAS_BQ: tl.constexpr, BIAS_BK: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  DQ_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    cols = n0 + offs_n[:, None]
-    for m0 in range(start, end, BLOCK_M):
-        m0 = tl.multiple_of(m0, BLOCK_M)
-        rows = m0 + offs_m
-        rows64 = rows.to(tl.int64)
-        q = load_rows(q_desc, m0, Lq, stride_qs, offs_m, offs_d, D, BLOCK_D, MASKED, TMA)
-        do = load_rows(do_desc, m0, Lq, stride_gs, offs_m, offs_dv, DV, BLOCK_DV, MASKED, TMA)
+def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K: Rows, V: Rows, start, end, m0, seq: Seq, m: SeqMask,
+                 hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr, MASKED: tl.constexpr):
+    """dQ of one query block over key tiles ``[start, end)``."""
+    for n0 in range(start, end, T.BLOCK_N):
+        n0 = tl.multiple_of(n0, T.BLOCK_N)
+        k = load_rows(k_desc, n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, MASKED, T.TMA)
+        v = load_rows(v_desc, n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, MASKED, T.TMA)
+        ds_qk = _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq, m, hs, hd, F, T, MASKED)[1]
+        dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=T.DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, dbias_bh, start, end, n0,
+                  Q: Rows, dO: Rows, dQ: Rows, dBias: DBias, seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout,
+                  F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, MASKED: tl.constexpr):
+    """dK and dV of one key block over query tiles ``[start, end)``, adding each tile's dQ into ``dq_tile``
+    (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none)."""
+    cols = n0 + tl.arange(0, T.BLOCK_N)[:, None]
+    for m0 in range(start, end, T.BLOCK_M):
+        m0 = tl.multiple_of(m0, T.BLOCK_M)
+        rows_m = m0 + tl.arange(0, T.BLOCK_M)
+        q = load_rows(q_desc, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA)
+        do = load_rows(do_desc, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA)
         if MASKED:
-            row_ok = rows < Lq
-            lse2 = tl.load(Lse2_head + rows64, mask=row_ok, other=float("inf"))
-            delta = tl.load(Delta_head + rows64, mask=row_ok, other=0.0)
+            lse2 = tl.load(lse2_row + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
+            delta = tl.load(delta_row + rows_m, mask=rows_m < seq.Lq, other=0.0)
         else:
-            lse2 = tl.load(Lse2_head + rows64)
-            delta = tl.load(Delta_head + rows64)
+            lse2 = tl.load(lse2_row + rows_m)
+            delta = tl.load(delta_row + rows_m)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
-        qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        st, tt = score_tile(qkt, rows[None, :], cols, Lq, Lk, shift, WL, R, qk_scale, softcap_scale, softcap2,
-                            bias_bh, stride_bq, stride_bk, slope2, HAS_WL, HAS_R, MASKED, HAS_BIAS, HAS_ALIBI,
-                            SOFTCAP)
+        qkt = tl.dot(k, tl.trans(q), input_precision=T.DOT_PRECISION)
+        st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED)
         pt = tl.exp2(st - lse2[None, :])
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROPOUT:
-            keept = tl.trans(keep_tile(seed, offset_lo, threshold, bh, m0, n0, BLOCK_M, BLOCK_N))
-            dv += tl.dot(tl.where(keept, pt * keep_scale, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dpt = tl.where(keept, dpt * keep_scale, 0.0)
+        dpt = tl.dot(v, tl.trans(do), input_precision=T.DOT_PRECISION)
+        if F.DROPOUT:
+            keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N))
+            dv += tl.dot(tl.where(keept, pt * hd.keep_scale, 0.0).to(do.dtype), do, input_precision=T.DOT_PRECISION)
+            dpt = tl.where(keept, dpt * hd.keep_scale, 0.0)
         else:
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
-        if DBIAS_MODE != 0:
-            _dbias_tile(dst, dbias_bh, rows, n0 + offs_n, Lq, Lk, stride_dbq, stride_dbk,
-                        DBIAS_MODE, BIAS_BQ, BIAS_BK)
-        if SOFTCAP:
-            dst = dst * (1.0 - tt * tt)
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PRECISION)
-        if DQ_MODE == 2:
-            # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PRECISION) * dq_scale
-            dq_desc.atomic_add([m0, 0], dq)
-        elif DQ_MODE == 1:
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=DOT_PRECISION) * dq_scale
-            dq_ptrs = dQ_head + rows64[:, None] * stride_dqs + offs_d[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=(rows[:, None] < Lq) & (offs_d[None, :] < D), sem="relaxed")
-            elif BLOCK_D != D:
-                tl.atomic_add(dq_ptrs, dq, mask=offs_d[None, :] < D, sem="relaxed")
+        if DB.MODE != 0:
+            bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB)
+        dst = softcap_grad(dst, tt, F)
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=T.DOT_PRECISION)
+        if DQ_MODE != 0:
+            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=T.DOT_PRECISION) * hs.scale
+            if DQ_MODE == 2:
+                # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
+                dq_tile.atomic_add([m0, 0], dq)
             else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                offs_d = tl.arange(0, T.BLOCK_D)
+                ptrs = dq_tile + rows_m[:, None].to(tl.int64) * dQ.stride_s + offs_d[None, :]
+                tl.atomic_add(ptrs, dq, mask=(rows_m[:, None] < seq.Lq) & (offs_d[None, :] < T.D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
-def _bwd_kv_kernel(
-    Q, K, V, dOut, dQacc, dK, dV, Lse2, Delta, cu_q, cu_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_gb, stride_gs, stride_gh,
-    stride_dqb, stride_dqs, stride_dqh,
-    stride_dkb, stride_dks, stride_dkh,
-    stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh,
-    Bias, stride_bb, stride_bh, stride_bq, stride_bk,
-    Alibi, stride_ab, stride_ah,
-    softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale,
-    dBias, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-    seq_q, seq_k, H, qk_scale, dq_scale, dk_scale, WL, R, D: tl.constexpr, DV: tl.constexpr,
-    GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    DBIAS_MODE: tl.constexpr, BIAS_BQ: tl.constexpr, BIAS_BK: tl.constexpr, DQ_MODE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
-    k_start, Lk = seq_bounds(cu_k, b, seq_k, VARLEN)
-    n0 = pid_n * BLOCK_N
-    if n0 >= Lk:
+def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
+                   total_q, total_k, max_q, max_k, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
+                   dBias: DBias, F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr):
+    """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``: program
+    ``(j, hk, b)`` owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
+    tiles that see them, for each of the GROUP query heads of hk.
+
+    Q, dO ``(B, Sq, H, D|DV)`` | ``(Tq, H, D|DV)``; K, V and dK, dV (written) ``(B, Sk, Hkv, D|DV)`` |
+    ``(Tk, Hkv, D|DV)``; dQ: the fp32 accumulator ``(B, Sq, H, BLOCK_D)`` | ``(Tq, H, BLOCK_D)`` (added to
+    unless DQ_MODE is 0); LSE2, DELTA from the preprocess; dBias: the bias gradient of the bias's shape.
+    """
+    bt = batch(seqs, total_q, total_k, max_q, max_k)
+    block, hk, seq, m = prologue(bt, mask, F, False)
+    n0 = block * T.BLOCK_N
+    if n0 >= seq.Lk:
         return
-    q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
-    shift = Lk - Lq if BOTTOM_RIGHT else 0
-    b64 = b.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    K_seq = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-    V_seq = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-    k = load_rows(rows_desc(K_seq, Lk, stride_ks, D, BLOCK_N, BLOCK_D, TMA), n0, Lk, stride_ks, offs_n, offs_d,
-                  D, BLOCK_D, True, TMA)
-    v = load_rows(rows_desc(V_seq, Lk, stride_vs, DV, BLOCK_N, BLOCK_DV, TMA), n0, Lk, stride_vs, offs_n,
-                  offs_dv, DV, BLOCK_DV, True, TMA)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    k = load_rows(rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA),
+                  n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA)
+    v = load_rows(rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
+                            T.TMA), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True, T.TMA)
+    dk = tl.zeros([T.BLOCK_N, T.BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([T.BLOCK_N, T.BLOCK_DV], dtype=tl.float32)
     # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
-    bounds = query_stages(n0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
-    q_base = b64 * stride_qb + q_start.to(tl.int64) * stride_qs
-    g_base = b64 * stride_gb + q_start.to(tl.int64) * stride_gs
-    dq_base = b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
-    l_base = b64 * stride_lb + q_start.to(tl.int64)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_desc = rows_desc(Q + q_base + h * stride_qh, Lq, stride_qs, D, BLOCK_M, BLOCK_D, TMA)
-        do_desc = rows_desc(dOut + g_base + h * stride_gh, Lq, stride_gs, DV, BLOCK_M, BLOCK_DV, TMA)
-        dQ_head = dQacc + dq_base + h * stride_dqh
-        # The fp32 dQ rows of this sequence and head, for the TMA bulk reduce (rows padded to BLOCK_D).
-        dq_desc = rows_desc(dQ_head, Lq, stride_dqs, BLOCK_D, BLOCK_M, BLOCK_D, DQ_MODE == 2)
-        Lse2_head = Lse2 + l_base + h * stride_lh
-        Delta_head = Delta + l_base + h * stride_lh
-        bias_bh = Bias + b64 * stride_bb + h * stride_bh
-        dbias_bh = dBias + b64 * stride_dbb + h * stride_dbh
-        slope2 = 0.0
-        if HAS_ALIBI:
-            slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-        bh = b * H + h
+    bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
+    for g in range(T.GROUP):
+        h = hk * T.GROUP + g
+        q_desc = rows_desc(base(Q, seq.b, seq.q_start, h), seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA)
+        do_desc = rows_desc(base(dO, seq.b, seq.q_start, h), seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV,
+                            T.TMA)
+        # The fp32 dQ rows of this sequence and head: a descriptor for the TMA bulk reduce.
+        dq_tile = rows_desc(base(dQ, seq.b, seq.q_start, h), seq.Lq, dQ.stride_s, T.BLOCK_D, T.BLOCK_M, T.BLOCK_D,
+                            DQ_MODE == 2)
+        dbias_bh = dBias.ptr + seq.b.to(tl.int64) * dBias.sb + h * dBias.sh
+        hs = head_scores(scores, seq.b, h, F)
+        hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads)
+        lse2_row = lse_row(LSE2, bt, seq, h, F)
+        delta_row = lse_row(DELTA, bt, seq, h, F)
         for stage in tl.static_range(3):
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dQ_head, dq_desc, Lse2_head, Delta_head,
-                                   stride_qs, stride_gs, stride_dqs, bounds[stage], bounds[stage + 1], n0, Lq, Lk,
-                                   shift, WL, R, qk_scale, dq_scale, bias_bh,
-                                   stride_bq, stride_bk, slope2, softcap_scale, softcap2, seed, offset_lo,
-                                   threshold, keep_scale, bh, dbias_bh, stride_dbq, stride_dbk, offs_m, offs_n,
-                                   offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1, HAS_BIAS, HAS_ALIBI,
-                                   SOFTCAP, DROPOUT, DBIAS_MODE, BIAS_BQ, BIAS_BK, BLOCK_M, BLOCK_N, BLOCK_D,
-                                   BLOCK_DV, DQ_MODE, DOT_PRECISION, TMA)
-    cols = n0 + offs_n
-    col_ok = cols < Lk
-    kcols = (k_start + cols).to(tl.int64)
-    tl.store(dK + b64 * stride_dkb + kcols[:, None] * stride_dks + hk * stride_dkh + offs_d[None, :],
-             (dk * dk_scale).to(dK.dtype.element_ty), mask=col_ok[:, None] & (offs_d[None, :] < D))
-    tl.store(dV + b64 * stride_dvb + kcols[:, None] * stride_dvs + hk * stride_dvh + offs_dv[None, :],
-             dv.to(dV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv[None, :] < DV))
-
-
-@triton.jit
-def _ds_tile(q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, m0, n0, Lq, Lk, shift, WL, R, qk_scale,
-             bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2, seed, offset_lo, threshold,
-             keep_scale, bh, offs_m, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-             HAS_WL: tl.constexpr, HAS_R: tl.constexpr, MASKED: tl.constexpr,
-             HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """(dS in natural units, dS through the softcap, k tile) of queries m0.. x keys n0.. (query-major)."""
-    k = load_rows(k_desc, n0, Lk, stride_ks, offs_n, offs_d, D, BLOCK_D, MASKED, TMA)
-    v = load_rows(v_desc, n0, Lk, stride_vs, offs_n, offs_dv, DV, BLOCK_DV, MASKED, TMA)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    s, t = score_tile(qk, m0 + offs_m[:, None], n0 + offs_n[None, :], Lq, Lk, shift, WL, R, qk_scale,
-                      softcap_scale, softcap2, bias_bh, stride_bq, stride_bk, slope2,
-                      HAS_WL, HAS_R, MASKED, HAS_BIAS, HAS_ALIBI, SOFTCAP)
-    p = tl.exp2(s - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    if DROPOUT:
-        keep = keep_tile(seed, offset_lo, threshold, bh, m0, n0, BLOCK_M, BLOCK_N)
-        dp = tl.where(keep, dp * keep_scale, 0.0)
-    ds = p * (dp - delta[:, None])
-    ds_qk = ds
-    if SOFTCAP:
-        ds_qk = ds * (1.0 - t * t)
-    return ds, ds_qk, k
-
-
-@triton.jit
-def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs,
-                 start, end, m0, Lq, Lk, shift, WL, R, qk_scale,
-                 bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                 seed, offset_lo, threshold, keep_scale, bh,
-                 offs_m, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-                 HAS_WL: tl.constexpr, HAS_R: tl.constexpr, MASKED: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    for n0 in range(start, end, BLOCK_N):
-        n0 = tl.multiple_of(n0, BLOCK_N)
-        ds_qk, k = _ds_tile(q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, m0, n0, Lq, Lk, shift,
-                               WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2, softcap_scale, softcap2,
-                               seed, offset_lo, threshold, keep_scale, bh, offs_m, offs_n, offs_d, offs_dv,
-                               D, DV, HAS_WL, HAS_R, MASKED, HAS_BIAS, HAS_ALIBI, SOFTCAP, DROPOUT,
-                               BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)[1:]
-        dq += tl.dot(ds_qk.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, dbias_bh,
+                                   bounds[stage], bounds[stage + 1], n0, Q, dO, dQ, dBias, seq, m, hs, hd, F, T, DB,
+                                   DQ_MODE, stage != 1)
+    store_rows(base(dK, seq.b, seq.k_start, hk), n0, seq.Lk, dK.stride_s, dk * scores.scale, T.D, T.BLOCK_N,
+               T.BLOCK_D)
+    store_rows(base(dV, seq.b, seq.k_start, hk), n0, seq.Lk, dV.stride_s, dv, T.DV, T.BLOCK_N, T.BLOCK_DV)
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
-def _bwd_q_kernel(
-    Q, K, V, dOut, dQ, Lse2, Delta, cu_q, cu_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_gb, stride_gs, stride_gh,
-    stride_dqb, stride_dqs, stride_dqh,
-    stride_lb, stride_lh,
-    Bias, stride_bb, stride_bh, stride_bq, stride_bk,
-    Alibi, stride_ab, stride_ah,
-    softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale,
-    seq_q, seq_k, H, qk_scale, dq_scale, WL, R, D: tl.constexpr, DV: tl.constexpr,
-    GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    if HAS_R:
-        # Under a causal-like mask later query blocks see more keys: start them first.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= Lq:
+def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, seqs: Seqs, total_q, total_k, max_q,
+                  max_k, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, F: tl.constexpr,
+                  T: tl.constexpr):
+    """dQ without atomics (deterministic). Grid ``(cdiv(max_q, BLOCK_M), H, B)``: program ``(i, h, b)`` owns
+    query rows ``[i * BLOCK_M, +BLOCK_M)`` of head h of sequence b and walks the key tiles they see.
+
+    Q, K, V, dO, LSE2, DELTA as ``_bwd_kv_kernel``'s; dQ ``(B, Sq, H, D)`` | ``(Tq, H, D)`` (written).
+    """
+    bt = batch(seqs, total_q, total_k, max_q, max_k)
+    block, h, seq, m = prologue(bt, mask, F, F.HAS_R)
+    m0 = block * T.BLOCK_M
+    if m0 >= seq.Lq:
         return
-    k_start, Lk = seq_bounds(cu_k, b, seq_k, VARLEN)
-    shift = Lk - Lq if BOTTOM_RIGHT else 0
-    hk = h // GROUP
-    b64 = b.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    rows = m0 + offs_m
-    row_ok = rows < Lq
-    grows = (q_start + rows).to(tl.int64)
-    Q_seq = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-    dO_seq = dOut + b64 * stride_gb + q_start.to(tl.int64) * stride_gs + h * stride_gh
-    q = load_rows(rows_desc(Q_seq, Lq, stride_qs, D, BLOCK_M, BLOCK_D, TMA), m0, Lq, stride_qs, offs_m, offs_d,
-                  D, BLOCK_D, True, TMA)
-    do = load_rows(rows_desc(dO_seq, Lq, stride_gs, DV, BLOCK_M, BLOCK_DV, TMA), m0, Lq, stride_gs, offs_m,
-                   offs_dv, DV, BLOCK_DV, True, TMA)
-    l_off = b64 * stride_lb + h * stride_lh + grows
-    lse2 = tl.load(Lse2 + l_off, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + l_off, mask=row_ok, other=0.0)
-    K_seq = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-    V_seq = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-    k_desc = rows_desc(K_seq, Lk, stride_ks, D, BLOCK_N, BLOCK_D, TMA)
-    v_desc = rows_desc(V_seq, Lk, stride_vs, DV, BLOCK_N, BLOCK_DV, TMA)
-    bias_bh = Bias + b64 * stride_bb + h * stride_bh
-    slope2 = 0.0
-    if HAS_ALIBI:
-        slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-    bh = b * H + h
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bounds = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
+    hk = h // T.GROUP
+    rows_m = m0 + tl.arange(0, T.BLOCK_M)
+    q = load_rows(rows_desc(base(Q, seq.b, seq.q_start, h), seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA),
+                  m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, True, T.TMA)
+    do = load_rows(rows_desc(base(dO, seq.b, seq.q_start, h), seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV,
+                             T.TMA), m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, True, T.TMA)
+    lse2 = tl.load(lse_row(LSE2, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
+    delta = tl.load(lse_row(DELTA, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=0.0)
+    k_desc = rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA)
+    v_desc = rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, T.TMA)
+    hs = head_scores(scores, seq.b, h, F)
+    hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads)
+    dq = tl.zeros([T.BLOCK_M, T.BLOCK_D], dtype=tl.float32)
+    bounds = key_stages(m0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for stage in tl.static_range(3):
-        dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, stride_ks, stride_vs, bounds[stage],
-                          bounds[stage + 1], m0, Lq, Lk, shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk,
-                          slope2, softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale, bh, offs_m,
-                          offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, stage != 1, HAS_BIAS, HAS_ALIBI,
-                          SOFTCAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_PRECISION, TMA)
-    tl.store(dQ + b64 * stride_dqb + grows[:, None] * stride_dqs + h * stride_dqh + offs_d[None, :],
-             (dq * dq_scale).to(dQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+        dq = _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K, V, bounds[stage], bounds[stage + 1], m0, seq, m,
+                          hs, hd, F, T, stage != 1)
+    store_rows(base(dQ, seq.b, seq.q_start, h), m0, seq.Lq, dQ.stride_s, dq * scores.scale, T.D, T.BLOCK_M,
+               T.BLOCK_D)
 
 
-@triton.jit(do_not_specialize=[*DATA_DEPENDENT, "B"])
-def _bwd_dbias_kernel(
-    Q, K, V, dOut, Lse2, Delta, cu_q, cu_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_gb, stride_gs, stride_gh,
-    stride_lb, stride_lh,
-    Bias, stride_bb, stride_bh, stride_bq, stride_bk,
-    Alibi, stride_ab, stride_ah,
-    softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale,
-    dBias, stride_dbb, stride_dbh, stride_dbq, stride_dbk,
-    seq_q, seq_k, B, H, BIAS_HEADS, qk_scale, WL, R, D: tl.constexpr, DV: tl.constexpr,
-    GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
-    BIAS_BB: tl.constexpr, BIAS_BH: tl.constexpr, BIAS_BQ: tl.constexpr, BIAS_BK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One tile of a broadcast bias's gradient, summing dS over the broadcast batches, heads, queries
-    and keys in a fixed order (deterministic). Recomputes S and dP for every tile it sums."""
+@triton.jit(do_not_specialize=[*DATA_DEPENDENT, "n_seqs"])
+def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Seqs, total_q, total_k, max_q, max_k,
+                      mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, dBias: DBias, n_seqs, bias_heads,
+                      F: tl.constexpr, T: tl.constexpr, BCAST: tl.constexpr):
+    """A broadcast bias's gradient, deterministically. Grid ``(n_q, n_k, bias batch x bias heads)``: program
+    ``(i, j, bh)`` owns one tile of dBias and sums dS over the broadcast batches, heads, queries and keys
+    (``BCAST``: which of (B, H, Sq, Sk) the bias broadcasts) in a fixed order, recomputing S and dP."""
     pid_q = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b_out = pid_bh // BIAS_HEADS
-    h_out = pid_bh % BIAS_HEADS
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    n_b = B if BIAS_BB else 1
-    n_h = H if BIAS_BH else 1
-    for bi in range(n_b):
-        b = bi if BIAS_BB else b_out
-        b64 = b.to(tl.int64)
-        q_start, Lq = seq_bounds(cu_q, b, seq_q, VARLEN)
-        k_start, Lk = seq_bounds(cu_k, b, seq_k, VARLEN)
-        shift = Lk - Lq if BOTTOM_RIGHT else 0
-        q_lo = 0 if BIAS_BQ else pid_q * BLOCK_M
-        q_hi = Lq if BIAS_BQ else tl.minimum(pid_q * BLOCK_M + 1, Lq)
-        for hi in range(n_h):
-            h = hi if BIAS_BH else h_out
-            hk = h // GROUP
-            Q_seq = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-            dO_seq = dOut + b64 * stride_gb + q_start.to(tl.int64) * stride_gs + h * stride_gh
-            K_seq = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-            V_seq = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-            l_head = b64 * stride_lb + h * stride_lh + q_start.to(tl.int64)
-            bias_bh = Bias + b64 * stride_bb + h * stride_bh
-            slope2 = 0.0
-            if HAS_ALIBI:
-                slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-            for m0 in range(q_lo, q_hi, BLOCK_M):
-                rows = m0 + offs_m
-                row_ok = rows < Lq
-                q = load_rows(Q_seq, m0, Lq, stride_qs, offs_m, offs_d, D, BLOCK_D, True, False)
-                do = load_rows(dO_seq, m0, Lq, stride_gs, offs_m, offs_dv, DV, BLOCK_DV, True, False)
-                lse2 = tl.load(Lse2 + l_head + rows, mask=row_ok, other=float("inf"))
-                delta = tl.load(Delta + l_head + rows, mask=row_ok, other=0.0)
-                band = key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL, HAS_R, BLOCK_M, BLOCK_N)
-                k_lo = band[0] if BIAS_BK else pid_k * BLOCK_N
-                k_hi = band[3] if BIAS_BK else tl.minimum(pid_k * BLOCK_N + 1, Lk)
-                for n0 in range(k_lo, k_hi, BLOCK_N):
-                    ds = _ds_tile(q, do, lse2, delta, K_seq, V_seq, stride_ks, stride_vs, m0, n0, Lq, Lk,
-                                        shift, WL, R, qk_scale, bias_bh, stride_bq, stride_bk, slope2,
-                                        softcap_scale, softcap2, seed, offset_lo, threshold, keep_scale,
-                                        b * H + h, offs_m, offs_n, offs_d, offs_dv, D, DV, HAS_WL, HAS_R, True,
-                                        True, HAS_ALIBI, SOFTCAP, DROPOUT, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV,
-                                        DOT_PRECISION, False)[0]
-                    acc += ds
-    db_base = dBias + b_out.to(tl.int64) * stride_dbb + h_out * stride_dbh
-    if BIAS_BQ and BIAS_BK:
-        tl.store(db_base, tl.sum(tl.sum(acc, 1), 0).to(dBias.dtype.element_ty))
-    elif BIAS_BQ:
-        cols = pid_k * BLOCK_N + offs_n
-        tl.store(db_base + cols.to(tl.int64) * stride_dbk, tl.sum(acc, 0).to(dBias.dtype.element_ty),
-                 mask=cols < seq_k)
-    elif BIAS_BK:
-        rows = pid_q * BLOCK_M + offs_m
-        tl.store(db_base + rows.to(tl.int64) * stride_dbq, tl.sum(acc, 1).to(dBias.dtype.element_ty),
-                 mask=rows < seq_q)
+    b_out = tl.program_id(2) // bias_heads
+    h_out = tl.program_id(2) % bias_heads
+    bt = batch(seqs, total_q, total_k, max_q, max_k)
+    acc = tl.zeros([T.BLOCK_M, T.BLOCK_N], dtype=tl.float32)
+    for bi in range(n_seqs if BCAST[0] else 1):
+        b = bi if BCAST[0] else b_out
+        seq = sequence(bt, b, F)
+        m = seq_mask(mask, b, seq.Lq, seq.Lk, bt.max_q, F)
+        q_lo = 0 if BCAST[2] else pid_q * T.BLOCK_M
+        q_hi = seq.Lq if BCAST[2] else tl.minimum(pid_q * T.BLOCK_M + 1, seq.Lq)
+        for hi in range(bt.heads if BCAST[1] else 1):
+            h = hi if BCAST[1] else h_out
+            hk = h // T.GROUP
+            hs = head_scores(scores, b, h, F)
+            hd = head_dropout(dropout, seed, offset_lo, b, h, bt.heads)
+            for m0 in range(q_lo, q_hi, T.BLOCK_M):
+                rows_m = m0 + tl.arange(0, T.BLOCK_M)
+                q = load_rows(base(Q, b, seq.q_start, h), m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, True,
+                              False)
+                do = load_rows(base(dO, b, seq.q_start, h), m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV,
+                               True, False)
+                lse2 = tl.load(lse_row(LSE2, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
+                delta = tl.load(lse_row(DELTA, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=0.0)
+                band = key_stages(m0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
+                k_lo = band[0] if BCAST[3] else pid_k * T.BLOCK_N
+                k_hi = band[3] if BCAST[3] else tl.minimum(pid_k * T.BLOCK_N + 1, seq.Lk)
+                for n0 in range(k_lo, k_hi, T.BLOCK_N):
+                    k = load_rows(base(K, b, seq.k_start, hk), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D,
+                                  True, False)
+                    v = load_rows(base(V, b, seq.k_start, hk), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
+                                  True, False)
+                    acc += _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq, m, hs, hd, F, T, True)[0]
+    db_base = dBias.ptr + b_out.to(tl.int64) * dBias.sb + h_out * dBias.sh
+    offs_m = pid_q * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
+    offs_n = pid_k * T.BLOCK_N + tl.arange(0, T.BLOCK_N)
+    if BCAST[2] and BCAST[3]:
+        tl.store(db_base, tl.sum(tl.sum(acc, 1), 0).to(dBias.ptr.dtype.element_ty))
+    elif BCAST[2]:
+        tl.store(db_base + offs_n.to(tl.int64) * dBias.sk, tl.sum(acc, 0).to(dBias.ptr.dtype.element_ty),
+                 mask=offs_n < bt.max_k)
+    elif BCAST[3]:
+        tl.store(db_base + offs_m.to(tl.int64) * dBias.sq, tl.sum(acc, 1).to(dBias.ptr.dtype.element_ty),
+                 mask=offs_m < bt.max_q)
     else:
-        rows = pid_q * BLOCK_M + offs_m[:, None]
-        cols = pid_k * BLOCK_N + offs_n[None, :]
-        tl.store(db_base + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk,
-                 acc.to(dBias.dtype.element_ty), mask=(rows < seq_q) & (cols < seq_k))
+        ptrs = db_base + offs_m[:, None].to(tl.int64) * dBias.sq + offs_n[None, :].to(tl.int64) * dBias.sk
+        tl.store(ptrs, acc.to(dBias.ptr.dtype.element_ty), mask=(offs_m[:, None] < bt.max_q) &
+                 (offs_n[None, :] < bt.max_k))
 
 
 def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
@@ -473,103 +306,75 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     shape and dtype (None unless ``need_dbias``). ``tma``: load tiles through TMA descriptors; None
     decides from the device and alignment.
     """
-    B, H, Hkv = problem.batch, problem.heads, problem.kv_heads
-    D, DV, dense = problem.head_dim, problem.head_dim_v, problem.dense
+    B, H, Hkv, dense = problem.batch, problem.heads, problem.kv_heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
         # No query or no key: every gradient is zero (an empty tensor, or zeros for the other side).
         dbias = torch.zeros_like(bias) if need_dbias else None
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
-    BD, BDV = head_block(D), head_block(DV)
-    cu_q = problem.cu_q if not dense else lse
-    cu_k = problem.cu_k if not dense else lse
-    l_strides = lse_strides(lse, dense)
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
+    seq_args = seqs(problem, q, k, lse)
     pre_block = 64
     _bwd_preprocess[(cdiv(problem.max_q, pre_block), H, B)](
-        out, dout, dlse if dlse is not None else lse, lse, delta, lse2, cu_q,
-        *row_strides(out, dense), *row_strides(dout, dense), *l_strides, problem.max_q, DV,
-        VARLEN=not dense, HAS_DLSE=dlse is not None, BLOCK_M=pre_block, BLOCK_DV=BDV,
+        O=rows(out, dense), dO=rows(dout, dense), dLSE=lse if dlse is None else dlse, LSE=lse, DELTA=delta,
+        LSE2=lse2, **seq_args, F=features(problem, opts, bias, alibi, seed), HAS_DLSE=dlse is not None,
+        DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
-    R = opts.visible_right()
-    features, flags = feature_args(q, bias, alibi, opts, seed)
-    shared = dict(GROUP=problem.group, VARLEN=not dense, BOTTOM_RIGHT=opts.bottom_right,
-                  HAS_WL=opts.window_left >= 0, HAS_R=R >= 0, BLOCK_D=BD, BLOCK_DV=BDV,
-                  DOT_PRECISION=dot_precision(q.dtype),
-                  TMA=(config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma)
-    qk_scale = opts.scale * LOG2E.value
+    tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
+    common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
+                  **dropout_args(seed, opts), F=features(problem, opts, bias, alibi, seed))
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.
-    dbias = None
-    dbias_mode, bcast, dbias_buf = DBIAS_NONE, (False,) * 4, q
+    dbias, db_mode, bcast, dbias_buf = None, DBIAS_NONE, (False,) * 4, q
     if need_dbias:
         bcast = _bias_broadcast(bias, problem)
         if not any(bcast):
-            dbias_mode = DBIAS_STORE
+            db_mode = DBIAS_STORE
             dbias = dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         elif opts.deterministic:
             dbias = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         else:
-            dbias_mode = DBIAS_ATOMIC
+            db_mode = DBIAS_ATOMIC
             dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
-    db_strides = broadcast_strides(dbias_buf) if dbias_mode != DBIAS_NONE else (0, 0, 0, 0)
+    db_args = DBias(dbias_buf, *(broadcast_strides(dbias_buf) if db_mode != DBIAS_NONE else (0,) * 4))
 
     kv = config.kv
-    rows = q.shape[0] * q.shape[1] if dense else q.shape[0]
+    kv_tiles = tiles(problem, kv, q.dtype, tma)
     if config.dq_mode == DQ_SEPARATE:
-        dq_acc = dq = torch.empty_like(q)  # not touched by the kv kernel
-        dq_strides = row_strides(dq, dense)
+        dq = torch.empty_like(q)
+        dq_acc = dq  # not touched by the kv kernel
     else:
         # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds.
-        dq_acc = torch.zeros((rows, H, BD), device=q.device, dtype=torch.float32)
-        dq_strides = (problem.max_q * H * BD if dense else 0, H * BD, BD)
+        dq_acc = torch.zeros((*q.shape[:-1], head_block(problem.head_dim)), device=q.device, dtype=torch.float32)
         if config.dq_mode == DQ_TMA:
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
     _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
-        q, k, v, dout, dq_acc, dk, dv, lse2, delta, cu_q, cu_k,
-        *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
-        *dq_strides, *row_strides(dk, dense), *row_strides(dv, dense), *l_strides, *features,
-        dbias_buf, *db_strides,
-        problem.max_q, problem.max_k, H, qk_scale, opts.scale, opts.scale, opts.window_left, R, D=D, DV=DV,
-        **flags, DBIAS_MODE=dbias_mode, BIAS_BQ=bcast[2], BIAS_BK=bcast[3], DQ_MODE=config.dq_mode,
-        BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, num_warps=kv.num_warps, num_stages=kv.num_stages, **shared,
+        Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
+        dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
+        T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=config.dq_mode,
+        num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
     )
-    if dbias_mode == DBIAS_ATOMIC:
+    if db_mode == DBIAS_ATOMIC:
         dbias = dbias_buf.to(bias.dtype)
     if config.dq_mode == DQ_SEPARATE:
         qc = config.q
         _bwd_q_kernel[(cdiv(problem.max_q, qc.block_m), H, B)](
-            q, k, v, dout, dq, lse2, delta, cu_q, cu_k,
-            *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
-            *row_strides(dq, dense), *l_strides, *features,
-            problem.max_q, problem.max_k, H, qk_scale, opts.scale, opts.window_left, R, D=D, DV=DV, **flags,
-            BLOCK_M=qc.block_m, BLOCK_N=qc.block_n, num_warps=qc.num_warps, num_stages=qc.num_stages, **shared,
+            Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq, dense),
+            LSE2=lse2, DELTA=delta, T=tiles(problem, qc, q.dtype, tma),
+            num_warps=qc.num_warps, num_stages=qc.num_stages, **common,
         )
     else:
-        dq = dq_acc[..., :D].reshape(q.shape).to(q.dtype)
-    if need_dbias and dbias_mode == DBIAS_NONE:
-        _launch_dbias(q, k, v, dout, lse2, delta, cu_q, cu_k, l_strides, features, flags, dbias, bcast,
-                      problem, opts, config.q or kv, shared)
+        dq = dq_acc[..., :problem.head_dim].to(q.dtype)
+    if need_dbias and db_mode == DBIAS_NONE:
+        tiles_db = config.q or kv
+        n_q = 1 if bcast[2] else cdiv(problem.max_q, tiles_db.block_m)
+        n_k = 1 if bcast[3] else cdiv(problem.max_k, tiles_db.block_n)
+        _bwd_dbias_kernel[(n_q, n_k, dbias.shape[0] * dbias.shape[1])](
+            Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), LSE2=lse2, DELTA=delta,
+            dBias=DBias(dbias, *broadcast_strides(dbias)), n_seqs=B, bias_heads=dbias.shape[1],
+            T=tiles(problem, tiles_db, q.dtype, False), BCAST=constexprs(bcast),
+            num_warps=tiles_db.num_warps, num_stages=1, **common,
+        )
     return dq, dk, dv, dbias
-
-
-def _launch_dbias(q, k, v, dout, lse2, delta, cu_q, cu_k, l_strides, features, flags, dbias, bcast,
-                  problem, opts, tiles, shared):
-    """The deterministic gradient of a broadcast bias (see ``_bwd_dbias_kernel``)."""
-    dense, R = problem.dense, opts.visible_right()
-    n_q = 1 if bcast[2] else cdiv(problem.max_q, tiles.block_m)
-    n_k = 1 if bcast[3] else cdiv(problem.max_k, tiles.block_n)
-    bias_heads = dbias.shape[1]
-    flags = {name: value for name, value in flags.items() if name != "HAS_BIAS"}
-    shared = {name: value for name, value in shared.items() if name != "TMA"}
-    _bwd_dbias_kernel[(n_q, n_k, dbias.shape[0] * bias_heads)](
-        q, k, v, dout, lse2, delta, cu_q, cu_k,
-        *row_strides(q, dense), *row_strides(k, dense), *row_strides(v, dense), *row_strides(dout, dense),
-        *l_strides, *features, dbias, *broadcast_strides(dbias),
-        problem.max_q, problem.max_k, problem.batch, problem.heads, bias_heads, opts.scale * LOG2E.value,
-        opts.window_left, R, D=problem.head_dim, DV=problem.head_dim_v, **flags,
-        BIAS_BB=bcast[0], BIAS_BH=bcast[1], BIAS_BQ=bcast[2], BIAS_BK=bcast[3],
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=1, **shared,
-    )

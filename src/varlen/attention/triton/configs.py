@@ -65,7 +65,8 @@ _BACKWARD_FLOAT32 = {
     ("tf32x3", 64): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 34 / 25
     ("tf32x3", 128): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 19 / 12
 }
-# D256 and the float32 calls with a bias or dropout: the smallest tiles, which fit their shared memory.
+# D256, and the float32 calls with a bias, dropout or pointer loads: the smallest tiles, which fit their shared
+# memory.
 _FLOAT32_UNTUNED = K(32, 64, 4, 1)
 # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared
 # memory) the largest tiles above overflow the 227 KiB of shared memory of sm_90. Measured at B4 S2048 H16
@@ -91,12 +92,15 @@ def _bound(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
-def forward_config(problem, dtype: torch.dtype, bias: bool = False, dropout: bool = False) -> KernelConfig:
+def forward_config(problem, dtype: torch.dtype, bias: bool = False, dropout: bool = False,
+                   tma: bool = True) -> KernelConfig:
+    """``tma``: whether the tiles will load through TMA (the tuned float32 tiles need it: with pointer loads
+    they overflow shared memory)."""
     if interpreter_enabled():
         return INTERPRETER_CONFIG
     bound = _bound(max(problem.head_dim, problem.head_dim_v))
     if dtype == torch.float32:
-        if bias or dropout:  # their float32 tiles would overflow the tuned configs' shared memory: untuned
+        if bias or dropout or not tma:  # the tuned float32 tiles would overflow shared memory: untuned
             return _FLOAT32_UNTUNED
         return _FORWARD_FLOAT32.get((dot_precision(dtype), bound), _FLOAT32_UNTUNED)
     if dropout:
@@ -111,15 +115,16 @@ def _tma_reduce_available(device: torch.device) -> bool:
 
 
 def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bool, device: torch.device,
-                    bias: bool = False, dropout: bool = False) -> BackwardConfig:
-    """``masked``: causal or a window."""
+                    bias: bool = False, dropout: bool = False, tma: bool = True) -> BackwardConfig:
+    """``masked``: causal or a window; ``tma`` as in :func:`forward_config`."""
     if interpreter_enabled():
         mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
     bound = _bound(max(problem.head_dim, problem.head_dim_v))
     if dtype == torch.float32:
         untuned = (_FLOAT32_UNTUNED, _FLOAT32_UNTUNED, DQ_TMA)
-        kv, q, mode = untuned if bias or dropout else _BACKWARD_FLOAT32.get((dot_precision(dtype), bound), untuned)
+        tuned = not (bias or dropout) and tma
+        kv, q, mode = _BACKWARD_FLOAT32.get((dot_precision(dtype), bound), untuned) if tuned else untuned
     elif bias and bound in _BACKWARD_BIAS:
         kv, q, mode = _BACKWARD_BIAS[bound]
     elif dropout and bound in _BACKWARD_DROPOUT:

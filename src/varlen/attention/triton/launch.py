@@ -1,22 +1,33 @@
-"""Host-side pieces shared by the attention launchers: strides, feature arguments, TMA checks."""
+"""Host side of the attention launches: the constexpr bundles, which arguments change per batch, TMA.
+
+Every kernel takes two constexpr bundles besides its tensor and runtime bundles (``program.py``,
+``masks.py``, ``scores.py``):
+
+- ``Features``: which layout, masks and score modifiers a call uses (one compiled variant each);
+- ``Tiles``: head dims, tile sizes, GQA group, dot precision and whether tiles load through TMA.
+"""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime import _allocation
 
+from ..._amp import dot_precision
 from ..._backend import interpreter_enabled
-from ..dropout import dropout_threshold
-from .scores import LOG2E
 
-# Kernel arguments whose values change from batch to batch: the longest lengths, the dropout key and the
-# lse buffer's strides (its rows are the batch's tokens). Triton specializes integer arguments on their
-# value (equal to 1, divisible by 16); these must not be, or every new batch could meet a new kernel
-# variant and compile it. (tests/specialization_probe.py finds them.)
-DATA_DEPENDENT = ["seq_q", "seq_k", "seed", "offset_lo", "stride_lb", "stride_lh"]
+Features = collections.namedtuple("Features", "VARLEN BOTTOM_RIGHT HAS_WL HAS_R PREFIX DOCS HAS_BIAS HAS_ALIBI "
+                                              "SOFTCAP DROPOUT")
+Tiles = collections.namedtuple("Tiles", "D DV BLOCK_M BLOCK_N BLOCK_D BLOCK_DV GROUP DOT_PRECISION TMA")
+
+# Kernel arguments whose values change from batch to batch: row counts, longest lengths, the dropout key.
+# Triton specializes integer arguments on their value (equal to 1, divisible by 16); these must not be, or
+# every new batch could meet a new kernel variant and compile it. (tests/specialization_probe.py finds them.)
+DATA_DEPENDENT = ["total_q", "total_k", "max_q", "max_k", "seed", "offset_lo"]
 
 
 # Plain Python on the launch path: triton.cdiv / next_power_of_2 are JIT-callable wrappers in recent Triton,
@@ -30,42 +41,28 @@ def head_block(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def row_strides(t: torch.Tensor, dense: bool) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a (B, S, H, X) or (T, H, X) tensor; batch stride 0 when jagged."""
-    return (t.stride(0), t.stride(1), t.stride(2)) if dense else (0, t.stride(0), t.stride(1))
+def constexprs(bundle):
+    """``bundle`` (a namedtuple or tuple) with each field wrapped in ``tl.constexpr``: Triton 3.6 hands a
+    constexpr bundle's fields to the kernel as plain Python values, which builtins such as ``tl.zeros``
+    reject; wrapped, they are constexprs (the interpreter takes either)."""
+    values = [tl.constexpr(v) for v in bundle]
+    return type(bundle)(*values) if hasattr(bundle, "_fields") else tuple(values)
 
 
-def lse_strides(lse: torch.Tensor, dense: bool) -> tuple[int, int]:
-    """(batch, head) strides of an lse-shaped buffer: (B, H, Sq) dense, (H, T) jagged (row stride 1)."""
-    return (lse.stride(0), lse.stride(1)) if dense else (0, lse.stride(0))
+def features(problem, opts, bias, alibi, seed) -> Features:
+    R = opts.visible_right()
+    return constexprs(Features(VARLEN=not problem.dense, BOTTOM_RIGHT=opts.bottom_right, HAS_WL=opts.window_left >= 0,
+                    HAS_R=R >= 0, PREFIX=opts.prefix_len is not None, DOCS=opts.documents is not None,
+                    HAS_BIAS=bias is not None, HAS_ALIBI=alibi is not None, SOFTCAP=opts.softcap > 0,
+                    DROPOUT=seed is not None))
 
 
-def broadcast_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """Strides with 0 on size-1 dims, so a broadcast dim indexed by b, h, i or j reads one element."""
-    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True))
-
-
-def feature_args(q, bias, alibi, opts, seed):
-    """Kernel arguments and constexprs for bias, ALiBi, softcap and dropout (placeholders when off).
-
-    Positional: Bias, its 4 strides, Alibi, its 2 strides, softcap_scale, softcap2, seed, offset_lo,
-    threshold, keep_scale.
-    """
-    has_bias, has_alibi, softcap, dropout = bias is not None, alibi is not None, opts.softcap > 0, seed is not None
-    bias_args = (bias, *broadcast_strides(bias)) if has_bias else (q, 0, 0, 0, 0)
-    alibi_args = (alibi, *broadcast_strides(alibi)) if has_alibi else (q, 0, 0)
-    cap = opts.softcap if softcap else 1.0
-    if dropout:
-        # Philox keys with the seed's two words; the offset's high word is folded into the second.
-        key = seed.seed ^ ((seed.offset >> 32) << 32)
-        offset_lo = seed.offset & 0xFFFFFFFF
-        offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo  # the same bits, as an int32
-        drop = (key, offset_lo, dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p))
-    else:
-        drop = (0, 0, 0, 1.0)
-    args = (*bias_args, *alibi_args, opts.scale / cap, cap * LOG2E.value, *drop)
-    constexprs = dict(HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, SOFTCAP=softcap, DROPOUT=dropout)
-    return args, constexprs
+def tiles(problem, config, dtype: torch.dtype, tma: bool) -> Tiles:
+    """The ``Tiles`` bundle of a kernel with ``config``'s blocks."""
+    return constexprs(Tiles(D=problem.head_dim, DV=problem.head_dim_v, BLOCK_M=config.block_m,
+                            BLOCK_N=config.block_n, BLOCK_D=head_block(problem.head_dim),
+                            BLOCK_DV=head_block(problem.head_dim_v), GROUP=problem.group,
+                            DOT_PRECISION=dot_precision(dtype), TMA=tma))
 
 
 @functools.cache

@@ -1,33 +1,76 @@
-"""Which (query, key) pairs are visible, and which tiles need a mask at all.
+"""Which (query, key) pairs are visible: every mask of the attention kernels, each in one block below.
 
-Per sequence with lengths Lq, Lk and ``shift`` (0 top-left, Lk - Lq bottom-right), query i sees key j
-iff ``j < Lk``, ``j <= i + shift + R`` (when HAS_R: causal and/or a right window, R >= 0) and
-``j >= i + shift - WL`` (when HAS_WL). The kernels walk tiles in three stages: masked tiles at the
-lower edge, tiles every element of which is visible (no mask arithmetic), masked tiles at the upper
-edge; tiles outside the visible band are never visited.
+Positions are in-sequence: query i in ``[0, Lq)``, key j in ``[0, Lk)``, ``shift`` = 0 (top-left) or
+``Lk - Lq`` (bottom-right). The masks, each switched on by a flag of the ``Features`` constexpr:
+
+- key padding (always): ``j < Lk``; rows ``i >= Lq`` of a tile are padding and see nothing.
+- band (``HAS_R``, ``HAS_WL``): causal and/or a window, ``i + shift - WL <= j <= i + shift + R``.
+- prefix (``PREFIX``): keys ``j < prefix_len[b]`` are visible to every query of sequence b as well (with a
+  causal mask: a prefix-LM, bidirectional inside the prefix, causal after it).
+- documents (``DOCS``, dense self-attention over packed rows): query and key must lie in the same
+  document; ``doc_start``/``doc_end`` ``(B, S)`` hold each token's document as ``[first, last + 1)``.
+
+Besides the per-element rule (:func:`visible`), each mask narrows the tiles a block must visit:
+:func:`key_stages` (keys of a query block) and :func:`query_stages` (queries of a key block) return four
+tile boundaries: masked tiles ``[t_lo, u_lo)``, tiles every element of which is visible ``[u_lo, u_hi)``
+(no mask arithmetic), masked tiles ``[u_hi, t_hi)``; tiles outside are never visited.
+
+Host side, :func:`mask_args` packs the masks' runtime values into the ``Mask`` bundle.
 """
+
+import collections
 
 import triton
 import triton.language as tl
 
+# Runtime values of the masks (host bundle): window sides (-1: unbounded), and the per-sequence prefix
+# lengths and per-token document bounds (placeholder tensors when off).
+Mask = collections.namedtuple("Mask", "window_left right prefix doc_start doc_end")
+# The masks of one sequence (in-kernel): shift, window sides, prefix length, document-bound row pointers.
+SeqMask = collections.namedtuple("SeqMask", "shift WL R P doc_start doc_end")
+
+
+def mask_args(problem, opts, placeholder) -> Mask:
+    """The ``Mask`` bundle of a call (``placeholder`` stands in for tensors a call doesn't have)."""
+    docs = opts.documents
+    return Mask(opts.window_left, opts.visible_right(),
+                placeholder if opts.prefix_len is None else opts.prefix_len,
+                placeholder if docs is None else docs[0], placeholder if docs is None else docs[1])
+
 
 @triton.jit
-def seq_bounds(cu_ptr, b, seq_len, VARLEN: tl.constexpr):
-    """(first row, length) of sequence b: from the offsets when VARLEN, else (0, seq_len)."""
-    if VARLEN:
-        start = tl.load(cu_ptr + b)
-        end = tl.load(cu_ptr + b + 1)
-        return start, end - start
-    else:
-        # b * 0: a tensor zero, so callers can cast it like the loaded offsets.
-        return b * 0, seq_len
+def seq_mask(mask: Mask, b, Lq, Lk, row_stride, F: tl.constexpr):
+    """The masks of sequence b (``row_stride``: the documents' row length, the dense sequence length)."""
+    shift = Lk - Lq if F.BOTTOM_RIGHT else Lk * 0
+    P = tl.maximum(tl.load(mask.prefix + b), 0) if F.PREFIX else 0
+    doc_start = mask.doc_start + b.to(tl.int64) * row_stride
+    doc_end = mask.doc_end + b.to(tl.int64) * row_stride
+    return SeqMask(shift, mask.window_left, mask.right, P, doc_start, doc_end)
+
+
+@triton.jit
+def visible(rows, cols, Lq, Lk, m: SeqMask, F: tl.constexpr):
+    """Boolean tile: query ``rows`` (in-sequence positions) sees key ``cols``; shapes broadcast."""
+    ok = (rows < Lq) & (cols < Lk)
+    band = ok
+    if F.HAS_R:
+        band = band & (cols <= rows + m.shift + m.R)
+    if F.HAS_WL:
+        band = band & (cols >= rows + m.shift - m.WL)
+    if F.PREFIX:
+        band = band | (ok & (cols < m.P))
+    if F.DOCS:
+        same = tl.load(m.doc_start + rows, mask=rows < Lq, other=-1) == tl.load(m.doc_start + cols, mask=cols < Lk,
+                                                                                other=-2)
+        band = band & same
+    return band
 
 
 @triton.jit
 def tile_stages(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     """Split the visible range [lo, hi) into BLOCK-aligned tiles: masked [t_lo, u_lo), unmasked
-    [u_lo, u_hi), masked [u_hi, t_hi). ``[full_lo, full_hi)`` is where every element of the
-    other axis's tile is visible. All inputs are clamped to >= 0 so integer division is exact."""
+    [u_lo, u_hi), masked [u_hi, t_hi). ``[full_lo, full_hi)`` is where every element of the other axis's
+    tile is visible. All inputs are clamped to >= 0 so integer division is exact."""
     lo = tl.maximum(lo, 0)
     t_lo = (lo // BLOCK) * BLOCK
     t_hi = tl.where(hi > lo, hi, t_lo)
@@ -40,51 +83,70 @@ def tile_stages(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def key_stages(m0, Lq, Lk, shift, WL, R, HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles a block of queries [m0, m0 + BLOCK_M) must visit (see ``tile_stages``)."""
     i_first = m0
     i_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
-    lo = 0
+    lo = i_first * 0
     hi = Lk
-    full_lo = 0
+    full_lo = lo
     full_hi = Lk
-    if HAS_WL:
-        lo = i_first + shift - WL
-        full_lo = i_last + shift - WL
-    if HAS_R:
-        hi = tl.minimum(Lk, i_last + shift + R + 1)
-        full_hi = tl.minimum(Lk, i_first + shift + R + 1)
+    if F.HAS_WL:
+        lo = i_first + m.shift - m.WL
+        full_lo = i_last + m.shift - m.WL
+    if F.HAS_R:
+        hi = tl.minimum(Lk, i_last + m.shift + m.R + 1)
+        full_hi = tl.minimum(Lk, i_first + m.shift + m.R + 1)
+    if F.PREFIX:
+        # Keys [0, P) are seen by every query. The fully visible range must stay one interval: it takes the
+        # prefix when the band's starts at or before it (no window, or a wide one), else the band's alone.
+        P = tl.minimum(m.P, Lk)
+        hi = tl.maximum(hi, P)
+        full_hi = tl.where(full_lo <= P, tl.maximum(full_hi, P), full_hi)
+        full_lo = tl.where(full_lo <= P, 0, full_lo)
+        lo = tl.where(P > 0, 0, lo)
+    if F.DOCS:
+        # Keys of the documents of the block's first and last rows (documents are runs of rows).
+        first_doc = tl.load(m.doc_start + i_first)
+        last_doc = tl.load(m.doc_start + i_last)
+        lo = tl.maximum(lo, first_doc)
+        hi = tl.minimum(hi, tl.load(m.doc_end + i_last))
+        # Every row sees a key only when the whole block lies in one document.
+        full_lo = tl.maximum(full_lo, last_doc)
+        full_hi = tl.where(first_doc == last_doc, tl.minimum(full_hi, tl.load(m.doc_end + i_first)), full_lo)
     return tile_stages(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
 @triton.jit
-def query_stages(n0, Lq, Lk, shift, WL, R, HAS_WL: tl.constexpr, HAS_R: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def query_stages(n0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query tiles a block of keys [n0, n0 + BLOCK_N) must visit (see ``tile_stages``)."""
     j_first = n0
     j_last = tl.minimum(n0 + BLOCK_N, Lk) - 1
-    lo = 0
+    lo = j_first * 0
     hi = Lq
-    full_lo = 0
+    full_lo = lo
     full_hi = Lq
-    if HAS_R:
-        lo = j_first - shift - R
-        full_lo = j_last - shift - R
-    if HAS_WL:
-        hi = tl.minimum(Lq, j_last - shift + WL + 1)
-        full_hi = tl.minimum(Lq, j_first - shift + WL + 1)
+    if F.HAS_R:
+        lo = j_first - m.shift - m.R
+        full_lo = j_last - m.shift - m.R
+    if F.HAS_WL:
+        hi = tl.minimum(Lq, j_last - m.shift + m.WL + 1)
+        full_hi = tl.minimum(Lq, j_first - m.shift + m.WL + 1)
+    if F.PREFIX:
+        # A key in the prefix is seen by every query; a block wholly inside it, by every query in full.
+        in_prefix = j_first < m.P
+        lo = tl.where(in_prefix, 0, lo)
+        hi = tl.where(in_prefix, Lq, hi)
+        whole = j_last < m.P
+        full_lo = tl.where(whole, 0, full_lo)
+        full_hi = tl.where(whole, Lq, full_hi)
+    if F.DOCS:
+        first_doc = tl.load(m.doc_start + j_first)
+        last_doc = tl.load(m.doc_start + j_last)
+        lo = tl.maximum(lo, first_doc)
+        hi = tl.minimum(hi, tl.load(m.doc_end + j_last))
+        full_lo = tl.maximum(full_lo, last_doc)
+        full_hi = tl.where(first_doc == last_doc, tl.minimum(full_hi, tl.load(m.doc_end + j_first)), full_lo)
     # A key block that runs past Lk needs the key mask on every tile.
     full_hi = tl.where(n0 + BLOCK_N <= Lk, full_hi, 0)
     return tile_stages(lo, hi, full_lo, full_hi, BLOCK_M)
-
-
-@triton.jit
-def visible(rows, cols, Lq, Lk, shift, WL, R, HAS_WL: tl.constexpr, HAS_R: tl.constexpr):
-    """Boolean tile: query ``rows`` (in-sequence positions) sees key ``cols``; shapes broadcast."""
-    ok = (rows < Lq) & (cols < Lk)
-    if HAS_R:
-        ok = ok & (cols <= rows + shift + R)
-    if HAS_WL:
-        ok = ok & (cols >= rows + shift - WL)
-    return ok

@@ -1,20 +1,85 @@
-"""Score modifiers shared by every attention kernel: softcap, bias, ALiBi, masking, dropout bits.
+"""Score modifiers of the attention kernels, each in one block below with its backward rule.
 
 Scores are kept in log2 units (the kernels use ``exp2``): with ``LOG2E = log2(e)``,
 ``s2 = LOG2E * (softcap * tanh(scale * qk / softcap) + bias + alibi)`` (or ``LOG2E * scale * qk``
-without softcap), then -inf where the (query, key) pair is hidden. ``rows``/``cols`` are broadcastable
-tiles of in-sequence query and key positions, in either orientation (the dK/dV kernel works on
-transposed, keys x queries, tiles).
+without softcap), then -inf where the pair is hidden (``masks.visible``). ``rows``/``cols`` are
+broadcastable tiles of in-sequence query and key positions, in either orientation (the dK/dV kernel works
+on transposed, keys x queries, tiles). Each modifier is switched on by a flag of the ``Features``
+constexpr:
+
+- softcap (``SOFTCAP``): ``c * tanh(s / c)``; backward: ``ds * (1 - tanh**2)``.
+- bias (``HAS_BIAS``): ``+ bias[b, h, i, j]``; backward: the bias gradient is ``ds`` (:func:`bias_grad`).
+- ALiBi (``HAS_ALIBI``): ``- slope[b, h] * |i + shift - j|``; backward: nothing (slopes get no gradient).
+- dropout (``DROPOUT``): the probabilities are multiplied by ``keep / (1 - p)`` after the softmax
+  (:func:`keep_tile`, the definition in ``varlen.attention.dropout``); backward: ``dP`` likewise.
+
+Host side, :func:`score_args` and :func:`dropout_args` pack their runtime values into bundles.
 """
+
+import collections
 
 import triton
 import triton.language as tl
 
-from .masks import visible
+from ..dropout import dropout_threshold
+from .masks import SeqMask, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
+# Runtime values (host bundles); placeholders where a modifier is off. Strides are fields of their own, not a
+# nested tuple: Triton 3.6 loses the value of a stride specialized to 1 two tuples deep.
+Scores = collections.namedtuple("Scores", "scale qk_scale softcap_scale softcap2 bias bias_sb bias_sh bias_sq "
+                                          "bias_sk alibi alibi_sb alibi_sh")
+# Dropout's key (seed, offset_lo) changes per call: top-level kernel arguments (see program.py).
+Dropout = collections.namedtuple("Dropout", "threshold keep_scale")
+# Per (sequence, head), in-kernel.
+HeadScores = collections.namedtuple("HeadScores", "scale qk_scale softcap_scale softcap2 bias stride_bq stride_bk "
+                                                  "slope2")
+HeadDropout = collections.namedtuple("HeadDropout", "seed offset_lo threshold keep_scale bh")
 
+
+def broadcast_strides(t) -> tuple[int, ...]:
+    """Strides with 0 on size-1 dims, so a broadcast dim indexed by b, h, i or j reads one element."""
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+def score_args(bias, alibi, opts, placeholder) -> Scores:
+    """The ``Scores`` bundle of a call."""
+    cap = opts.softcap if opts.softcap > 0 else 1.0
+    return Scores(opts.scale, opts.scale * LOG2E.value, opts.scale / cap, cap * LOG2E.value,
+                  placeholder if bias is None else bias, *((0,) * 4 if bias is None else broadcast_strides(bias)),
+                  placeholder if alibi is None else alibi, *((0,) * 2 if alibi is None else broadcast_strides(alibi)))
+
+
+def dropout_args(seed, opts) -> dict:
+    """The ``dropout`` bundle and the key of a call, as kernel keyword arguments: Philox keyed with the seed's
+    two words, the offset's high word folded into the second; the offset's low word passed as an int32 with
+    the same bits."""
+    if seed is None:
+        return dict(dropout=Dropout(0, 1.0), seed=0, offset_lo=0)
+    key = seed.seed ^ ((seed.offset >> 32) << 32)
+    offset_lo = seed.offset & 0xFFFFFFFF
+    offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo
+    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)), seed=key,
+                offset_lo=offset_lo)
+
+
+@triton.jit
+def head_scores(s: Scores, b, h, F: tl.constexpr):
+    """The score modifiers' values for sequence b, query head h."""
+    bias = s.bias + b.to(tl.int64) * s.bias_sb + h * s.bias_sh
+    slope2 = 0.0
+    if F.HAS_ALIBI:
+        slope2 = tl.load(s.alibi + b * s.alibi_sb + h * s.alibi_sh) * LOG2E
+    return HeadScores(s.scale, s.qk_scale, s.softcap_scale, s.softcap2, bias, s.bias_sq, s.bias_sk, slope2)
+
+
+@triton.jit
+def head_dropout(d: Dropout, seed, offset_lo, b, h, heads):
+    return HeadDropout(seed, offset_lo, d.threshold, d.keep_scale, b * heads + h)
+
+
+# ------------------------------------------------------------------------------------- softcap
 @triton.jit
 def tanh(x):
     """tanh through exp2, exact at both tails (no tanh instruction in every Triton build)."""
@@ -22,38 +87,81 @@ def tanh(x):
 
 
 @triton.jit
-def score_tile(qk, rows, cols, Lq, Lk, shift, WL, R, qk_scale, softcap_scale, softcap2,
-               bias_bh, stride_bq, stride_bk, slope2,
-               HAS_WL: tl.constexpr, HAS_R: tl.constexpr, MASKED: tl.constexpr, HAS_BIAS: tl.constexpr,
-               HAS_ALIBI: tl.constexpr, SOFTCAP: tl.constexpr):
-    """(log2-unit scores, tanh values) of a tile of raw ``qk`` products.
+def softcap_grad(ds, t, F: tl.constexpr):
+    """The softcap's backward rule: ``ds`` through ``c * tanh(x / c)`` (``t`` the forward's tanh)."""
+    if F.SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
 
-    The tanh values feed the softcap chain rule in the backward (``ds * (1 - t**2)``); without softcap
-    the second result is unused. ``bias_bh`` points at ``bias[b, h]``; bias entries past Lq/Lk are not
-    read (a jagged bias may hold anything there).
-    """
-    if SOFTCAP:
-        t = tanh(qk * softcap_scale)
-        s = t * softcap2
-    else:
-        t = qk
-        s = qk * qk_scale
-    if HAS_BIAS:
-        in_seq = (rows < Lq) & (cols < Lk)
-        bias = tl.load(bias_bh + rows.to(tl.int64) * stride_bq + cols.to(tl.int64) * stride_bk, mask=in_seq,
-                       other=0.0)
-        s += bias.to(tl.float32) * LOG2E
-    if HAS_ALIBI:
-        s -= slope2 * tl.abs(rows + shift - cols).to(tl.float32)
-    if MASKED:
-        s = tl.where(visible(rows, cols, Lq, Lk, shift, WL, R, HAS_WL, HAS_R), s, float("-inf"))
-    return s, t
+
+# ---------------------------------------------------------------------------------------- bias
+@triton.jit
+def add_bias(s, rows, cols, Lq, Lk, hs: HeadScores):
+    """``s + LOG2E * bias``; entries past Lq/Lk are not read (a jagged bias may hold anything there)."""
+    in_seq = (rows < Lq) & (cols < Lk)
+    bias = tl.load(hs.bias + rows.to(tl.int64) * hs.stride_bq + cols.to(tl.int64) * hs.stride_bk, mask=in_seq,
+                   other=0.0)
+    return s + bias.to(tl.float32) * LOG2E
 
 
 @triton.jit
-def keep_tile(seed, offset_lo, threshold, bh, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def bias_grad(ds, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk, DB: tl.constexpr):
+    """The bias's backward rule: its gradient is dS. Writes a keys x queries tile of dS (natural units) into
+    the bias gradient at ``dbias_bh`` (``q_idx``/``k_idx``: the tile's in-sequence positions, 1-D).
+
+    ``DB.MODE`` 1: a full-shape bias, each element written once. 2: a broadcast bias, tile sums over its
+    broadcast axes (``DB.BQ``, ``DB.BK``) added atomically in fp32.
+    """
+    rows = q_idx[None, :]
+    cols = k_idx[:, None]
+    if DB.MODE == 1:
+        ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
+        tl.store(ptrs, ds.to(dbias_bh.dtype.element_ty), mask=(rows < Lq) & (cols < Lk))
+    else:
+        # Masked and out-of-sequence entries of dS are exact zeros, so tile sums need no mask.
+        if DB.BQ and DB.BK:
+            tl.atomic_add(dbias_bh, tl.sum(tl.sum(ds, 1), 0), sem="relaxed")
+        elif DB.BQ:
+            tl.atomic_add(dbias_bh + k_idx.to(tl.int64) * stride_dbk, tl.sum(ds, 1), mask=k_idx < Lk, sem="relaxed")
+        elif DB.BK:
+            tl.atomic_add(dbias_bh + q_idx.to(tl.int64) * stride_dbq, tl.sum(ds, 0), mask=q_idx < Lq, sem="relaxed")
+        else:
+            ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
+            tl.atomic_add(ptrs, ds, mask=(rows < Lq) & (cols < Lk), sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------- ALiBi
+@triton.jit
+def add_alibi(s, rows, cols, shift, hs: HeadScores):
+    """``s - LOG2E * slope * |i + shift - j|``."""
+    return s - hs.slope2 * tl.abs(rows + shift - cols).to(tl.float32)
+
+
+# ------------------------------------------------------------------------------------ all of them
+@triton.jit
+def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constexpr, MASKED: tl.constexpr):
+    """(log2-unit scores, tanh values) of a tile of raw ``qk`` products. The tanh values feed
+    :func:`softcap_grad` in the backward; without softcap the second result is unused."""
+    if F.SOFTCAP:
+        t = tanh(qk * hs.softcap_scale)
+        s = t * hs.softcap2
+    else:
+        t = qk
+        s = qk * hs.qk_scale
+    if F.HAS_BIAS:
+        s = add_bias(s, rows, cols, Lq, Lk, hs)
+    if F.HAS_ALIBI:
+        s = add_alibi(s, rows, cols, m.shift, hs)
+    if MASKED:
+        s = tl.where(visible(rows, cols, Lq, Lk, m, F), s, float("-inf"))
+    return s, t
+
+
+# ------------------------------------------------------------------------------------- dropout
+@triton.jit
+def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` dropout keep bits of queries ``m0 + i`` and keys ``n0 + j`` (n0 a multiple
-    of 8) of batch-head ``bh = b * H + h``: the definition in ``varlen.attention.dropout``.
+    of 8): the definition in ``varlen.attention.dropout``.
 
     One Philox call per query and 8 keys gives four 32-bit words, that is eight 16-bit numbers, laid
     out so that key ``8 g + t`` takes word ``t >> 1``, half ``t & 1``.
@@ -62,9 +170,9 @@ def keep_tile(seed, offset_lo, threshold, bh, m0, n0, BLOCK_M: tl.constexpr, BLO
     i = m0 + tl.arange(0, BLOCK_M)[:, None]
     g = n0 // 8 + tl.arange(0, G)[None, :]
     zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
-    r0, r1, r2, r3 = tl.philox(seed, i + zero, g + zero, bh + zero, offset_lo + zero)
+    r0, r1, r2, r3 = tl.philox(d.seed, i + zero, g + zero, d.bh + zero, d.offset_lo + zero)
     # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c: flattening the last two dims orders
     # the words 0..3; the halves then go innermost.
     words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
     halves = tl.join(words & 0xFFFF, words >> 16)
-    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= threshold
+    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= d.threshold

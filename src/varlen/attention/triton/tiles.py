@@ -23,18 +23,30 @@ def rows_desc(base, n_rows, row_stride, COLS: tl.constexpr, BLOCK_R: tl.constexp
 
 
 @triton.jit
-def load_rows(desc, r0, n_rows, row_stride, offs_r, offs_c, COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+def load_rows(desc, r0, n_rows, row_stride, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
               MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """Rows ``[r0, r0 + BLOCK_R)`` x cols ``[0, BLOCK_C)``; zeros past ``n_rows`` (when MASK_ROWS) and
     past ``COLS``."""
     if TMA:
         return desc.load([r0, 0])
     else:
-        rows = r0 + offs_r
-        ptrs = desc + rows[:, None].to(tl.int64) * row_stride + offs_c[None, :]
+        rows = r0 + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_C)
+        ptrs = desc + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
         if MASK_ROWS:
-            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_c[None, :] < COLS), other=0.0)
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < COLS), other=0.0)
         elif BLOCK_C != COLS:
-            return tl.load(ptrs, mask=offs_c[None, :] < COLS, other=0.0)
+            return tl.load(ptrs, mask=cols[None, :] < COLS, other=0.0)
         else:
             return tl.load(ptrs)
+
+
+@triton.jit
+def store_rows(base, r0, n_rows, row_stride, tile, COLS: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Store ``tile`` into rows ``[r0, r0 + BLOCK_R)`` x cols ``[0, BLOCK_C)`` of ``base``, rows below
+    ``n_rows`` and cols below ``COLS`` only, cast to the destination's dtype."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    ptrs = base + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (cols[None, :] < COLS))

@@ -1,0 +1,83 @@
+"""Launch every attention kernel variant the tuned configs select, on CPU tensors: a script for
+``tools/compile_check.py``, which compiles each launch for sm_90 instead of running it.
+
+    python tools/compile_check.py --verbose tools/attention_variants.py
+
+Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256; dense, jagged and GQA; causal,
+window, prefix and document masks; bias (full and broadcast, with gradients), ALiBi + softcap, dropout;
+deterministic mode; TMA loads and pointer loads. Outputs stay unwritten (nothing is run).
+"""
+
+import torch
+
+from varlen.attention.options import AttentionOptions, DropoutSeed, Problem
+from varlen.attention.triton import configs
+from varlen.attention.triton.backward import launch_backward
+from varlen.attention.triton.forward import launch_forward
+
+# The configs are chosen for a Hopper GPU; these tensors are CPU ones.
+configs._tma_reduce_available = lambda device: True
+
+
+def _problem(D, jagged, group):
+    B, S, H = 2, 256, 4
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32) if jagged else None
+    return Problem(B, H, H // group, D, D, S, S, not jagged, cu, cu)
+
+
+def _tensors(problem, dtype):
+    shape = (problem.cu_q[-1].item(),) if not problem.dense else (problem.batch, problem.max_q)
+    q, do = (torch.empty(*shape, problem.heads, problem.head_dim, dtype=dtype) for _ in range(2))
+    k, v = (torch.empty(*shape, problem.kv_heads, problem.head_dim, dtype=dtype) for _ in range(2))
+    return q, k, v, do
+
+
+FEATURES = {
+    "plain": {}, "causal": dict(causal=True), "window": dict(causal=True, window_left=64),
+    "prefix": dict(causal=True, prefix=True), "documents": dict(causal=True, documents=True),
+    "bias_full": dict(bias="BHQK"), "bias_broadcast": dict(bias="1HQK"),
+    "alibi_softcap": dict(alibi=True, softcap=20.0),
+    "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
+}
+# (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,
+# the layouts and GQA at the common features, float32 and D 256 at the plain and causal cases.
+CASES = [
+    *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
+    *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
+      for name in ("plain", "causal", "bias_broadcast", "dropout")),
+    *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
+      for name in ("plain", "causal")),
+    *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
+      for name in ("plain", "causal")),
+]
+
+
+def main():
+    for D, dtype, precision, jagged, group, name in CASES:
+        f = FEATURES[name]
+        torch.backends.cuda.matmul.fp32_precision = precision
+        problem = _problem(D, jagged, group)
+        q, k, v, do = _tensors(problem, dtype)
+        B, H, S = problem.batch, problem.heads, problem.max_q
+        bias = {"BHQK": torch.empty(B, H, S, S, dtype=dtype), "1HQK": torch.empty(1, H, S, S, dtype=dtype)}.get(
+            f.get("bias"))
+        opts = AttentionOptions(scale=D ** -0.5, causal=f.get("causal", False), window_left=f.get("window_left", -1),
+                                softcap=f.get("softcap", 0.0), dropout_p=f.get("dropout", 0.0),
+                                deterministic=f.get("deterministic", False),
+                                prefix_len=torch.full((B,), 17, dtype=torch.int32) if f.get("prefix") else None,
+                                documents=torch.zeros(2, B, S, dtype=torch.int32) if f.get("documents") else None)
+        alibi = torch.empty(B, H) if f.get("alibi") else None
+        seed = DropoutSeed(1, 2) if f.get("dropout") else None
+        for tma in (True, False) if name in ("plain", "causal") else (True,):
+            print(f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
+                  f"{'tma' if tma else 'pointers'}", flush=True)
+            fwd = configs.forward_config(problem, dtype, bias=bias is not None, dropout=seed is not None, tma=tma)
+            bwd = configs.backward_config(problem, dtype, opts.masked, opts.deterministic, q.device,
+                                          bias=bias is not None, dropout=seed is not None, tma=tma)
+            out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma)
+            launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
+                            need_dbias=bias is not None, tma=tma)
+
+
+if __name__ == "__main__":
+    main()
