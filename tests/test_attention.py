@@ -293,3 +293,37 @@ def test_reference_matches_sdpa(causal, window, align, device):
 def test_reference_docstring_example():
     failures, _ = doctest.testmod(reference, extraglobs={"torch": torch})
     assert failures == 0
+
+
+def test_float64_alibi_slopes_are_not_rounded(device):
+    """Slopes that float32 can't hold (random float64) reach the float64 scores unrounded."""
+    q, k, v = (torch.randn(2, 40, 3, 8, dtype=torch.float64, device=device) for _ in range(3))
+    slopes = torch.rand(3, dtype=torch.float64, device=device) * 4
+    assert not torch.equal(slopes.float().double(), slopes)
+    out = varlen.attention(q, k, v, causal=True, alibi_slopes=slopes, backend="torch")
+    ref, _ = attention_reference(q, k, v, causal=True, alibi_slopes=slopes)
+    assert_close(out, ref, torch.float64)
+
+
+@pytest.mark.parametrize("backend,dtype", [
+    ("torch", torch.float16), ("torch", torch.bfloat16), ("triton", torch.float16),
+    pytest.param("triton", torch.bfloat16, marks=pytest.mark.gpu_only)])
+@pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
+def test_half_lse_accuracy(backend, dtype, jagged, device):
+    """The lse of half-precision inputs, short rows included, is within 2x the error of float32 math on
+    the same inputs (flash-attn's rule; the float32 lse can't be more accurate than its scores)."""
+    lengths = [1, 2, 17, 40]
+    parts = [torch.randn(n, 4, 64, device=device).mul(3).to(dtype) for n in lengths]
+    if jagged:
+        q = varlen.jagged(parts)
+        qd = [p.double() for p in parts]
+    else:
+        q = torch.stack([p[:1] for p in parts])  # four one-row sequences
+        qd = [p[:1].double() for p in parts]
+    _, lse = varlen.attention(q, q, q, return_lse=True, backend=backend)
+    ref = torch.cat([torch.logsumexp(torch.einsum("ihd,jhd->hij", p, p) * 0.125, -1) for p in qd], dim=-1)
+    f32 = torch.cat([torch.logsumexp(torch.einsum("ihd,jhd->hij", p.float(), p.float()) * 0.125, -1) for p in qd],
+                    dim=-1)
+    lse = lse if jagged else lse.permute(1, 0, 2).reshape(4, -1)
+    err, allowed = (lse.double() - ref).abs().max().item(), 2 * (f32.double() - ref).abs().max().item() + 1e-6
+    assert err <= allowed, f"lse error {err:.3g} > {allowed:.3g}"

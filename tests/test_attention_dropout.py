@@ -13,6 +13,7 @@ from utils import assert_close
 from varlen.attention.dropout import (
     attention_dropout_mask,
     dropout_keep_mask,
+    dropout_keep_scale,
     dropout_threshold,
     philox4x32,
 )
@@ -106,6 +107,24 @@ def test_keep_rate(p, device):
     keep = 1 - dropout_threshold(p) / 65536
     sigma = math.sqrt(keep * (1 - keep) / n)
     assert abs(mask.sum().item() / n - keep) <= 5 * sigma + 1e-12  # an exact count, not a float32 mean
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.99999, 1 - 2**-18])
+def test_keep_scale_inverts_the_exact_keep_probability(p):
+    assert dropout_keep_scale(p) * (65536 - dropout_threshold(p)) == 65536
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.gpu_only)])
+def test_expected_output_is_unbiased_near_one(backend, device):
+    """At p = 0.99999 the 16-bit test keeps 2**-16 of the weights, not 1e-5: scaling the kept ones by
+    1 / (1 - p) made the expected output 1.53x the undropped one. Uniform attention over values of 1:
+    the mean output is (kept / weights) * scale, 1 in expectation (about 512 kept: 4.4% noise)."""
+    B, S, H = 4, 1024, 8
+    q = torch.zeros(B, S, H, 16, device=device)
+    k = torch.randn(B, S, H, 16, device=device)
+    v = torch.ones(B, S, H, 16, device=device)
+    out = varlen.attention(q, k, v, dropout_p=0.99999, backend=backend)
+    assert abs(out[..., 0].double().mean().item() - 1) < 0.2
 
 
 def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:

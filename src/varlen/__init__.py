@@ -6,6 +6,7 @@ for dense and jagged batches.
 
 from . import nn
 from ._backend import use_backend
+from ._checks import checks_enabled, set_checks
 from .attention import attention
 from .attention.dropout import attention_dropout_mask, dropout_keep_mask
 from .attention.reference import attention_reference
@@ -31,6 +32,7 @@ __all__ = [
     "attention",
     "attention_dropout_mask",
     "attention_reference",
+    "checks_enabled",
     "dropout_keep_mask",
     "gelu",
     "jagged",
@@ -42,6 +44,7 @@ __all__ = [
     "relu",
     "scaled_dot_product_attention",
     "select",
+    "set_checks",
     "silu",
     "softmax",
     "sum",

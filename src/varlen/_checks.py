@@ -6,6 +6,7 @@ these helpers (or raises ValueError/TypeError itself), never with ``assert``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -14,6 +15,43 @@ INT32_MAX = 2**31 - 1
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------------------ checking mode
+_checks_on = os.environ.get("VARLEN_CHECKS", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn the checking mode on or off (its initial state: the ``VARLEN_CHECKS`` environment variable,
+    on for ``1``/``true``/``yes``/``on``).
+
+    The trust contract: offsets (``cu_seqlens``) and maximum lengths (``max_seqlen``, ``max_len``, a
+    nested tensor's max-seqlen hint) on a GPU are trusted, because checking them against the data reads
+    them on the host (a device-to-host sync per call). Wrong ones never make a kernel read or write
+    outside its tensors (sequence bounds are clamped to the buffers inside the kernels), but the rows they
+    describe wrongly hold unspecified values. In checking mode they are read and validated on every call
+    that takes them, with the errors the CPU always gives: offsets start at 0, never decrease and end at
+    the row count, and no sequence is longer than its maximum (a larger maximum is legal). On the CPU they
+    are always checked (reading them costs no sync). Nothing is checked while ``torch.compile`` traces:
+    a read there would break the graph.
+    """
+    global _checks_on
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__} {enabled!r}")
+    _checks_on = enabled
+
+
+def checks_enabled() -> bool:
+    """Whether the checking mode is on (see :func:`set_checks`)."""
+    return _checks_on
+
+
+def checks_metadata(device: torch.device) -> bool:
+    """Whether offsets and maximum lengths on ``device`` are validated against the data: always on the
+    CPU, on a GPU in checking mode, never while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type == "cpu" or (_checks_on and device.type != "meta")
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:

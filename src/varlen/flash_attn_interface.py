@@ -29,9 +29,12 @@ its defaults and conventions (those of the flash-attn 2.7 / 2.8 releases):
 
 Differences from flash-attn: dropout draws another random stream (same distribution and scaling); a
 query that sees no key gets lse ``-inf`` (flash-attn gives ``+inf``), output 0 in both; the lse is
-differentiable; fp32/fp64 inputs and any head dim work. ``cu_seqlens`` are trusted without a
-device-to-host check, as in flash-attn: pass ``varlen.JaggedTensor(x, cu_seqlens)`` to ``varlen.attention``
-to have them validated. ``block_table`` (paged KV cache) and ``flash_attn_with_kvcache`` are not provided.
+differentiable; fp32/fp64 inputs and any head dim work. ``cu_seqlens`` and ``max_seqlen`` on a GPU are
+trusted without a device-to-host check, as in flash-attn, but wrong ones never make a kernel touch memory
+outside its tensors; ``varlen.set_checks(True)`` (or ``VARLEN_CHECKS=1``) validates them on every call, as
+is always done on the CPU: ``cu_seqlens`` start at 0, never decrease and end at the row count, and
+``max_seqlen`` is at least the longest length (larger is legal). ``block_table`` (paged KV cache) and
+``flash_attn_with_kvcache`` are not provided.
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ import numbers
 
 import torch
 
-from ._checks import INDEX_DTYPES, accumulate_dtype, check_dtype, check_tensor
+from ._checks import INDEX_DTYPES, accumulate_dtype, check_dtype, check_tensor, checks_metadata
 from .attention.api import attention
 from .attention.dropout import attention_dropout_mask
-from .jagged import JaggedTensor
+from .jagged import JaggedTensor, check_offsets
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -86,7 +89,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: ``(total_q, H, D)``; sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``.
         k: ``(total_k, Hkv, D)``; v: ``(total_k, Hkv, Dv)``, both indexed by ``cu_seqlens_k``.
-        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (or int64) offsets on q's device, trusted.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 (or int64) offsets on q's device (trusted on a GPU
+            outside the checking mode: see ``varlen.set_checks``).
         max_seqlen_q, max_seqlen_k: host ints, the longest lengths (upper bounds are fine).
         block_table: must be None (paged KV caches are not supported).
         Others: as ``flash_attn_func``.
@@ -226,12 +230,23 @@ def _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} differs from cu_seqlens_q's "
                          f"{tuple(cu_seqlens_q.shape)}; both hold batch + 1 offsets")
     max_q, max_k = _host_int("max_seqlen_q", max_seqlen_q), _host_int("max_seqlen_k", max_seqlen_k)
-    qj = JaggedTensor(q, cu_seqlens_q, max_q, validate=False)
+    qj = _sequences(q, cu_seqlens_q, max_q, "q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0] and max_k == max_q:
         kj = qj.with_values(k)  # self-attention: one offsets tensor, which varlen need not compare
     else:
-        kj = JaggedTensor(k, cu_seqlens_k, max_k, validate=False)
+        kj = _sequences(k, cu_seqlens_k, max_k, "k")
     return qj, kj, kj.with_values(v)
+
+
+def _sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, name: str) -> JaggedTensor:
+    """``x`` over ``cu_seqlens``: checked where that costs no sync (CPU) or in checking mode, else
+    trusted (see ``varlen.set_checks``)."""
+    host = None
+    if checks_metadata(cu_seqlens.device):
+        side = name[-1]
+        host = check_offsets(cu_seqlens, x.shape[0], max_seqlen,
+                             names=(f"cu_seqlens_{side}", f"{name}.shape[0]", f"max_seqlen_{side}"))
+    return JaggedTensor._trusted(x, cu_seqlens.contiguous(), max_seqlen, host)
 
 
 def _host_int(name: str, value) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tensor
+from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tensor, checks_metadata
 
 
 class JaggedTensor:
@@ -24,10 +24,11 @@ class JaggedTensor:
         values: ``(total, *inner)``, the sequences one after another.
         offsets: ``(B + 1,)`` int32 or int64 on ``values``' device; starts at 0, never decreases,
             ends at ``total``.
-        max_len: the longest length, as a host int. Computed from ``offsets`` when omitted (one
-            device-to-host copy when ``offsets`` is on a GPU).
-        validate: check ``offsets`` against ``values`` (one device-to-host copy on a GPU). Ops that
-            derive a jagged tensor from a valid one skip it.
+        max_len: the longest length (or any larger bound), as a host int. Computed from ``offsets`` when
+            omitted (one device-to-host copy when ``offsets`` is on a GPU).
+        validate: check ``offsets`` and ``max_len`` against ``values`` even on a GPU outside the checking
+            mode (one device-to-host copy). With ``validate=False`` they are trusted on a GPU (see
+            :func:`varlen.set_checks` for the contract); on the CPU they are always checked.
     """
 
     __slots__ = ("values", "offsets", "max_len", "_host_offsets")
@@ -51,16 +52,12 @@ class JaggedTensor:
         if max_len is not None:
             check_int("max_len", max_len, minimum=0)
         host = None
-        if validate or max_len is None:
+        if validate or checks_metadata(offsets.device):
+            host = check_offsets(offsets, values.shape[0], max_len)
+        elif max_len is None:
             host = offsets.detach().to("cpu", torch.int64)
-            lengths = host[1:] - host[:-1]
-            if validate:
-                _check_offsets(host, values.shape[0])
-            actual = int(lengths.max())
-            if max_len is None:
-                max_len = actual
-            elif validate and max_len != actual:
-                raise ValueError(f"max_len: got {max_len}, but the longest sequence has length {actual}")
+        if max_len is None:
+            max_len = int((host[1:] - host[:-1]).max())
         self.values = values
         self.offsets = offsets
         self.max_len = max_len
@@ -176,8 +173,9 @@ class JaggedTensor:
         """Take the first ``lengths[b]`` rows of ``padded[b]`` for each b. Differentiable.
 
         ``lengths`` is a list of ints or an integer tensor of shape ``(B,)``. A tensor on the GPU costs
-        one device-to-host copy for the checks and ``max_len``, unless ``max_len`` is given, in which
-        case the lengths are trusted to lie in ``[0, padded.shape[1]]``.
+        one device-to-host copy for the checks and ``max_len``, unless ``max_len`` (the longest length or
+        any larger bound up to ``padded.shape[1]``) is given: then the lengths are trusted to lie in
+        ``[0, max_len]`` outside the checking mode (see :func:`varlen.set_checks`).
         """
         from .ops.padded import padded_to_jagged
 
@@ -193,7 +191,8 @@ class JaggedTensor:
                 raise ValueError(f"lengths: expected shape ({B},) to match padded's batch, "
                                  f"got {tuple(lengths.shape)}")
             lengths_dev = lengths.to(padded.device, torch.int64)
-            host = None if max_len is not None else lengths.detach().to("cpu", torch.int64)
+            trusted = max_len is not None and not checks_metadata(lengths.device)
+            host = None if trusted else lengths.detach().to("cpu", torch.int64)
         else:
             lengths = list(lengths)
             for b, n in enumerate(lengths):
@@ -203,21 +202,25 @@ class JaggedTensor:
             if host.shape != (B,):
                 raise ValueError(f"lengths: expected {B} lengths to match padded's batch, got {host.numel()}")
             lengths_dev = host.to(padded.device)
+        if max_len is not None:
+            check_int("max_len", max_len, minimum=0)
+            if max_len > width:
+                raise ValueError(f"max_len: {max_len} exceeds padded.shape[1] = {width}")
+        host_offsets = total = None
         if host is not None:
             bad = (host < 0) | (host > width)
             if bool(bad.any()):
                 b = int(bad.nonzero()[0, 0])
                 raise ValueError(f"lengths: lengths[{b}] = {int(host[b])} is outside [0, {width}] "
                                  f"(padded.shape[1] = {width})")
-            max_len = int(host.max())
+            longest = int(host.max())
+            if max_len is not None and max_len < longest:
+                b = int(host.argmax())
+                raise ValueError(f"max_len: got {max_len}, but lengths[{b}] = {longest}; it must be at least "
+                                 "the longest length")
+            max_len = longest if max_len is None else max_len
             host_offsets = torch.cat([host.new_zeros(1), host.cumsum(0)])
             total = int(host_offsets[-1])
-        else:
-            check_int("max_len", max_len, minimum=0)
-            if max_len > width:
-                raise ValueError(f"max_len: {max_len} exceeds padded.shape[1] = {width}")
-            host_offsets = None
-            total = None
         offsets = torch.cat([lengths_dev.new_zeros(1), lengths_dev.cumsum(0)])
         if total is None:
             # The row count is a shape: it has to reach the host once.
@@ -248,26 +251,44 @@ class JaggedTensor:
         if nt._lengths is not None:
             raise ValueError("nt: a nested tensor with holes (lengths given apart from offsets) is "
                              "not supported; call .contiguous() on it first")
-        max_len = nt._maybe_max_seqlen
-        return cls(nt.values(), nt.offsets(), None if max_len is None else int(max_len),
-                   validate=max_len is None)
+        values, offsets = nt.values(), nt.offsets()
+        hint = nt._maybe_max_seqlen  # trusted like any max_len (see varlen.set_checks)
+        max_len = None if hint is None else int(hint)
+        host = None
+        if max_len is None or checks_metadata(offsets.device):
+            host = check_offsets(offsets, values.shape[0], max_len,
+                                 names=("nt.offsets()", "nt.values().shape[0]", "nt's max_seqlen hint"))
+            max_len = int((host[1:] - host[:-1]).max()) if max_len is None else max_len
+        return cls._trusted(values, offsets.contiguous(), max_len, host)
 
     def __repr__(self) -> str:
         return (f"JaggedTensor(batch_size={self.batch_size}, max_len={self.max_len}, "
                 f"inner_shape={tuple(self.inner_shape)}, dtype={self.dtype}, device={self.device})")
 
 
-def _check_offsets(host: torch.Tensor, total: int) -> None:
+def check_offsets(offsets: torch.Tensor, total: int, max_len: int | None, *,
+                  names: tuple[str, str, str] = ("offsets", "values.shape[0]", "max_len")) -> torch.Tensor:
+    """Validate ``offsets`` against ``total`` rows and ``max_len`` (None: not checked) and return them as
+    a CPU int64 tensor (a device-to-host copy on a GPU). ``names``: how the errors call the offsets, the
+    row count and the maximum length."""
+    offsets_name, total_name, max_name = names
+    host = offsets.detach().to("cpu", torch.int64)
     if int(host[0]) != 0:
-        raise ValueError(f"offsets: must start at 0, got offsets[0] = {int(host[0])}")
+        raise ValueError(f"{offsets_name}: must start at 0, got {offsets_name}[0] = {int(host[0])}")
     steps = host[1:] - host[:-1]
     if bool((steps < 0).any()):
         b = int((steps < 0).nonzero()[0, 0])
-        raise ValueError(f"offsets: must not decrease, got offsets[{b}] = {int(host[b])} > "
-                         f"offsets[{b + 1}] = {int(host[b + 1])}")
+        raise ValueError(f"{offsets_name}: must not decrease, got {offsets_name}[{b}] = {int(host[b])} > "
+                         f"{offsets_name}[{b + 1}] = {int(host[b + 1])}")
     if int(host[-1]) != total:
-        raise ValueError(f"offsets: must end at values.shape[0] = {total}, got offsets[-1] = "
+        raise ValueError(f"{offsets_name}: must end at {total_name} = {total}, got {offsets_name}[-1] = "
                          f"{int(host[-1])}")
+    longest = int(steps.max())
+    if max_len is not None and max_len < longest:
+        b = int(steps.argmax())
+        raise ValueError(f"{max_name}: got {max_len}, but sequence {b} has length {longest}; it must be at "
+                         "least the longest length")
+    return host
 
 
 def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
@@ -281,6 +302,16 @@ def segment_ids(offsets: torch.Tensor, total: int) -> torch.Tensor:
     ends = offsets[1:].to(torch.int64)
     ids = torch.searchsorted(ends, torch.arange(total, device=offsets.device), right=True)
     return ids.clamp_(max=offsets.shape[0] - 2)
+
+
+def sequence_bounds(offsets: torch.Tensor, total: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, lengths)`` (int64, ``(B,)``) of the sequences ``offsets`` describe in ``total`` rows, clamped
+    as the kernels clamp them: each sequence lies within the rows and is at most ``longest`` long, whatever
+    the offsets say (a sequence whose end precedes its start is empty)."""
+    offsets = offsets.to(torch.int64)
+    starts = offsets[:-1].clamp(0, total)
+    ends = torch.maximum(offsets[1:].clamp(max=total), starts)
+    return starts, (ends - starts).clamp_(max=longest)
 
 
 def row_positions(offsets: torch.Tensor, total: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,9 +368,8 @@ def check_same_offsets(name: str, a: JaggedTensor, other_name: str, b: JaggedTen
         return
     if a.batch_size != b.batch_size:
         raise ValueError(f"{name}: batch size {a.batch_size} differs from {other_name}'s {b.batch_size}")
-    if a.total != b.total or a.max_len != b.max_len:
-        raise ValueError(f"{name}: lengths differ from {other_name}'s (total {a.total} vs {b.total}, "
-                         f"max_len {a.max_len} vs {b.max_len})")
+    if a.total != b.total:
+        raise ValueError(f"{name}: lengths differ from {other_name}'s (total {a.total} vs {b.total})")
     # Operands derived from one another share the offsets tensor and return above. Separately built
     # ones are compared on the host copies when both have them, else on the device (one sync).
     if a._host_offsets is not None and b._host_offsets is not None:

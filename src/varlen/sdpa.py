@@ -43,9 +43,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             the weights' shape ``(N, ..., Hq, L, S)``. A float mask that requires grad gets its gradient.
             Nested inputs (a varlen extension): broadcastable to ``(B, Hq, max_L, max_S)``, entry
             ``[b, h, i, j]`` being query i and key j of sequence b (entries past the lengths are ignored).
-        dropout_p: drop probability of the attention weights (kept ones scaled by ``1 / (1 - p)``), drawn
-            from torch's default generator for the device; pass 0.0 in evaluation. A float, or as in torch
-            a 0-dim float or integer tensor, read on the host (a device-to-host copy on a GPU).
+        dropout_p: drop probability of the attention weights (kept ones scaled by ``1 / (1 - p)``, p
+            rounded to a multiple of 2**-16), drawn from torch's default generator for the device; pass 0.0
+            in evaluation. A float, or as in torch a 0-dim float or integer tensor, read on the host (a
+            device-to-host copy on a GPU).
         is_causal: top-left causal mask (query i sees keys ``j <= i``, per sequence for nested inputs).
             Must not be combined with ``attn_mask``.
         scale: keyword-only; multiplies the scores; default ``1 / sqrt(E)``. A float or, as in torch, a

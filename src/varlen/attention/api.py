@@ -10,6 +10,7 @@ from .. import _amp, _backend
 from .._checks import (
     FLOAT_DTYPES,
     INT32_MAX,
+    accumulate_dtype,
     check_choice,
     check_dtype,
     check_same_device,
@@ -63,7 +64,8 @@ def attention(
         alibi_slopes: ``(H,)`` or ``(B, H)``: adds ``-slope * |i + shift - j|`` to the scores.
         softcap: when > 0, scores become ``softcap * tanh(s / softcap)`` before bias and masking.
         dropout_p: probability of dropping an attention weight (training); the kept ones are scaled
-            by ``1 / (1 - dropout_p)``. The mask is a function of a seed and offset drawn from
+            by ``1 / (1 - dropout_p)`` (dropout_p rounded to a multiple of 2**-16: see
+            ``varlen.attention.dropout``). The mask is a function of a seed and offset drawn from
             ``generator`` (torch's default when None): the same generator state gives the same mask,
             and the backward replays it. Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when
@@ -196,7 +198,7 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
                             prefix_len=_check_prefix(prefix_len, problem, qt.device),
                             documents=_documents(document_ids, problem, qt.device))
     bias = _check_bias(bias, problem)
-    alibi = _check_alibi(alibi_slopes, problem)
+    alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
 
     check_choice("backend", backend, _backend.BACKENDS)
     impl = backends.select(backend, qt, kt, vt, bias, alibi, problem, opts)
@@ -299,7 +301,7 @@ def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Te
     return torch.stack([first, last]).to(torch.int32)
 
 
-def _check_alibi(slopes, problem: Problem):
+def _check_alibi(slopes, problem: Problem, dtype: torch.dtype):
     if slopes is None:
         return None
     check_tensor("alibi_slopes", slopes)
@@ -312,4 +314,4 @@ def _check_alibi(slopes, problem: Problem):
         slopes = slopes.unsqueeze(0).expand(B, H)
     elif slopes.shape != (B, H):
         raise ValueError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {tuple(slopes.shape)}")
-    return slopes.to(torch.float32)
+    return slopes.to(accumulate_dtype(dtype))  # float64 slopes stay float64 for float64 inputs

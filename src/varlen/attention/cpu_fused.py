@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from .._checks import accumulate_dtype
+from ..jagged import sequence_bounds
 from .options import AttentionOptions, Problem
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -112,9 +113,9 @@ def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[
     return ranges[::-1]
 
 
-def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype) -> _Plan:
-    cu_q, cu_k = problem.cu_q.to(torch.int64), problem.cu_k.to(torch.int64)
-    q_len, k_len = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
+    (cu_q, q_len), (cu_k, k_len) = (sequence_bounds(cu, total, longest) for cu, total, longest in
+                                    ((problem.cu_q, rows[0], problem.max_q), (problem.cu_k, rows[1], problem.max_k)))
     # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
     seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
     seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
@@ -150,22 +151,35 @@ def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, to
 _plans: dict = {}
 
 
-def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype) -> _Plan:
+def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
+    """The plan for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
     mask_dtype = _mask_dtype(dtype)
     key = (id(problem.cu_q), id(problem.cu_k), problem.cu_q._version, problem.cu_k._version, opts.causal,
-           problem.heads, problem.head_dim, mask_dtype)
+           problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
     entry = _plans.get(key)
     if entry is not None and entry[0]() is problem.cu_q and entry[1]() is problem.cu_k:
         return entry[2]
-    plan = _build_plan(problem, opts, mask_dtype)
+    plan = _build_plan(problem, opts, mask_dtype, rows)
     _plans.clear()  # only the latest batch's plan is kept
     _plans[key] = (weakref.ref(problem.cu_q), weakref.ref(problem.cu_k), plan)
     return plan
 
 
 def _mask_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The kernel takes a float32 mask with half-precision inputs, and wants the inputs' dtype otherwise."""
+    """The kernel's dtype (:func:`_kernel_dtype`), which its mask must have."""
+    return _kernel_dtype(dtype)
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision inputs run in float32: the kernel's half path rounds the scores to half precision,
+    which left its lse 50x less accurate than float32 math on the same inputs (5e-5 vs 6e-7 absolute,
+    float16 and bfloat16, measured in ``tests/test_attention.py::test_half_lse_accuracy``), and its
+    gradients with it. The upcast costs ~15% of the kernel's time (bf16, 8 x 8 heads x 512, 2 threads)."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(_kernel_dtype(t.dtype)) for t in tensors)
 
 
 # --------------------------------------------------------------------------------------- forward
@@ -173,18 +187,18 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
     """``(out, lse)`` in the layouts of ``options.py``."""
     if problem.dense:
         return _forward_dense(q, k, v, bias, opts)
-    plan = _plan(problem, opts, q.dtype)
+    plan = _plan(problem, opts, q.dtype, (q.shape[0], k.shape[0]))
     H, Dv, rows = problem.heads, problem.head_dim_v, q.shape[0]
     outs, lses = [], []
     for bucket in plan.buckets:
         qb, kb, vb = (t[r].transpose(1, 2) for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
-        o, lse = _FORWARD(qb, kb, vb, 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
+        o, lse = _FORWARD(*_inputs(qb, kb, vb), 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
         outs.append(o.transpose(1, 2)[bucket.q_valid])  # (valid rows, H, Dv)
         lses.append(lse.transpose(1, 2)[bucket.q_valid])  # (valid rows, H)
     out = q.new_zeros(rows, H, Dv)
     lse = torch.full((rows, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
     if outs:
-        out[plan.q_order] = torch.cat(outs)
+        out[plan.q_order] = torch.cat(outs).to(out.dtype)
         lse[plan.q_order] = torch.cat(lses).to(lse.dtype)
     return out, lse.t().contiguous()
 
@@ -192,8 +206,8 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
 def _forward_dense(q, k, v, bias, opts: AttentionOptions):
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views
     mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
-    out, lse = _FORWARD(qt, kt, vt, 0.0, opts.causal, attn_mask=mask, scale=opts.scale)
-    lse = lse.to(accumulate_dtype(q.dtype))
+    out, lse = _FORWARD(*_inputs(qt, kt, vt), 0.0, opts.causal, attn_mask=mask, scale=opts.scale)
+    out, lse = out.to(q.dtype), lse.to(accumulate_dtype(q.dtype))
     if mask is not None:
         # The kernel gives lse 0 to a query that sees no key; varlen's convention is -inf.
         lse = torch.where(_sees_a_key(mask, opts.causal, lse.shape), lse, float("-inf"))
@@ -215,7 +229,7 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
     """``(dq, dk, dv)``; the lse gets no gradient here (callers with one take the chunked path)."""
     if problem.dense:
         return _backward_dense(dout, q, k, v, out, lse, bias, opts)
-    plan = _plan(problem, opts, q.dtype)
+    plan = _plan(problem, opts, q.dtype, (q.shape[0], k.shape[0]))
     lse_rows = _kernel_lse(lse.t())  # (Tq, H)
     dqs, dks, dvs = [], [], []
     for bucket in plan.buckets:
@@ -223,8 +237,8 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
         # Padding query slots repeat a real row; an lse of +inf gives them zero probabilities, so they add
         # nothing to dk and dv.
         lse_b = lse_rows[qr].masked_fill(~bucket.q_valid[..., None], float("inf")).transpose(1, 2).contiguous()
-        grads = _BACKWARD(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
-                          v[kr].transpose(1, 2), out[qr].transpose(1, 2), lse_b, 0.0, opts.causal,
+        grads = _BACKWARD(*_inputs(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
+                                   v[kr].transpose(1, 2), out[qr].transpose(1, 2)), lse_b, 0.0, opts.causal,
                           attn_mask=bucket.key_mask, scale=opts.scale)
         dq, dk, dv = (g.transpose(1, 2) for g in grads)
         dqs.append(dq[bucket.q_valid])
@@ -232,17 +246,17 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
         dvs.append(dv[bucket.k_valid])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if dqs:
-        dq[plan.q_order] = torch.cat(dqs)
-        dk[plan.k_order] = torch.cat(dks)
-        dv[plan.k_order] = torch.cat(dvs)
+        dq[plan.q_order] = torch.cat(dqs).to(dq.dtype)
+        dk[plan.k_order] = torch.cat(dks).to(dk.dtype)
+        dv[plan.k_order] = torch.cat(dvs).to(dv.dtype)
     return dq, dk, dv
 
 
 def _backward_dense(dout, q, k, v, out, lse, bias, opts: AttentionOptions):
     mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
-    grads = _BACKWARD(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), _kernel_lse(lse), 0.0, opts.causal,
-                      attn_mask=mask, scale=opts.scale)
-    return tuple(g.transpose(1, 2) for g in grads)
+    grads = _BACKWARD(*_inputs(*(t.transpose(1, 2) for t in (dout, q, k, v, out))), _kernel_lse(lse), 0.0,
+                      opts.causal, attn_mask=mask, scale=opts.scale)
+    return tuple(g.transpose(1, 2).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))
 
 
 def _kernel_lse(lse: torch.Tensor) -> torch.Tensor:

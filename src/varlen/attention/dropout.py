@@ -13,8 +13,11 @@ Philox key ``(seed, offset)`` (64-bit ints, see ``options.DropoutSeed``) and ``d
   each of the 10 rounds: ``(hi0, lo0) = mulhilo(0xD2511F53, c0)``, ``(hi1, lo1) = mulhilo(0xCD9E8D57,
   c2)``, ``c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)``, then ``k0 += 0x9E3779B9``, ``k1 += 0xBB67AE85``;
 - ``word = out[(j >> 1) & 3]``, ``r16 = (word >> (16 * (j & 1))) & 0xFFFF``;
-- keep iff ``r16 >= dropout_threshold(dropout_p)`` (``min(round(p * 65536), 65535)``); kept weights
-  are scaled by ``1 / (1 - p)``.
+- keep iff ``r16 >= dropout_threshold(dropout_p)`` (``t = min(round(p * 65536), 65535)``): the keep
+  probability is exactly ``(65536 - t) / 65536``, ``1 - p`` rounded to a multiple of 2**-16; kept weights
+  are scaled by its inverse, ``dropout_keep_scale(dropout_p) = 65536 / (65536 - t)`` (not ``1 / (1 -
+  p)``, which differs from it by up to 2**-17 / (1 - p) relative: 1.5x at p = 0.99999), so that the
+  expected output is exact for every p.
 
 In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i, j >> 3, b * H + h, offset & 0xFFFFFFFF)``
 (which keys Philox with the seed's low and high words). The Triton kernels compute exactly this mask,
@@ -45,6 +48,12 @@ def dropout_threshold(dropout_p: float) -> int:
     Kernels receive this host int rather than recomputing it, so every implementation agrees.
     """
     return min(round(dropout_p * 65536), 65535)
+
+
+def dropout_keep_scale(dropout_p: float) -> float:
+    """The factor kept weights are scaled by: the inverse of the exact keep probability of the 16-bit test,
+    ``65536 / (65536 - dropout_threshold(dropout_p))``, ``1 / (1 - p)`` for p a multiple of 2**-16."""
+    return 65536.0 / (65536 - dropout_threshold(dropout_p))
 
 
 def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +126,7 @@ def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p:
 
     Returns:
         ``(B, H, max_q, max_k)`` bool, True where the attention weight is kept (then scaled by
-        ``1 / (1 - dropout_p)``). Entry ``[b, h, i, j]`` is query i, key j of sequence b; entries past
+        ``dropout_keep_scale(dropout_p)``). Entry ``[b, h, i, j]`` is query i, key j of sequence b; entries past
         a sequence's lengths are defined but unused. See the module docstring for the definition.
 
     Raises:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..jagged import JaggedTensor, as_jagged
+from .dropout import dropout_keep_scale
 
 
 def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | None, int | None] | None = None,
@@ -29,7 +30,8 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         bias: float or bool, broadcastable to ``(B, H, Sq, Sk)`` (jagged: ``(B, H, >= max_q, >= max_k)``).
         alibi_slopes: ``(H,)`` or ``(B, H)``.
         dropout_mask: bool keep mask ``(B, H, max_q, max_k)`` (dense: ``(B, H, Sq, Sk)``), applied to
-            the probabilities, kept ones scaled by ``1 / (1 - dropout_p)``; None for no dropout. Get a
+            the probabilities, kept ones scaled by ``dropout_keep_scale(dropout_p)`` (``1 / (1 - dropout_p)``
+            with dropout_p rounded to a multiple of 2**-16, as the mask draws it); None for no dropout. Get a
             call's mask with ``varlen.attention.dropout.attention_dropout_mask``.
         dropout_p: the drop probability the mask was drawn with.
 
@@ -100,7 +102,7 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         s = s.masked_fill(~visible, float("-inf"))
         p, lse = _softmax_and_lse(s)
         if dropout_mask is not None:
-            p = p * dropout_mask[b, :, :Lq, :Lk].to(p.dtype) / (1 - dropout_p)
+            p = p * dropout_mask[b, :, :Lq, :Lk].to(p.dtype) * dropout_keep_scale(dropout_p)
         outs.append(torch.einsum("hij,jhd->ihd", p, vb))
         lses.append(lse)
 

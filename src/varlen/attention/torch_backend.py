@@ -26,8 +26,9 @@ import dataclasses
 import torch
 
 from .._checks import accumulate_dtype
+from ..jagged import row_positions
 from . import cpu_fused
-from .dropout import keep_mask_block
+from .dropout import dropout_keep_scale, keep_mask_block
 from .options import AttentionOptions, DropoutSeed, Problem
 
 NAME = "torch"
@@ -135,16 +136,6 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
 
 
 # ---------------------------------------------------------------------------------------- layout
-def _row_positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of jagged values: its sequence and its position inside it (int64, on device).
-
-    The sequence of row r is the number of ends ``cu[1:]`` at or before r (empty sequences included).
-    """
-    rows = torch.arange(total, dtype=cu.dtype, device=cu.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True)
-    return seq, rows.to(torch.int64) - cu.to(torch.int64)[seq]
-
-
 def _pad(x: torch.Tensor, rows, batch: int, width: int) -> torch.Tensor:
     """``(T, ...)`` rows to ``(B, width, ...)`` zero-padded (dense input passes through)."""
     if rows is None:
@@ -161,8 +152,10 @@ def _prepare(q, k, v, problem: Problem) -> _Batch:
         q_rows = k_rows = q_len = k_len = None
         shift = Sk - problem.max_q
     else:
-        q_rows = _row_positions(problem.cu_q, q.shape[0])
-        k_rows = q_rows if problem.cu_k is problem.cu_q else _row_positions(problem.cu_k, k.shape[0])
+        # Clamped to the padded block whatever the offsets say: trusted metadata can't index out of it.
+        q_rows = row_positions(problem.cu_q, q.shape[0], problem.max_q)
+        same = problem.cu_k is problem.cu_q and problem.max_k == problem.max_q and k.shape[0] == q.shape[0]
+        k_rows = q_rows if same else row_positions(problem.cu_k, k.shape[0], Sk)
         q_len = (problem.cu_q[1:] - problem.cu_q[:-1]).to(torch.int64).view(B, 1, 1, 1, 1)
         k_len = (problem.cu_k[1:] - problem.cu_k[:-1]).to(torch.int64).view(B, 1, 1, 1, 1)
         shift = k_len - q_len
@@ -266,12 +259,12 @@ def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
                 like: torch.Tensor) -> torch.Tensor | None:
-    """Dropout factor ``keep / (1 - p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
+    """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
     if seed is None or opts.dropout_p == 0.0:
         return None
     keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
                            opts.dropout_p, like.device)
-    return keep.view(like.shape).to(like.dtype) * (1.0 / (1.0 - opts.dropout_p))
+    return keep.view(like.shape).to(like.dtype) * dropout_keep_scale(opts.dropout_p)
 
 
 def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, rows: tuple[int, int], problem: Problem) -> None:

@@ -10,7 +10,7 @@ constexpr:
 - softcap (``SOFTCAP``): ``c * tanh(s / c)``; backward: ``ds * (1 - tanh**2)``.
 - bias (``HAS_BIAS``): ``+ bias[b, h, i, j]``; backward: the bias gradient is ``ds`` (:func:`bias_grad`).
 - ALiBi (``HAS_ALIBI``): ``- slope[b, h] * |i + shift - j|``; backward: nothing (slopes get no gradient).
-- dropout (``DROPOUT``): the probabilities are multiplied by ``keep / (1 - p)`` after the softmax
+- dropout (``DROPOUT``): the probabilities are multiplied by ``keep * dropout_keep_scale(p)`` after the softmax
   (:func:`keep_tile`, the definition in ``varlen.attention.dropout``); backward: ``dP`` likewise.
 
 Host side, :func:`score_args` and :func:`dropout_args` pack their runtime values into bundles.
@@ -21,7 +21,7 @@ import collections
 import triton
 import triton.language as tl
 
-from ..dropout import dropout_threshold
+from ..dropout import dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -60,7 +60,7 @@ def dropout_args(seed, opts) -> dict:
     key = seed.seed ^ ((seed.offset >> 32) << 32)
     offset_lo = seed.offset & 0xFFFFFFFF
     offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo
-    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), 1.0 / (1.0 - opts.dropout_p)), seed=key,
+    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p)), seed=key,
                 offset_lo=offset_lo)
 
 
