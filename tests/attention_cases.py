@@ -23,18 +23,22 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import random_jagged
+from utils import checkable_dtypes, random_jagged
+from varlen.attention import backends
 from varlen.attention.dropout import attention_dropout_mask
 from varlen.attention.reference import attention_reference
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
-# Per backend: (dtypes run on every case, dtypes run on every SPARSE_EVERY-th case).
-# The Triton interpreter gets bf16 dot products wrong, so bf16 runs on the GPU only.
-DTYPES = {
-    "torch": ((torch.float64, torch.float32), (torch.float16, torch.bfloat16)),
-    "triton": (((torch.float16, torch.bfloat16) if ON_GPU else (torch.float16, torch.float32)), ()),
-}
+# Per backend: (dtypes run on every case, dtypes run on every SPARSE_EVERY-th case): every dtype the
+# backend declares (its CAPABILITIES) that this machine can check (bf16 not under the interpreter), the
+# ones it is mostly used with on every case.
+EVERY_CASE = {"torch": (torch.float64, torch.float32),
+              "triton": (torch.float16, torch.bfloat16) if ON_GPU else (torch.float16, torch.float32)}
+DTYPES = {name: (EVERY_CASE[name], tuple(d for d in checkable_dtypes(backends.module(name).CAPABILITIES)
+                                         if d not in EVERY_CASE[name]))
+          for name in ATTENTION_BACKENDS}
+assert all(set(every) <= set(checkable_dtypes(backends.module(n).CAPABILITIES)) for n, every in EVERY_CASE.items())
 SPARSE_EVERY = 4
 
 # backend -> predicate(case, dtype) returning the reason of a known gap, or None.

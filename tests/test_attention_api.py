@@ -266,3 +266,28 @@ def test_documents_equal_separate_sequences():
     qj, kj, vj = (varlen.jagged(list(t[0].split(lengths))) for t in (q, k, v))
     separate = varlen.attention(qj, kj, vj, causal=True, backend="torch")
     assert torch.allclose(packed[0], separate.values)
+
+
+# ----------------------------------------------------------------------------------- backend choice
+@pytest.mark.parametrize("scope,argument,expected", [
+    ("torch", None, "torch"), ("triton", None, "triton"), ("triton", "torch", "torch"), ("auto", None, None)])
+def test_use_backend_scopes_attention_too(scope, argument, expected, device, monkeypatch):
+    """``varlen.use_backend`` picks attention's backend as it does the jagged ops'; ``backend=`` overrides it."""
+    from varlen.attention import backends
+
+    ran = []
+    for name in ("torch", "triton"):
+        module = backends.module(name)
+        monkeypatch.setattr(module, "forward", lambda *a, _f=module.forward, _n=name: ran.append(_n) or _f(*a))
+    q, k, v = (t.to(device, torch.float16 if device.type == "cuda" else torch.float32) for t in _qkv())
+    with varlen.use_backend(scope):
+        varlen.attention(q, k, v, backend=argument)
+    assert ran == [expected or ("triton" if device.type == "cuda" else "torch")]
+
+
+def test_backend_reasons_come_from_the_declarations():
+    """The error lists what the declared capabilities exclude, for each backend tried."""
+    q = torch.randn(1, 4, 2, 300, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"backend='triton' can't take .*dtype float64 \(allowed: float16, "
+                                         r"bfloat16, float32\), head dims \(300, 300\) \(at most 256\)"):
+        varlen.attention(q, q, q, backend="triton")

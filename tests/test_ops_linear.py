@@ -8,7 +8,9 @@ import torch
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import REL_TOL, assert_close, random_jagged, rel_err
+from utils import REL_TOL, assert_close, checkable_dtypes, random_jagged, rel_err
+from varlen.attention import torch_backend
+from varlen.capabilities import JAGGED_KERNELS
 from varlen.ops.linear import linear, matmul, transposed_matmul
 
 LONG = 700 if ON_GPU else 150  # > 2 row tiles of 64: several tiles, and a partly filled last one
@@ -22,11 +24,10 @@ BACKENDS = ["torch", "triton"]
 
 
 def _dtypes(backend):
-    """float32/float64 everywhere; 16-bit where the kernels can be checked (bf16 dot is wrong under
-    the interpreter; float64 runs the PyTorch path even when Triton is asked for)."""
-    if ON_GPU:
-        return [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-    return [torch.float32, torch.float64] + ([torch.float16] if backend == "triton" else [])
+    """What each backend declares (the Triton matmul kernels: no float64), less what can't be checked here."""
+    if backend == "triton":
+        return checkable_dtypes(JAGGED_KERNELS["matmul"])
+    return checkable_dtypes(torch_backend.CAPABILITIES, half_on_cpu=False)
 
 
 def _id(dtype):
@@ -92,6 +93,18 @@ def test_transposed_matmul(backend, dtype, lengths, K, N, poison_empty):
             assert torch.equal(out[b], torch.zeros_like(out[b])), "an empty sequence must give zeros"
     assert_close(x.values.grad, x64.grad, dtype, name="dx")
     assert_close(y.values.grad, y64.grad, dtype, name="dy")
+
+
+def test_triton_refuses_what_it_does_not_declare(device):
+    """float64 is not in the matmul kernels' declaration: asking for Triton says so; "auto" runs PyTorch."""
+    x = random_jagged([3, 5], (4,), dtype=torch.float64)
+    w = torch.randn(2, 4, 6, dtype=torch.float64, device=device)
+    with pytest.raises(ValueError, match=r"backend='triton' can't take dtype float64 \(allowed: float16, bfloat16, "
+                                         r"float32\)"):
+        matmul(x, w, backend="triton")
+    with varlen.use_backend("triton"), pytest.raises(ValueError, match="can't take dtype float64"):
+        transposed_matmul(x, x)
+    assert_close(matmul(x, w).values, torch.cat([x.values[:3] @ w[0], x.values[3:] @ w[1]]), name="auto")
 
 
 @pytest.mark.parametrize("rows_per_chunk", [64, 128])

@@ -7,11 +7,13 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import random_jagged, random_lengths
+from utils import checkable_dtypes, random_jagged, random_lengths
+from varlen.capabilities import JAGGED_KERNELS
 from varlen.ops import padded as padded_ops
 
 LONG = 3000 if ON_GPU else 1000
-DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+# The float dtypes the Triton kernels declare (the PyTorch path takes them all); 16-bit on the GPU only.
+DTYPES = checkable_dtypes(JAGGED_KERNELS["copy"], half_on_cpu=False)
 INNERS = [(), (3,), (2, 5)]
 BACKENDS = ["torch", "triton"]
 

@@ -8,7 +8,8 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import assert_close, random_jagged, random_lengths
+from utils import assert_close, checkable_dtypes, random_jagged, random_lengths
+from varlen.capabilities import JAGGED_KERNELS
 
 softmax_ops = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
 
@@ -17,7 +18,8 @@ softmax_ops = importlib.import_module("varlen.ops.softmax")  # the module, not v
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 LONG = 5000 if ON_GPU else 1000
-DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+# The float dtypes the Triton kernels declare (the PyTorch path takes them all); 16-bit on the GPU only.
+DTYPES = checkable_dtypes(JAGGED_KERNELS["ragged"], half_on_cpu=False)
 INNERS = [(), (3,), (2, 5)]
 BACKENDS = ["torch", "triton"]
 

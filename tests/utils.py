@@ -18,6 +18,20 @@ REL_TOL = {
 KERNEL_DEVICE = DEVICE
 
 
+def checkable_dtypes(caps, *, half_on_cpu: bool = True) -> list[torch.dtype]:
+    """The float dtypes a backend declares (``varlen.capabilities``), less those this machine can't check:
+    on a machine without a GPU, bf16 for kernels that run under the interpreter (those that declare no CPU
+    device), and both 16-bit types where ``half_on_cpu`` is False (slow there)."""
+    declared = [d for d in caps.dtypes if d.is_floating_point]
+    if ON_GPU:
+        return declared
+    interpreted = "cpu" not in caps.devices
+    allowed = [torch.float32, torch.float64]
+    if half_on_cpu:
+        allowed += [torch.float16] if interpreted else [torch.float16, torch.bfloat16]
+    return [d for d in declared if d in allowed]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
     """||out - ref|| / max(||ref||, floor) in float64; a non-finite entry where ref is finite (or the
     reverse) counts as infinite error. ``floor`` keeps a reference that vanishes exactly (where only

@@ -2,8 +2,9 @@
 
 ``"auto"`` picks Triton for CUDA tensors and PyTorch elsewhere. ``"triton"`` on CPU tensors is
 allowed only under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported): that
-is how CI runs the kernels without a GPU. The choice for the jagged ops is scoped with
-:func:`use_backend`; ``varlen.attention`` takes its own ``backend=`` argument.
+is how CI runs the kernels without a GPU. The choice is scoped with :func:`use_backend`, for the jagged
+ops and ``varlen.attention`` alike; a ``backend=`` argument overrides it for one call. What each backend
+runs is declared in ``varlen.capabilities``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ BACKENDS = ("auto", "triton", "torch")
 _scope = threading.local()
 
 
-def _scoped() -> str:
+def scoped() -> str:
     return getattr(_scope, "name", "auto")
 
 
@@ -50,10 +51,11 @@ def triton_import_error() -> str | None:
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Run the jagged ops inside the block with backend ``name`` (``"auto"``, ``"triton"``, ``"torch"``)."""
+    """Run the jagged ops and attention inside the block with backend ``name`` (``"auto"``, ``"triton"``,
+    ``"torch"``), unless a call names its own ``backend=``."""
     if name not in BACKENDS:
         raise ValueError(f"backend: got {name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
-    previous = _scoped()
+    previous = scoped()
     _scope.name = name
     try:
         yield
@@ -74,20 +76,25 @@ def triton_unsupported_reason(device: torch.device) -> str | None:
             f"got a tensor on {device}")
 
 
-def resolve(device: torch.device, requested: str | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) that runs an op on ``device``.
+def resolve(device: torch.device, dtype: torch.dtype, kernels: str, requested: str | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs a jagged op on ``device`` and ``dtype``.
 
-    ``requested`` overrides the scoped choice of :func:`use_backend`; ``"auto"`` means Triton on CUDA
-    and PyTorch elsewhere. Asking for Triton where it can't run raises ValueError saying why.
+    ``kernels``: the family of Triton kernels the op would run (``varlen.capabilities.JAGGED_KERNELS``).
+    ``requested`` (an op's ``backend=``) overrides the scoped choice of :func:`use_backend`. ``"auto"``:
+    Triton on CUDA where the family takes the dtype, else PyTorch; ``"triton"`` where it can't raises
+    ValueError saying why.
     """
-    name = _scoped() if requested is None else requested
+    from .capabilities import JAGGED_KERNELS
+
+    name = scoped() if requested is None else requested
     if name not in BACKENDS:
         raise ValueError(f"backend: got {name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
     if name == "torch":
         return "torch"
+    caps = JAGGED_KERNELS[kernels]
+    reasons = [r for r in (caps.device_reason(device), caps.dtype_reason(dtype)) if r]
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_import_error() is None else "torch"
-    reason = triton_unsupported_reason(device)
-    if reason is not None:
-        raise ValueError(f"backend='triton' can't run here: {reason}")
+        return "triton" if device.type == "cuda" and not reasons else "torch"
+    if reasons:
+        raise ValueError(f"backend='triton' can't take {', '.join(reasons)}")
     return "triton"

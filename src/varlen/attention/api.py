@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .. import _amp, _backend
+from .. import _amp
 from .._checks import (
     FLOAT_DTYPES,
     INT32_MAX,
@@ -43,7 +43,7 @@ def attention(
     prefix_len: int | torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
     return_lse: bool = False,
-    backend: str = "auto",
+    backend: str | None = None,
 ):
     """Fused scaled-dot-product attention over dense or jagged batches, with its backward.
 
@@ -80,7 +80,10 @@ def attention(
             documents as sequences instead.)
         return_lse: also return the logsumexp of the scores (natural log, float32): ``(B, H, Sq)``
             dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
-        backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``; None (the
+            default) takes the choice of the enclosing ``varlen.use_backend`` block, ``"auto"`` outside one.
+            What each backend runs is declared in its ``CAPABILITIES`` (``varlen.capabilities``); asking
+            for one that can't take the call raises ValueError listing why.
 
     Under ``torch.autocast`` q, k, v and a float bias are cast to the autocast dtype first, as torch's
     ``scaled_dot_product_attention`` is; gradients flow back to the uncast tensors in their dtypes.
@@ -200,8 +203,7 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     bias = _check_bias(bias, problem)
     alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
 
-    check_choice("backend", backend, _backend.BACKENDS)
-    impl = backends.select(backend, qt, kt, vt, bias, alibi, problem, opts)
+    impl = backends.select(backend, qt, bias, alibi, problem, opts)
     seed = dropout_seed(opts, generator, qt.device)
     return _Call((qt, kt, vt, bias, alibi, problem, opts, impl, seed), problem, q_jagged)
 

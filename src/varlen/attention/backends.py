@@ -1,13 +1,15 @@
 """The attention backends, what each can take, and how a call picks one.
 
-A backend is a module with ``NAME``, ``unsupported_reasons(...) -> list[str]``, ``forward(...)`` and
-``backward(...)`` (see ``function.py`` for the calling convention).
+A backend is a module with ``NAME``, ``CAPABILITIES`` (a ``varlen.capabilities.Capabilities``: what it
+runs), ``forward(...)`` and ``backward(...)`` (see ``function.py`` for the calling convention).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import _backend, capabilities
+from .._checks import check_choice
 from .options import AttentionOptions, DropoutSeed, Problem
 
 _MODULES: dict = {}
@@ -28,18 +30,22 @@ def module(name: str):
     return _modules()[name]
 
 
-def select(name: str, q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions):
-    """The backend module that runs this call; ValueError listing every reason when none can."""
+def select(name: str | None, q, bias, alibi, problem: Problem, opts: AttentionOptions):
+    """The backend module that runs this call (``name`` None: the scope's choice, ``varlen.use_backend``);
+    ValueError listing every reason when none can."""
+    name = _backend.scoped() if name is None else name
+    check_choice("backend", name, _backend.BACKENDS)
     modules = _modules()
     auto_order = ["triton", "torch"] if q.device.type == "cuda" else ["torch"]
     order = auto_order if name == "auto" else [name]
+    call = capabilities.Call(q, bias, alibi, problem, opts)
     reasons = {}
     for candidate in order:
-        why = modules[candidate].unsupported_reasons(q, k, v, bias, alibi, problem, opts)
+        why = capabilities.unsupported_reasons(modules[candidate].CAPABILITIES, call)
         if not why:
             return modules[candidate]
         reasons[candidate] = why
-    listed = "; ".join(f"backend={n!r}: {', '.join(r)}" for n, r in reasons.items())
+    listed = "; ".join(f"backend={n!r} can't take {', '.join(r)}" for n, r in reasons.items())
     raise ValueError(f"backend: no attention backend can run these inputs ({listed})")
 
 

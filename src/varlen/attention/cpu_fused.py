@@ -21,7 +21,9 @@ import weakref
 
 import torch
 
-from .._checks import accumulate_dtype
+from .. import capabilities
+from .._checks import FLOAT_DTYPES, accumulate_dtype
+from ..capabilities import ALL_FEATURES, Capabilities
 from ..jagged import sequence_bounds
 from .options import AttentionOptions, Problem
 
@@ -36,38 +38,15 @@ CALL_COST = 2.5e5
 MAX_RUNS = 64
 
 
-def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions, dropout: bool) -> list[str]:
+# What the kernel can't take stays with the chunked path (see the module docstring).
+CAPABILITIES = Capabilities("cpu_fused", FLOAT_DTYPES, ("cpu",), features=ALL_FEATURES - {
+    "empty", "value_dim", "dropout", "alibi", "softcap", "window", "prefix", "documents", "jagged_bias",
+    "unequal_bottom_right"})
+
+
+def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions) -> list[str]:
     """Why the fused CPU kernel can't run this forward (empty when it can)."""
-    reasons = []
-    if q.device.type != "cpu":
-        reasons.append("the fused kernel runs on CPU tensors only")
-    if 0 in (problem.batch, problem.heads, problem.max_q, problem.max_k):
-        reasons.append("an empty batch, head or sequence dim (the kernel divides by it)")
-    if problem.head_dim != problem.head_dim_v:
-        reasons.append(f"head dims differ (D = {problem.head_dim}, Dv = {problem.head_dim_v})")
-    if dropout:
-        reasons.append("dropout (varlen's Philox mask)")
-    if alibi is not None:
-        reasons.append("ALiBi")
-    if opts.softcap > 0:
-        reasons.append("softcap")
-    if opts.window_left >= 0 or opts.window_right >= 0:
-        reasons.append("a window")
-    if opts.prefix_len is not None:
-        reasons.append("a prefix")
-    if opts.documents is not None:
-        reasons.append("documents")
-    if bias is not None and not problem.dense:
-        reasons.append("a bias on a jagged batch")
-    if opts.causal and opts.bottom_right and not _same_lengths(problem):
-        reasons.append("a bottom-right causal mask between different q and k lengths")
-    return reasons
-
-
-def _same_lengths(problem: Problem) -> bool:
-    if problem.dense:
-        return problem.max_q == problem.max_k
-    return problem.cu_q is problem.cu_k or torch.equal(problem.cu_q, problem.cu_k)
+    return capabilities.unsupported_reasons(CAPABILITIES, capabilities.Call(q, bias, alibi, problem, opts))
 
 
 # ------------------------------------------------------------------------------------------- plan

@@ -25,7 +25,8 @@ import dataclasses
 
 import torch
 
-from .._checks import accumulate_dtype
+from .._checks import FLOAT_DTYPES, accumulate_dtype
+from ..capabilities import Capabilities
 from ..jagged import row_positions
 from . import cpu_fused
 from .dropout import dropout_keep_scale, keep_mask_block
@@ -37,9 +38,8 @@ NAME = "torch"
 SCORE_BLOCK_ELEMENTS = 1 << 22
 
 
-def unsupported_reasons(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions) -> list[str]:
-    """Why this backend can't run the call: never; every option, dtype and device is supported."""
-    return []
+# Every option, float dtype and head dim, on the CPU and CUDA.
+CAPABILITIES = Capabilities("torch", FLOAT_DTYPES, ("cpu", "cuda"))
 
 
 @dataclasses.dataclass
@@ -59,7 +59,7 @@ class _Batch:
 
 def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
     """``(out, lse)`` in the layouts of ``options.py``."""
-    if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts, seed is not None):
+    if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts):
         return cpu_fused.forward(q, k, v, bias, problem, opts)
     batch = _prepare(q, k, v, problem)
     B, H, Sq = problem.batch, problem.heads, problem.max_q
@@ -91,7 +91,7 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
     """
     need_q, need_k, need_v, need_bias = needs_grad
     if (dlse is None and not need_bias
-            and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts, seed is not None)):
+            and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts)):
         dq, dk, dv = cpu_fused.backward(dout, q, k, v, out, lse, problem, opts, bias)
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
     batch = _prepare(q, k, v, problem)

@@ -25,16 +25,13 @@ from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, 
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from .padded import jagged_to_padded, padded_to_jagged
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 MATMUL_CASES = ("x jagged (B, j, *, K) @ w dense (K, N) -> jagged (B, j, *, N)",
                 "x jagged (B, j, K) @ w dense (B, K, N), w[b] for sequence b -> jagged (B, j, N)")
 
 
-def _kernel_backend(t: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for the per-sequence products of ``t``'s device and dtype."""
-    backend = _backend.resolve(t.device)
-    return backend if t.dtype in KERNEL_DTYPES else "torch"
+def _kernel_backend(t: torch.Tensor, requested: str | None) -> str:
+    """The backend of the per-sequence products of ``t`` (the ``matmul`` family)."""
+    return _backend.resolve(t.device, t.dtype, "matmul", requested)
 
 
 # ------------------------------------------------------------------------------ PyTorch path
@@ -172,7 +169,7 @@ def linear(x: JaggedTensor | torch.Tensor, weight: torch.Tensor,
     return x.with_values(F.linear(values, weight, bias))
 
 
-def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
+def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor, *, backend: str | None = None) -> JaggedTensor:
     """Jagged times dense: one shared matrix, or one matrix per sequence.
 
     Supported cases:
@@ -184,6 +181,8 @@ def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
     Differentiable w.r.t. ``x`` and ``w`` (``w``'s gradient in the second case is
     :func:`transposed_matmul`). A jagged ``w`` (e.g. ``(B, K, j2)``) is not supported (TypeError
     listing the cases above); other shapes, batch sizes, devices: ValueError; dtypes: TypeError.
+    ``backend``: for the per-sequence case, ``"auto"``, ``"triton"`` or ``"torch"``; None (default): the
+    enclosing ``varlen.use_backend``'s choice.
     """
     x = _jagged_operand(x, "x")
     if isinstance(w, JaggedTensor) or (isinstance(w, torch.Tensor) and w.is_nested):
@@ -207,18 +206,21 @@ def matmul(x: JaggedTensor | torch.Tensor, w: torch.Tensor) -> JaggedTensor:
         if w.shape[1] != K:
             raise ValueError(f"w: expected shape ({x.batch_size}, {K}, N) to match x's K = {K}, "
                              f"got {tuple(w.shape)}")
-        backend = _kernel_backend(values)
+        backend = _kernel_backend(values, backend)
         return x.with_values(_GroupedMatmul.apply(values, w, x.offsets, x.max_len, backend))
     raise ValueError(f"w: expected 2 or 3 dims, got shape {tuple(w.shape)}; supported cases: "
                      f"{'; '.join(MATMUL_CASES)}")
 
 
-def transposed_matmul(x: JaggedTensor | torch.Tensor, y: JaggedTensor | torch.Tensor) -> torch.Tensor:
+def transposed_matmul(x: JaggedTensor | torch.Tensor, y: JaggedTensor | torch.Tensor, *,
+                      backend: str | None = None) -> torch.Tensor:
     """Dense ``(B, K, N)`` with ``out[b] = x_bᵀ y_b``: sum over sequence b's rows of ``x[r]ᵀ y[r]``.
 
     Args:
         x: jagged ``(B, j, K)``.
         y: jagged ``(B, j, N)`` with the same lengths as ``x``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``; None (default): the enclosing
+            ``varlen.use_backend``'s choice (see ``varlen.capabilities.JAGGED_KERNELS``).
 
     An empty sequence gives a zero matrix. This is the weight gradient of the per-sequence
     :func:`matmul`; it is differentiable w.r.t. x and y. On the Triton path, one launch for the batch
@@ -233,5 +235,5 @@ def transposed_matmul(x: JaggedTensor | torch.Tensor, y: JaggedTensor | torch.Te
     check_same_offsets("y", y, "x", x)
     x_values, y_values = _amp.cast(_amp.LOWER_PRECISION, x.device, x.values, y.values)
     check_same_dtype([("x.values", x_values), ("y.values", y_values)])
-    backend = _kernel_backend(x_values)
+    backend = _kernel_backend(x_values, backend)
     return _TransposedMatmul.apply(x_values, y_values, x.offsets, x.max_len, backend)

@@ -18,10 +18,6 @@ from .. import _backend
 from ..jagged import row_positions
 from .tiling import as_columns, copy_tiles, tile_coords
 
-# Element types the copy kernels (padded conversion, select) move; others take the PyTorch path.
-COPY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16,
-               torch.int32, torch.int64, torch.uint8, torch.bool)
-
 
 # ------------------------------------------------------------------------------------ kernels
 # The padded width and the tile counts change with every batch: Triton must not specialize on them (a new
@@ -120,11 +116,9 @@ def _from_padded_torch(padded, offsets, total):
     return padded[seq, pos]
 
 
-def copy_backend(t: torch.Tensor) -> str:
-    """The backend for a kernel that only moves elements: Triton when it runs here and the dtype is
-    one it moves (see ``COPY_DTYPES``), else PyTorch."""
-    backend = _backend.resolve(t.device)
-    return backend if t.dtype in COPY_DTYPES else "torch"
+def copy_backend(t: torch.Tensor, requested: str | None = None) -> str:
+    """The backend of a kernel that only moves ``t``'s elements (the ``copy`` family)."""
+    return _backend.resolve(t.device, t.dtype, "copy", requested)
 
 
 # ------------------------------------------------------------------------------------ custom ops

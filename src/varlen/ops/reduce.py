@@ -218,7 +218,7 @@ def _reduce_dims(x: JaggedTensor, dim) -> tuple[bool, list[int]]:
     return 1 in normalized, sorted(d - 1 for d in normalized if d >= 2)
 
 
-def _reduce(x, dim, keepdim: bool, mean: bool):
+def _reduce(x, dim, keepdim: bool, mean: bool, backend: str | None):
     x = as_jagged(x, "x")
     check_dtype("x.values", x.values, FLOAT_DTYPES)
     if not isinstance(keepdim, bool):
@@ -231,12 +231,13 @@ def _reduce(x, dim, keepdim: bool, mean: bool):
         return x.with_values(values)
     if not mean:
         (values,) = _amp.cast(_amp.FLOAT32, x.device, values)  # torch.sum's autocast rule (mean has none)
-    backend = _backend.resolve(x.device)
+    backend = _backend.resolve(x.device, values.dtype, "ragged", backend)
     out = _SegmentSum.apply(values, x.offsets, x.max_len, mean, backend)
     return out.unsqueeze(1) if keepdim else out
 
 
-def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False):
+def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False, *,
+        backend: str | None = None):
     """Sum of a jagged ``(B, j, *inner)`` tensor over ``dim``.
 
     Args:
@@ -246,6 +247,8 @@ def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: boo
             ``(B, *inner)`` with the other listed inner dims reduced too; an empty sequence sums to 0.
             Inner dims only (>= 2): a JaggedTensor with ``x``'s offsets.
         keepdim: keep each reduced dim with size 1 (``(B, 1, *inner)`` for the ragged dim).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``; None (default): the enclosing
+            ``varlen.use_backend``'s choice (see ``varlen.capabilities.JAGGED_KERNELS``).
 
     Accumulates in float32 (float64 for float64) and returns ``x``'s dtype (float32 under ``torch.autocast``
     on CUDA, as ``torch.sum``); differentiable, twice.
@@ -253,13 +256,14 @@ def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: boo
     Raises ValueError when ``dim`` includes 0 (the batch dim), repeats a dim or is out of range;
     TypeError for a non-jagged ``x``, a non-float dtype or a ``dim`` that is not an int / tuple of ints.
     """
-    return _reduce(x, dim, keepdim, mean=False)
+    return _reduce(x, dim, keepdim, mean=False, backend=backend)
 
 
-def mean(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False):
+def mean(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False, *,
+         backend: str | None = None):
     """Mean of a jagged ``(B, j, *inner)`` tensor over ``dim``; arguments and errors as :func:`sum`.
 
     Over the ragged dim the mean of an empty sequence is NaN (0 / 0), as ``torch.mean`` of an empty
     tensor; its gradient is then NaN too, but reaches no element, since the sequence has none.
     """
-    return _reduce(x, dim, keepdim, mean=True)
+    return _reduce(x, dim, keepdim, mean=True, backend=backend)

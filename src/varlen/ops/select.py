@@ -197,8 +197,8 @@ def _check_position(x: JaggedTensor, index: int) -> None:
                          "to fill the positions that don't exist instead")
 
 
-def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *,
-           fill_value: float | None = None) -> torch.Tensor | JaggedTensor:
+def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *, fill_value: float | None = None,
+           backend: str | None = None) -> torch.Tensor | JaggedTensor:
     """Select ``index`` along ``dim`` of a jagged ``(B, j, *inner)`` tensor, as ``Tensor.select``.
 
     Args:
@@ -214,6 +214,8 @@ def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *,
             host lengths, and ops derived from them), else one device-to-host copy, cached on ``x``.
             A number: no check and no host sync ever (for graphs and hot loops): sequences without
             position ``index`` get ``fill_value`` in the output, and no gradient.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``; None (default): the enclosing
+            ``varlen.use_backend``'s choice (see ``varlen.capabilities.JAGGED_KERNELS``).
 
     Dim 0 reads the host offsets too (the slice bounds are a shape): free when cached, else one
     device-to-host copy, cached on ``x``.
@@ -246,4 +248,4 @@ def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *,
     if fill_value is None:
         _check_position(x, index)
     fill = 0 if fill_value is None else fill_value
-    return _GatherPosition.apply(x.values, x.offsets, index, fill, copy_backend(x.values))
+    return _GatherPosition.apply(x.values, x.offsets, index, fill, copy_backend(x.values, backend))

@@ -339,7 +339,7 @@ class _RaggedSoftmax(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------- public
-def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
+def softmax(x: JaggedTensor | torch.Tensor, dim: int, *, backend: str | None = None) -> JaggedTensor:
     """Softmax of a jagged ``(B, j, *inner)`` tensor along ``dim``.
 
     Args:
@@ -347,6 +347,8 @@ def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
         dim: 1 (or ``1 - x.dim()``): the ragged dim: for each sequence, softmax over its positions,
             independently for each inner index. An empty sequence gives an empty result. ``>= 2`` or
             negative: an inner dim (``-1`` is the last; with no inner dims it is the ragged dim).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``; None (default): the enclosing
+            ``varlen.use_backend``'s choice (see ``varlen.capabilities.JAGGED_KERNELS``).
 
     Returns a JaggedTensor with ``x``'s offsets and dtype; differentiable. Computed in float32
     (float64 for float64 inputs). A column that is all ``-inf`` gives NaN, as ``torch.softmax``. Under
@@ -364,5 +366,5 @@ def softmax(x: JaggedTensor | torch.Tensor, dim: int) -> JaggedTensor:
     if d >= 2:
         return x.with_values(torch.softmax(x.values, d - 1))
     (values,) = _amp.cast(_amp.FLOAT32, x.device, x.values)
-    backend = _backend.resolve(x.device)
+    backend = _backend.resolve(x.device, values.dtype, "ragged", backend)
     return x.with_values(_RaggedSoftmax.apply(values, x.offsets, x.max_len, backend))

@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from ..._backend import triton_unsupported_reason
+from ...capabilities import Capabilities, triton_device_reason
 from . import configs
 from .backward import launch_backward
 from .forward import launch_forward
 from .launch import use_tma
 
 NAME = "triton"
-MAX_HEAD_DIM = 256
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def unsupported_reasons(q, k, v, bias, alibi, problem, opts) -> list[str]:
-    reasons = []
-    device_reason = triton_unsupported_reason(q.device)
-    if device_reason is not None:
-        reasons.append(device_reason)
-    if q.dtype not in DTYPES:
-        reasons.append(f"dtype {q.dtype} is not supported (allowed: float16, bfloat16, float32)")
-    if max(problem.head_dim, problem.head_dim_v) > MAX_HEAD_DIM:
-        reasons.append(f"head dims ({problem.head_dim}, {problem.head_dim_v}) exceed {MAX_HEAD_DIM}")
-    return reasons
+# Every feature; head dims up to 256 (the tiles of larger ones don't fit sm_90's shared memory); no float64
+# (no float64 tensor-core dots).
+CAPABILITIES = Capabilities("triton", (torch.float16, torch.bfloat16, torch.float32), ("cuda",), max_head_dim=256,
+                            device_check=triton_device_reason)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

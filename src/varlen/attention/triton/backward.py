@@ -83,7 +83,7 @@ def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadSco
     """(dS in natural units, dS through the softcap) of queries ``m0..`` x keys ``n0..`` (query-major)."""
     qk = tl.dot(q, tl.trans(k), input_precision=T.DOT_PRECISION)
     s, t = score_tile(qk, m0 + tl.arange(0, T.BLOCK_M)[:, None], n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq,
-                      seq.Lk, m, hs, F, MASKED)
+                      seq.Lk, m, hs, F, MASKED, False)
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=T.DOT_PRECISION)
     if F.DROPOUT:
@@ -125,7 +125,7 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, d
             delta = tl.load(delta_row + rows_m)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
         qkt = tl.dot(k, tl.trans(q), input_precision=T.DOT_PRECISION)
-        st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED)
+        st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False)
         pt = tl.exp2(st - lse2[None, :])
         dpt = tl.dot(v, tl.trans(do), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:

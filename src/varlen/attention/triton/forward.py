@@ -40,12 +40,17 @@ def _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, K: Rows, V: Rows, start, end, m
         n0 = tl.multiple_of(n0, T.BLOCK_N)
         k = load_rows(k_desc, n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, MASKED, T.TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=T.DOT_PRECISION)
-        s = score_tile(qk, rows, n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq, seq.Lk, m, hs, F, MASKED)[0]
+        s = score_tile(qk, rows, n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq, seq.Lk, m, hs, F, MASKED,
+                       F.RAW_SCORES)[0]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
+        if F.RAW_SCORES:  # s and m in q.k units: the scale goes into the exp2 (one FMA per score)
+            alpha = tl.exp2((m_i - m_sub) * hs.qk_scale)
+            p = tl.exp2(s * hs.qk_scale - (m_sub * hs.qk_scale)[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if F.DROPOUT:
             p = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), p, 0.0)
@@ -92,7 +97,11 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     if F.DROPOUT:
         out = out * hd.keep_scale
     store_rows(base(O, seq.b, seq.q_start, h), m0, seq.Lq, O.stride_s, out, T.DV, T.BLOCK_M, T.BLOCK_DV)
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    log_l = tl.log2(tl.where(seen, l_i, 1.0)) * LN2
+    if F.RAW_SCORES:
+        lse = tl.where(seen, m_i * hs.scale + log_l, float("-inf"))
+    else:
+        lse = tl.where(seen, m_i * LN2 + log_l, float("-inf"))
     rows_m = m0 + tl.arange(0, T.BLOCK_M)
     tl.store(lse_row(LSE, bt, seq, h, F) + rows_m, lse, mask=rows_m < seq.Lq)
 

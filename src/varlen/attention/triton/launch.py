@@ -21,7 +21,7 @@ from ..._amp import dot_precision
 from ..._backend import interpreter_enabled
 
 Features = collections.namedtuple("Features", "VARLEN BOTTOM_RIGHT HAS_WL HAS_R PREFIX DOCS HAS_BIAS HAS_ALIBI "
-                                              "SOFTCAP DROPOUT")
+                                              "SOFTCAP DROPOUT RAW_SCORES")
 Tiles = collections.namedtuple("Tiles", "D DV BLOCK_M BLOCK_N BLOCK_D BLOCK_DV GROUP DOT_PRECISION TMA")
 
 # Kernel arguments whose values change from batch to batch: row counts, longest lengths, the dropout key.
@@ -54,7 +54,16 @@ def features(problem, opts, bias, alibi, seed) -> Features:
     return constexprs(Features(VARLEN=not problem.dense, BOTTOM_RIGHT=opts.bottom_right, HAS_WL=opts.window_left >= 0,
                     HAS_R=R >= 0, PREFIX=opts.prefix_len is not None, DOCS=opts.documents is not None,
                     HAS_BIAS=bias is not None, HAS_ALIBI=alibi is not None, SOFTCAP=opts.softcap > 0,
-                    DROPOUT=seed is not None))
+                    DROPOUT=seed is not None, RAW_SCORES=raw_scores(opts, bias, alibi)))
+
+
+def raw_scores(opts, bias, alibi) -> bool:
+    """Whether the forward keeps raw ``q.k`` products, scaling them inside its ``exp2`` (FlashAttention-2's
+    form): possible without softcap, bias and ALiBi, when a larger product is a larger score (scale >= 0).
+    One FMA per score instead of a multiply and a subtract, and an lse of ``max * scale + log(sum)``
+    whose large term is rounded once: within 2x the error of float32 math, where the scaled running max
+    was 3.5x (float16, rows of length 1)."""
+    return opts.softcap == 0 and bias is None and alibi is None and opts.scale >= 0
 
 
 def tiles(problem, config, dtype: torch.dtype, tma: bool) -> Tiles:

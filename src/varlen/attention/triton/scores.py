@@ -139,12 +139,17 @@ def add_alibi(s, rows, cols, shift, hs: HeadScores):
 
 # ------------------------------------------------------------------------------------ all of them
 @triton.jit
-def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constexpr, MASKED: tl.constexpr):
+def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constexpr, MASKED: tl.constexpr,
+               RAW: tl.constexpr):
     """(log2-unit scores, tanh values) of a tile of raw ``qk`` products. The tanh values feed
-    :func:`softcap_grad` in the backward; without softcap the second result is unused."""
+    :func:`softcap_grad` in the backward; without softcap the second result is unused. ``RAW`` (the
+    forward with ``F.RAW_SCORES``): the products themselves, masked, for the caller to scale."""
     if F.SOFTCAP:
         t = tanh(qk * hs.softcap_scale)
         s = t * hs.softcap2
+    elif RAW:
+        t = qk
+        s = qk
     else:
         t = qk
         s = qk * hs.qk_scale
