@@ -1,6 +1,7 @@
 # Two commands matter: `make demo` (the library's main job) and `make test` (the whole suite).
-# Each builds .venv on first use. Where no torch is installed, the CPU build torch==2.13.0 is
-# installed first, so that the `torch` dependency never pulls the multi-GB CUDA build on a CPU machine.
+# Each builds .venv on first use, with the versions CI tests (.ci/constraints.txt). Where no torch is
+# installed, torch==2.13.0 is installed first, on its own, so that the `torch` dependency never pulls the
+# multi-GB CUDA build on a CPU machine.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,18 +10,20 @@ JOBS ?= auto
 
 .PHONY: demo test lint bench gpu-test clean
 
-$(VENV)/.installed: pyproject.toml
+CONSTRAINTS := .ci/constraints.txt
+
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) torch
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed
 	$(PY) -m varlen.examples.train $(ARGS)
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff check src tests bench tools
 
 test: $(VENV)/.installed lint
 	$(PY) -m pytest -q -n $(JOBS) tests

@@ -5,7 +5,7 @@
 Timing: medians of ``triton.testing.do_bench``; backward = (forward + backward) - forward, as in
 shared/peers.md. FLOPs: forward 4·B·H·Sq·Sk·D (halved when causal; the visible pairs for windows),
 backward 2.5 x forward. Peers: SDPA flash, efficient and cuDNN, and FlexAttention (compiled).
-``--sweep`` times several tile configurations of the varlen kernels instead (for tuning).
+Tile tuning is ``bench/attention_sweep.py``'s job.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 import varlen
-from varlen.attention.triton import configs
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -325,44 +324,6 @@ def suite_bias_dropout(args, rows):
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
 
-def sweep(args, rows):
-    """Time several tile configs of the varlen kernels (forward and backward separately)."""
-    fwd_cfgs = [configs.KernelConfig(*c) for c in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
-                                                    (64, 64, 4, 3), (128, 32, 4, 3))]
-    bwd_cfgs = [configs.KernelConfig(*c) for c in ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2),
-                                                    (64, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 2))]
-    orig_f, orig_b = configs.forward_config, configs.backward_config
-    for D in (64, 128):
-        S, B, H = 4096, 4, 2048 // D
-        for causal in (False, True):
-            q, k, v = (torch.randn(B, S, H, D, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3))
-            flops = 4 * B * H * S * S * D * (0.5 if causal else 1)
-            for cfg in fwd_cfgs:
-                configs.forward_config = lambda p, d, cfg=cfg: cfg
-                try:
-                    ms = do_bench(lambda: varlen.attention(q, k, v, causal=causal))
-                    r = f"{flops / ms / 1e9:.0f}"
-                except Exception as exc:
-                    r = "err " + str(exc)[:60]
-                print(json.dumps(dict(kind="fwd", D=D, causal=causal, cfg=str(cfg), tflops=r)), flush=True)
-            configs.forward_config = orig_f
-            grad = torch.randn(B, S, H, D, device=DEV, dtype=BF16)
-            for det in (False, True):
-                out = varlen.attention(q, k, v, causal=causal, deterministic=det)
-                for cfg in bwd_cfgs:
-                    configs.backward_config = lambda p, d, cfg=cfg: cfg
-                    try:
-                        def bwd():
-                            torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-                        ms = do_bench(bwd)
-                        r = f"{2.5 * flops / ms / 1e9:.0f}"
-                    except Exception as exc:
-                        r = "err " + str(exc)[:60]
-                    print(json.dumps(dict(kind="bwd", det=det, D=D, causal=causal, cfg=str(cfg), tflops=r)),
-                          flush=True)
-            configs.backward_config = orig_b
-
-
 def write_table(rows, path):
     import triton
 
@@ -392,14 +353,14 @@ def write_table(rows, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--suite", nargs="+", default=["dense", "varlen", "features", "bias_dropout", "fp32"],
-                    choices=["dense", "varlen", "features", "bias_dropout", "fp32", "sweep"])
+                    choices=["dense", "varlen", "features", "bias_dropout", "fp32"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
     rows = []
     for s in args.suite:
         {"dense": suite_dense, "varlen": suite_varlen, "features": suite_features,
-         "bias_dropout": suite_bias_dropout, "fp32": suite_fp32, "sweep": sweep}[s](args, rows)
+         "bias_dropout": suite_bias_dropout, "fp32": suite_fp32}[s](args, rows)
     if rows:
         write_table(rows, args.out)
 

@@ -1,26 +1,33 @@
 """Tile-configuration sweep for the attention kernels (a tuning tool; results feed configs.py).
 
-    PYTHONPATH=src python3 bench/attention_sweep.py --jobs 16 [--quick]
+    PYTHONPATH=src python3 bench/attention_sweep.py --jobs 16 [--quick] [--focus F] --csv rows.csv
 
 Every variant is first compiled in a pool of processes (filling Triton's on-disk cache in parallel),
 then timed one after another in this process. Forward and backward are timed separately; the backward
 through ``launch_backward`` alone (preprocess + kernels), in TFLOP/s with the 2.5x-forward FLOP count.
+
+``--csv`` writes one row per variant with its provenance (GPU, compute capability, torch and Triton
+versions, date), shape, feature, config and TFLOP/s: commit it under ``bench/results/sweeps/``, where the
+tables of ``varlen/attn/triton/configs.py`` cite it (``tests/test_configs.py`` checks they are its best).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import csv
+import datetime
 import itertools
 import json
 import multiprocessing as mp
 
 import torch
+import triton
 
-from varlen.attention.options import AttentionOptions, DropoutSeed, Problem
-from varlen.attention.triton import configs
-from varlen.attention.triton.backward import launch_backward
-from varlen.attention.triton.forward import launch_forward
+from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
+from varlen.attn.triton import configs
+from varlen.attn.triton.backward import launch_backward
+from varlen.attn.triton.forward import launch_forward
 
 K = configs.KernelConfig
 BC = configs.BackwardConfig
@@ -156,7 +163,12 @@ def main():
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32"])
+    ap.add_argument("--csv", help="write the rows here (see the module docstring)")
     a = ap.parse_args()
+    major, minor = torch.cuda.get_device_capability()
+    provenance = dict(gpu=torch.cuda.get_device_name(), capability=f"{major}.{minor}",
+                      torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat())
+    rows = []
     vs = list(variants(a))
     with cf.ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(run, vs))
@@ -167,12 +179,21 @@ def main():
         print(json.dumps(dict(kind=kind, D=sh["D"], S=sh["S"], causal=sh["causal"], feat=sh["feat"], tma=tma,
                               prec=sh.get("prec"), cfg=str(cfg),
                               tflops=r if isinstance(r, str) else round(r))), flush=True)
+        rows.append(dict(**provenance, kind=kind, dtype=str(sh.get("dtype", torch.bfloat16)).replace("torch.", ""),
+                         precision=sh.get("prec") or "", B=sh["B"], S=sh["S"], H=sh["H"], Hkv=sh.get("Hkv", sh["H"]),
+                         D=sh["D"], causal=sh["causal"], feature=sh["feat"] or "", tma="" if tma is None else tma,
+                         config=str(cfg), tflops=r if isinstance(r, str) else round(r)))
         key = (kind, sh["D"], sh["S"], sh.get("Hkv"), sh["causal"], sh["feat"], sh.get("prec"),
                getattr(cfg, "dq_mode", None), tma)
         if not isinstance(r, str) and r > best.get(key, (0,))[0]:
             best[key] = (round(r), str(cfg))
     for key, val in sorted(best.items(), key=str):
         print("BEST", key, val)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import varlen  # noqa: E402
-from varlen.ops.padded import padded_to_jagged  # noqa: E402
+from varlen.padding import padded_to_jagged  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -24,9 +24,9 @@ import torch
 import varlen
 from conftest import ON_GPU
 from utils import checkable_dtypes, random_jagged
-from varlen.attention import backends
-from varlen.attention.dropout import attention_dropout_mask
-from varlen.attention.reference import attention_reference
+from varlen.attn import backends
+from varlen.attn.dropout import attention_dropout_mask
+from varlen.attn.reference import attention_reference
 
 ATTENTION_BACKENDS = ("torch", "triton")
 

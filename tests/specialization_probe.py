@@ -29,7 +29,7 @@ from triton.compiler import make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import varlen  # noqa: E402
-import varlen.attention.triton.backend  # noqa: E402, F401  (imported on first use otherwise: after the flag below)
+import varlen.attn.triton.backend  # noqa: E402, F401  (imported on first use otherwise: after the flag below)
 import varlen.ops._linear_kernels  # noqa: E402, F401
 
 # varlen sends CPU tensors to its Triton path only under the interpreter flag, read at each call.

@@ -13,8 +13,8 @@ import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
 from utils import REL_TOL, assert_close
 from varlen._checks import accumulate_dtype
-from varlen.attention import reference, torch_backend
-from varlen.attention.reference import attention_reference
+from varlen.attn import reference, torch_backend
+from varlen.attn.reference import attention_reference
 
 # The lse is float32 by contract (float64 for float64 inputs).
 LSE_FLOOR = 1e-6

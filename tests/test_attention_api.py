@@ -273,7 +273,7 @@ def test_documents_equal_separate_sequences():
     ("torch", None, "torch"), ("triton", None, "triton"), ("triton", "torch", "torch"), ("auto", None, None)])
 def test_use_backend_scopes_attention_too(scope, argument, expected, device, monkeypatch):
     """``varlen.use_backend`` picks attention's backend as it does the jagged ops'; ``backend=`` overrides it."""
-    from varlen.attention import backends
+    from varlen.attn import backends
 
     ran = []
     for name in ("torch", "triton"):

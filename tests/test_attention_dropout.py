@@ -10,14 +10,14 @@ import triton.language as tl
 import varlen
 from attention_cases import AttnCase, backend_params, main_dtype, run_attention
 from utils import assert_close
-from varlen.attention.dropout import (
+from varlen.attn.dropout import (
     attention_dropout_mask,
     dropout_keep_mask,
     dropout_keep_scale,
     dropout_threshold,
     philox4x32,
 )
-from varlen.attention.reference import attention_reference
+from varlen.attn.reference import attention_reference
 
 # Random123's known-answer vectors for Philox4x32-10 (kat_vectors): counter, key, output.
 PHILOX_KAT = [

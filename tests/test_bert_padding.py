@@ -17,7 +17,7 @@ import torch
 
 import varlen.bert_padding as module
 from utils import assert_close
-from varlen.attention.reference import attention_reference
+from varlen.attn.reference import attention_reference
 from varlen.bert_padding import (
     IndexFirstAxis,
     IndexFirstAxisResidual,

@@ -16,8 +16,8 @@ import varlen
 from conftest import DEVICE, ON_GPU
 from utils import REL_TOL, assert_close, random_jagged
 from varlen import _backend
-from varlen.attention import api, function
-from varlen.attention.options import Problem
+from varlen.attn import api, function
+from varlen.attn.options import Problem
 from varlen.nn import TransformerEncoderLayer
 
 # The attention runs through one custom op pair whatever the backend; the Triton one runs on the GPU, or

@@ -17,8 +17,8 @@ import torch
 
 import varlen
 from utils import assert_close
-from varlen.attention.dropout import dropout_keep_scale
-from varlen.attention.reference import attention_reference
+from varlen.attn.dropout import dropout_keep_scale
+from varlen.attn.reference import attention_reference
 from varlen.flash_attn_interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,

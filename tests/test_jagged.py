@@ -5,7 +5,8 @@ import torch
 
 import varlen
 from utils import random_jagged
-from varlen.jagged import as_jagged, check_same_offsets, segment_ids
+from varlen.jagged import as_jagged, check_same_offsets
+from varlen.offsets import segment_ids
 
 BACKENDS = ["torch", "triton"]
 

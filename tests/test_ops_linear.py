@@ -9,7 +9,7 @@ import torch
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import REL_TOL, assert_close, checkable_dtypes, random_jagged, rel_err
-from varlen.attention import torch_backend
+from varlen.attn import torch_backend
 from varlen.capabilities import JAGGED_KERNELS
 from varlen.ops.linear import linear, matmul, transposed_matmul
 

@@ -1,4 +1,4 @@
-"""Jagged <-> padded conversion (varlen.ops.padded): Triton kernels and the PyTorch path."""
+"""Jagged <-> padded conversion (varlen.padding): Triton kernels and the PyTorch path."""
 
 import math
 
@@ -8,8 +8,8 @@ import torch
 import varlen
 from conftest import ON_GPU
 from utils import checkable_dtypes, random_jagged, random_lengths
+from varlen import padding as padded_ops
 from varlen.capabilities import JAGGED_KERNELS
-from varlen.ops import padded as padded_ops
 
 LONG = 3000 if ON_GPU else 1000
 # The float dtypes the Triton kernels declare (the PyTorch path takes them all); 16-bit on the GPU only.

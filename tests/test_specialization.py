@@ -32,7 +32,7 @@ def _compiled_variants() -> dict[str, int]:
     """Compiled variants per varlen kernel on the current device."""
     import triton.runtime.jit as jit
 
-    import varlen.attention.triton.backend  # noqa: F401  (load every kernel module)
+    import varlen.attn.triton.backend  # noqa: F401  (load every kernel module)
     import varlen.ops._linear_kernels  # noqa: F401
 
     counts = {}

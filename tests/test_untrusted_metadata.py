@@ -21,7 +21,7 @@ import varlen
 from utils import assert_close
 from varlen.flash_attn_interface import flash_attn_varlen_func
 from varlen.jagged import JaggedTensor
-from varlen.ops.padded import padded_to_jagged
+from varlen.padding import padded_to_jagged
 
 LENGTHS = [5, 17, 3]  # offsets [0, 5, 22, 25]
 TOTAL, LONGEST = sum(LENGTHS), max(LENGTHS)

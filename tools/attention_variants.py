@@ -10,10 +10,10 @@ deterministic mode; TMA loads and pointer loads. Outputs stay unwritten (nothing
 
 import torch
 
-from varlen.attention.options import AttentionOptions, DropoutSeed, Problem
-from varlen.attention.triton import configs
-from varlen.attention.triton.backward import launch_backward
-from varlen.attention.triton.forward import launch_forward
+from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
+from varlen.attn.triton import configs
+from varlen.attn.triton.backward import launch_backward
+from varlen.attn.triton.forward import launch_forward
 
 # The configs are chosen for a Hopper GPU; these tensors are CPU ones.
 configs._tma_reduce_available = lambda device: True
@@ -71,7 +71,8 @@ def main():
         for tma in (True, False) if name in ("plain", "causal") else (True,):
             print(f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
                   f"{'tma' if tma else 'pointers'}", flush=True)
-            fwd = configs.forward_config(problem, dtype, bias=bias is not None, dropout=seed is not None, tma=tma)
+            fwd = configs.forward_config(problem, dtype, q.device, bias=bias is not None, dropout=seed is not None,
+                                         tma=tma)
             bwd = configs.backward_config(problem, dtype, opts.masked, opts.deterministic, q.device,
                                           bias=bias is not None, dropout=seed is not None, tma=tma)
             out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma)

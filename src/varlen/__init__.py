@@ -7,9 +7,9 @@ for dense and jagged batches.
 from . import nn
 from ._backend import use_backend
 from ._checks import checks_enabled, set_checks
-from .attention import attention
-from .attention.dropout import attention_dropout_mask, dropout_keep_mask
-from .attention.reference import attention_reference
+from .attn import attention
+from .attn.dropout import attention_dropout_mask, dropout_keep_mask
+from .attn.reference import attention_reference
 from .jagged import JaggedTensor, jagged
 from .ops import (
     gelu,

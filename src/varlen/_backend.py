@@ -15,6 +15,8 @@ import threading
 
 import torch
 
+from ._triton import IMPORT_ERROR
+
 BACKENDS = ("auto", "triton", "torch")
 
 # The scoped choice of `use_backend`, per thread. A threading.local rather than a ContextVar: torch.compile
@@ -23,6 +25,7 @@ _scope = threading.local()
 
 
 def scoped() -> str:
+    """The backend chosen by this thread's innermost :func:`use_backend` (``"auto"`` outside any)."""
     return getattr(_scope, "name", "auto")
 
 
@@ -31,22 +34,9 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        return f"triton is not installed ({exc})"
-    return None
-
-
-# Computed once at import (the jagged ops import Triton then anyway): a constant, which torch.compile reads
-# without the warning that a functools.cache-wrapped function draws.
-_TRITON_IMPORT_ERROR = _triton_import_error()
-
-
 def triton_import_error() -> str | None:
     """Why Triton can't be imported here, or None when it can."""
-    return _TRITON_IMPORT_ERROR
+    return IMPORT_ERROR
 
 
 @contextlib.contextmanager
@@ -74,27 +64,3 @@ def triton_unsupported_reason(device: torch.device) -> str | None:
         return None
     return (f"Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors; "
             f"got a tensor on {device}")
-
-
-def resolve(device: torch.device, dtype: torch.dtype, kernels: str, requested: str | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) that runs a jagged op on ``device`` and ``dtype``.
-
-    ``kernels``: the family of Triton kernels the op would run (``varlen.capabilities.JAGGED_KERNELS``).
-    ``requested`` (an op's ``backend=``) overrides the scoped choice of :func:`use_backend`. ``"auto"``:
-    Triton on CUDA where the family takes the dtype, else PyTorch; ``"triton"`` where it can't raises
-    ValueError saying why.
-    """
-    from .capabilities import JAGGED_KERNELS
-
-    name = scoped() if requested is None else requested
-    if name not in BACKENDS:
-        raise ValueError(f"backend: got {name!r}; allowed: {', '.join(map(repr, BACKENDS))}")
-    if name == "torch":
-        return "torch"
-    caps = JAGGED_KERNELS[kernels]
-    reasons = [r for r in (caps.device_reason(device), caps.dtype_reason(dtype)) if r]
-    if name == "auto":
-        return "triton" if device.type == "cuda" and not reasons else "torch"
-    if reasons:
-        raise ValueError(f"backend='triton' can't take {', '.join(reasons)}")
-    return "triton"

@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 import torch
 
-from ._checks import FLOAT_DTYPES
+from ._backend import BACKENDS, scoped, triton_unsupported_reason
+from ._checks import FLOAT_DTYPES, check_choice
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What :func:`unsupported_reasons` looks at: the validated attention call (``attention/options.py``)."""
+    """What :func:`unsupported_reasons` looks at: the validated attention call (``attn/options.py``)."""
 
     q: torch.Tensor
     bias: torch.Tensor | None
@@ -106,8 +107,6 @@ def unsupported_reasons(caps: Capabilities, call: Call) -> list[str]:
 def triton_device_reason(device: torch.device) -> str | None:
     """The Triton kernels' device rule: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; Triton
     installed."""
-    from ._backend import triton_unsupported_reason
-
     return triton_unsupported_reason(device)
 
 
@@ -122,5 +121,26 @@ JAGGED_KERNELS = {
     "matmul": Capabilities("triton", (torch.float16, torch.bfloat16, torch.float32), ("cuda",),
                            device_check=triton_device_reason),
 }
-# The attention backends declare theirs beside their code: attention/triton/backend.py,
-# attention/torch_backend.py and its fused CPU path, attention/cpu_fused.py.
+# The attention backends declare theirs beside their code: attn/triton/backend.py,
+# attn/torch_backend.py and its fused CPU path, attn/cpu_fused.py.
+
+
+def resolve(device: torch.device, dtype: torch.dtype, kernels: str, requested: str | None = None) -> str:
+    """The backend (``"triton"`` or ``"torch"``) that runs a jagged op on ``device`` and ``dtype``.
+
+    ``kernels``: the family of Triton kernels the op would run (:data:`JAGGED_KERNELS`). ``requested`` (an
+    op's ``backend=``) overrides the scoped choice of ``varlen.use_backend``. ``"auto"``: Triton on CUDA
+    where the family takes the dtype, else PyTorch; ``"triton"`` where it can't raises ValueError saying
+    why.
+    """
+    name = scoped() if requested is None else requested
+    check_choice("backend", name, BACKENDS)
+    if name == "torch":
+        return "torch"
+    caps = JAGGED_KERNELS[kernels]
+    reasons = [r for r in (caps.device_reason(device), caps.dtype_reason(dtype)) if r]
+    if name == "auto":
+        return "triton" if device.type == "cuda" and not reasons else "torch"
+    if reasons:
+        raise ValueError(f"backend='triton' can't take {', '.join(reasons)}")
+    return "triton"

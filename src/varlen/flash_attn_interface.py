@@ -44,9 +44,10 @@ import numbers
 import torch
 
 from ._checks import INDEX_DTYPES, accumulate_dtype, check_dtype, check_tensor, checks_metadata
-from .attention.api import attention
-from .attention.dropout import attention_dropout_mask
-from .jagged import JaggedTensor, check_offsets
+from .attn.api import attention
+from .attn.dropout import attention_dropout_mask
+from .jagged import JaggedTensor
+from .offsets import check_offsets
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

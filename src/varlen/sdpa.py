@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_same_device, check_same_dtype, check_tensor
-from .attention.api import attention
+from .attn.api import attention
 from .jagged import JaggedTensor
 
 

@@ -45,7 +45,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from ..attention.api import attention
+from ..attn.api import attention
 from ..flash_attn_interface import flash_attn_varlen_func
 
 NAME = "varlen"

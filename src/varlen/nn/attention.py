@@ -8,7 +8,7 @@ from torch import nn
 
 from .. import ops
 from .._checks import check_int
-from ..attention.api import _parse_window, attention
+from ..attn.api import _parse_window, attention
 from . import _layout
 
 

@@ -18,11 +18,10 @@ matmuls, else three-pass TF32 with about float32's accuracy. So the per-sequence
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from .._amp import dot_precision
-from .tiling import chunk_rows_for, sequence_rows
+from .._triton import tl, triton
+from ..tiling import chunk_rows_for, sequence_rows
 
 # Grouped matmul tiles: BLOCK_M rows of one sequence x BLOCK_N output columns, K in BLOCK_K steps.
 # A sequence of length L wastes at most BLOCK_M - 1 rows of its last tile.

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _amp, _backend
+from .. import _amp, capabilities
 from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
-from .padded import jagged_to_padded, padded_to_jagged
+from ..padding import jagged_to_padded, padded_to_jagged
+from . import _linear_kernels
 
 MATMUL_CASES = ("x jagged (B, j, *, K) @ w dense (K, N) -> jagged (B, j, *, N)",
                 "x jagged (B, j, K) @ w dense (B, K, N), w[b] for sequence b -> jagged (B, j, N)")
@@ -31,7 +32,7 @@ MATMUL_CASES = ("x jagged (B, j, *, K) @ w dense (K, N) -> jagged (B, j, *, N)",
 
 def _kernel_backend(t: torch.Tensor, requested: str | None) -> str:
     """The backend of the per-sequence products of ``t`` (the ``matmul`` family)."""
-    return _backend.resolve(t.device, t.dtype, "matmul", requested)
+    return capabilities.resolve(t.device, t.dtype, "matmul", requested)
 
 
 # ------------------------------------------------------------------------------ PyTorch path
@@ -54,8 +55,6 @@ def _transposed_matmul_torch(x, y, offsets, max_len):
 @torch.library.custom_op("varlen::grouped_matmul", mutates_args=())
 def _grouped_matmul(x: Tensor, offsets: Tensor, max_len: int, w: Tensor, backend: str) -> Tensor:
     if backend == "triton":
-        from . import _linear_kernels
-
         return _linear_kernels.grouped_matmul(x, offsets, w)
     return _grouped_matmul_torch(x, offsets, max_len, w)
 
@@ -68,8 +67,6 @@ def _(x, offsets, max_len, w, backend):
 @torch.library.custom_op("varlen::transposed_matmul", mutates_args=())
 def _transposed_matmul(x: Tensor, y: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
     if backend == "triton":
-        from . import _linear_kernels
-
         return _linear_kernels.transposed_matmul(x, y, offsets, max_len)
     return _transposed_matmul_torch(x, y, offsets, max_len)
 

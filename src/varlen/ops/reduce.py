@@ -15,14 +15,14 @@ Over inner dims each row of ``values`` is reduced on its own with ``torch.sum``/
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from .. import _amp, _backend
+from .. import _amp, capabilities
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
-from ..jagged import JaggedTensor, as_jagged, segment_ids
-from .tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
+from .._triton import tl, triton
+from ..jagged import JaggedTensor, as_jagged
+from ..offsets import segment_ids
+from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -231,7 +231,7 @@ def _reduce(x, dim, keepdim: bool, mean: bool, backend: str | None):
         return x.with_values(values)
     if not mean:
         (values,) = _amp.cast(_amp.FLOAT32, x.device, values)  # torch.sum's autocast rule (mean has none)
-    backend = _backend.resolve(x.device, values.dtype, "ragged", backend)
+    backend = capabilities.resolve(x.device, values.dtype, "ragged", backend)
     out = _SegmentSum.apply(values, x.offsets, x.max_len, mean, backend)
     return out.unsqueeze(1) if keepdim else out
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import numbers
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 from torch.types import Number
 
 from .._checks import check_int, normalize_dim
+from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
-from .padded import copy_backend
-from .tiling import as_columns, copy_tiles
+from ..padding import copy_backend
+from ..tiling import as_columns, copy_tiles
 
 
 # ------------------------------------------------------------------------------------ kernels

@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
-from .. import _amp, _backend
+from .. import _amp, capabilities
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
-from ..jagged import JaggedTensor, as_jagged, segment_ids
-from .tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows
+from .._triton import tl, triton
+from ..jagged import JaggedTensor, as_jagged
+from ..offsets import segment_ids
+from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -366,5 +366,5 @@ def softmax(x: JaggedTensor | torch.Tensor, dim: int, *, backend: str | None = N
     if d >= 2:
         return x.with_values(torch.softmax(x.values, d - 1))
     (values,) = _amp.cast(_amp.FLOAT32, x.device, x.values)
-    backend = _backend.resolve(x.device, values.dtype, "ragged", backend)
+    backend = capabilities.resolve(x.device, values.dtype, "ragged", backend)
     return x.with_values(_RaggedSoftmax.apply(values, x.offsets, x.max_len, backend))

@@ -11,16 +11,14 @@ constexpr:
 - bias (``HAS_BIAS``): ``+ bias[b, h, i, j]``; backward: the bias gradient is ``ds`` (:func:`bias_grad`).
 - ALiBi (``HAS_ALIBI``): ``- slope[b, h] * |i + shift - j|``; backward: nothing (slopes get no gradient).
 - dropout (``DROPOUT``): the probabilities are multiplied by ``keep * dropout_keep_scale(p)`` after the softmax
-  (:func:`keep_tile`, the definition in ``varlen.attention.dropout``); backward: ``dP`` likewise.
+  (:func:`keep_tile`, the definition in ``varlen.attn.dropout``); backward: ``dP`` likewise.
 
 Host side, :func:`score_args` and :func:`dropout_args` pack their runtime values into bundles.
 """
 
 import collections
 
-import triton
-import triton.language as tl
-
+from ..._triton import tl, triton
 from ..dropout import dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
 
@@ -166,7 +164,7 @@ def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constex
 @triton.jit
 def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` dropout keep bits of queries ``m0 + i`` and keys ``n0 + j`` (n0 a multiple
-    of 8): the definition in ``varlen.attention.dropout``.
+    of 8): the definition in ``varlen.attn.dropout``.
 
     One Philox call per query and 8 keys gives four 32-bit words, that is eight 16-bit numbers, laid
     out so that key ``8 g + t`` takes word ``t >> 1``, half ``t & 1``.

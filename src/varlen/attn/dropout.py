@@ -30,8 +30,7 @@ import torch
 
 from .._checks import check_int
 from ..jagged import as_jagged
-from . import backends
-from .options import AttentionOptions
+from .options import AttentionOptions, DropoutSeed
 
 _U32 = 0xFFFFFFFF
 _U64_LIMIT = 2**64
@@ -180,10 +179,10 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
     _, max_k, _, _ = _shape(k, "k")
     if dropout_p == 0.0:
         return torch.ones(batch, heads, max_q, max_k, dtype=torch.bool, device=device)
-    generator = generator if generator is not None else backends.default_generator(device)
+    generator = generator if generator is not None else default_generator(device)
     state = generator.get_state()
     try:
-        drawn = backends.draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)),
+        drawn = draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)),
                                            generator, device)
     finally:
         generator.set_state(state)
@@ -207,3 +206,31 @@ def _shape(x, name: str) -> tuple[int, int, int, torch.device]:
 def _check_p(dropout_p) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+
+
+def draw_dropout_seed(opts: AttentionOptions, generator: torch.Generator | None,
+                      device: torch.device) -> DropoutSeed | None:
+    """The Philox key of one call, drawn from ``generator`` on the host (no device sync).
+
+    A CUDA generator gives its seed and current offset, then advances the offset, as PyTorch's own
+    dropout does; a CPU generator gives a random 63-bit seed. Either way the generator's state moves,
+    so consecutive calls get different masks and a restored state replays the same one.
+    """
+    if opts.dropout_p == 0.0:
+        return None
+    if generator is None:
+        generator = default_generator(device)
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        return DropoutSeed(seed=generator.initial_seed() & (2**63 - 1), offset=offset)
+    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
+    return DropoutSeed(seed=seed, offset=0)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """Torch's default generator for ``device`` (the one ``varlen.attention`` draws from by default)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator

@@ -27,7 +27,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, accumulate_dtype
 from ..capabilities import Capabilities
-from ..jagged import row_positions
+from ..offsets import row_positions
 from . import cpu_fused
 from .dropout import dropout_keep_scale, keep_mask_block
 from .options import AttentionOptions, DropoutSeed, Problem

@@ -6,8 +6,7 @@ tile ever reads a neighbouring sequence. Without it (the interpreter, unaligned 
 pointer loads do the same.
 """
 
-import triton
-import triton.language as tl
+from ..._triton import tl, triton
 
 
 @triton.jit

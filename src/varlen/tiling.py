@@ -13,8 +13,8 @@ import functools
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from ._triton import tl, triton
 
 
 # ------------------------------------------------------------------------------ launch helpers

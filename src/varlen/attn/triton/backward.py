@@ -17,9 +17,8 @@
 import collections
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import tl, triton
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import DATA_DEPENDENT, cdiv, constexprs, ensure_allocator, features, head_block, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask

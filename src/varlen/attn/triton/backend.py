@@ -24,7 +24,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def forward(q, k, v, bias, alibi, problem, opts, seed):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     tma = use_tma(q, k, v)
-    config = configs.forward_config(problem, q.dtype, bias=bias is not None, dropout=seed is not None, tma=tma)
+    config = configs.forward_config(problem, q.dtype, q.device, bias=bias is not None, dropout=seed is not None,
+                                    tma=tma)
     return launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=tma and config.tma)
 
 

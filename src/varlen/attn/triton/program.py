@@ -21,9 +21,7 @@ values for the sequences they describe, never an access outside the tensors.
 
 import collections
 
-import triton
-import triton.language as tl
-
+from ..._triton import tl, triton
 from .masks import Mask, seq_mask
 
 Rows = collections.namedtuple("Rows", "ptr stride_b stride_s stride_h")

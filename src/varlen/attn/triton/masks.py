@@ -20,8 +20,7 @@ Host side, :func:`mask_args` packs the masks' runtime values into the ``Mask`` b
 
 import collections
 
-import triton
-import triton.language as tl
+from ..._triton import tl, triton
 
 # Runtime values of the masks (host bundle): window sides (-1: unbounded), and the per-sequence prefix
 # lengths and per-token document bounds (placeholder tensors when off).

@@ -7,9 +7,8 @@ softmax, as in the definition.
 """
 
 import torch
-import triton
-import triton.language as tl
 
+from ..._triton import tl, triton
 from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs

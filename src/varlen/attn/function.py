@@ -36,6 +36,7 @@ from torch import Tensor
 from .. import _amp
 from .._checks import accumulate_dtype
 from . import backends
+from .dropout import draw_dropout_seed
 from .options import AttentionOptions, DropoutSeed, Problem
 
 # Seeds drawn inside a compiled graph lie in [0, SEED_LIMIT), as the eager ones (63 bits).
@@ -239,7 +240,7 @@ torch.library.register_autograd("varlen::attention_backward", _no_double_backwar
 def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, device: torch.device) -> Tensor | None:
     """The dropout seed of one call as a CPU int64 tensor ``[seed, offset]``, or None without dropout.
 
-    Eager: drawn from ``generator`` by :func:`backends.draw_dropout_seed` (so
+    Eager: drawn from ``generator`` by :func:`dropout.draw_dropout_seed` (so
     ``varlen.attention_dropout_mask`` predicts the mask). Inside ``torch.compile`` the graph draws it
     with ``torch.randint`` from the default CPU generator (reproducible under ``torch.manual_seed``, but
     not the eager call's mask); a ``generator`` can't be passed there.
@@ -251,7 +252,7 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
             raise ValueError("generator: not supported inside torch.compile (the compiled graph draws the "
                              "dropout seed from the default generator); pass generator=None")
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
-    drawn = backends.draw_dropout_seed(opts, generator, device)
+    drawn = draw_dropout_seed(opts, generator, device)
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
 
 

@@ -24,7 +24,7 @@ import torch
 from .. import capabilities
 from .._checks import FLOAT_DTYPES, accumulate_dtype
 from ..capabilities import ALL_FEATURES, Capabilities
-from ..jagged import sequence_bounds
+from ..offsets import sequence_bounds
 from .options import AttentionOptions, Problem
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

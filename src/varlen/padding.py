@@ -9,13 +9,12 @@ programs touch neighbouring memory.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 from torch.types import Number
 
-from .. import _backend
-from ..jagged import row_positions
+from . import capabilities
+from ._triton import tl, triton
+from .offsets import row_positions
 from .tiling import as_columns, copy_tiles, tile_coords
 
 
@@ -118,7 +117,7 @@ def _from_padded_torch(padded, offsets, total):
 
 def copy_backend(t: torch.Tensor, requested: str | None = None) -> str:
     """The backend of a kernel that only moves ``t``'s elements (the ``copy`` family)."""
-    return _backend.resolve(t.device, t.dtype, "copy", requested)
+    return capabilities.resolve(t.device, t.dtype, "copy", requested)
 
 
 # ------------------------------------------------------------------------------------ custom ops

@@ -13,12 +13,10 @@ import collections
 import functools
 
 import torch
-import triton
-import triton.language as tl
-from triton.runtime import _allocation
 
 from ..._amp import dot_precision
 from ..._backend import interpreter_enabled
+from ..._triton import tl, triton
 
 Features = collections.namedtuple("Features", "VARLEN BOTTOM_RIGHT HAS_WL HAS_R PREFIX DOCS HAS_BIAS HAS_ALIBI "
                                               "SOFTCAP DROPOUT RAW_SCORES")
@@ -102,6 +100,8 @@ def ensure_allocator() -> None:
     Triton keeps the allocator in a ContextVar, which autograd's backward thread does not inherit, so
     this runs before every launch that needs it; an allocator the user set is left alone.
     """
+    from triton.runtime import _allocation  # Triton-only: this runs on the Triton path
+
     current = getattr(_allocation, "_allocator", None)
     if current is None or isinstance(current.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)

@@ -1,0 +1,198 @@
+"""Tile sizes and launch settings per kernel, chosen from the problem's shape and the machine.
+
+Tuning as data: the tables below are keyed by compute capability (:data:`TABLES`) and each names its
+source: sweep rows committed under ``bench/results/sweeps/`` (``tests/test_configs.py`` checks that the
+entries are the sweeps' best), the earlier H200 sweeps recorded in ``bench/NOTES.md``, or ``UNTUNED``.
+To tune: ``bench/attention_sweep.py --focus ... --csv bench/results/sweeps/NAME.csv`` on the GPU, then
+update the table and its source.
+"""
+
+import dataclasses
+import functools
+
+import torch
+
+from ..._amp import dot_precision
+from ..._backend import interpreter_enabled
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    tma: bool = True  # load tiles through TMA descriptors where the hardware and alignment allow
+
+
+# How the backward computes dQ.
+DQ_SEPARATE = 0  # a second kernel walks key tiles per query block: no atomics, deterministic
+DQ_ATOMIC = 1    # the kv kernel adds each dQ tile with element atomics
+DQ_TMA = 2       # the kv kernel adds each dQ tile with one TMA bulk reduce (Hopper and newer)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    kv: KernelConfig
+    q: KernelConfig | None = None  # the dQ kernel's tiles, for DQ_SEPARATE
+    dq_mode: int = DQ_ATOMIC
+
+
+# Under the interpreter, small tiles make short test sequences span several tiles, so every stage of
+# the tile walk (masked edges, unmasked middle) runs.
+INTERPRETER_CONFIG = KernelConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, tma=False)
+
+K = KernelConfig
+
+# Where each table comes from (bench/results/sweeps/*.csv rows are checked by tests/test_configs.py):
+H200_SWEEPS = "H200 sweeps of 2026-11-21, bf16 (bench/NOTES.md; rows not kept: re-run bench/attention_sweep.py --csv)"
+FP32_SWEEP = "bench/results/sweeps/fp32_h100_2026-11-22.csv"
+UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The tiles of one GPU generation (compute capability), each table with its source above."""
+
+    forward: dict  # head dim bound -> forward tiles; H200_SWEEPS at D64/128 (S4096), UNTUNED at D256
+    # (head dim bound, causal) -> (kv tiles, dQ tiles, fastest dQ mode when atomics are allowed). At D=128
+    # without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used (deterministic for
+    # free). H200_SWEEPS at D64/128, UNTUNED at D256.
+    backward: dict
+    # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D), the best row without a mask
+    # (TFLOP/s full / causal in the comments); dQ tiles: the best of the deterministic (separate dQ) rows.
+    forward_float32: dict
+    backward_float32: dict
+    # D256 float32, and float32 with a bias, dropout or pointer loads: UNTUNED.
+    float32_untuned: KernelConfig
+    # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
+    # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
+    # heavy): a bias runs best with 128x64 forward tiles and a separate dQ kernel (222 TFLOP/s backward vs 156
+    # with in-kernel dQ), dropout with 64x64 forward tiles and in-kernel dQ (237 vs 197: the Philox bits are then
+    # drawn once per tile, not twice). D64 and D256 entries: UNTUNED (D128's choice, resized to fit).
+    forward_bias: dict
+    forward_dropout: dict
+    backward_bias: dict
+    backward_dropout: dict
+    q_heavy: dict  # dQ-kernel tiles that fit next to a bias or dropout: UNTUNED
+    # GQA under a causal mask at D=128: the dQ kernel runs per query head, the kv kernel per kv head, so the
+    # split keeps more programs busy (H200_SWEEPS, B2 Hq32 Hkv8 S4096: 322 vs 277 TFLOP/s backward).
+    backward_gqa_causal_128: tuple
+    # Short causal sequences at D<=64 (H200_SWEEPS, B16 S1024 H32: 218 vs 197 TFLOP/s backward), used up to
+    # ``short`` keys: UNTUNED threshold (measured at S1024 and S4096 only; the crossover between is not known).
+    backward_short_causal_64: tuple
+    short: int
+
+
+SM90 = Tables(
+    forward={64: K(128, 64, 4, 3), 128: K(128, 128, 8, 3), 256: K(64, 64, 4, 2)},
+    backward={
+        (64, False): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
+        (64, True): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
+        (128, False): (K(64, 64, 4, 2), K(128, 128, 8, 2), DQ_SEPARATE),
+        (128, True): (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA),
+        (256, False): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
+        (256, True): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
+    },
+    forward_float32={
+        ("tf32", 64): K(128, 64, 4, 2),  # 155 / 111
+        ("tf32", 128): K(32, 64, 4, 2),  # 118 / 98
+        ("tf32x3", 64): K(128, 64, 8, 2),  # 56 / 47
+        ("tf32x3", 128): K(128, 64, 8, 2),  # 41 / 31
+    },
+    backward_float32={
+        ("tf32", 64): (K(64, 128, 8, 2), K(128, 32, 4, 2), DQ_ATOMIC),  # 117 / 87
+        ("tf32", 128): (K(32, 128, 8, 2), K(128, 32, 4, 2), DQ_TMA),  # 100 / 60
+        ("tf32x3", 64): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 34 / 25
+        ("tf32x3", 128): (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 19 / 12
+    },
+    float32_untuned=K(32, 64, 4, 1),
+    forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
+    forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
+    backward_bias={64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
+                   128: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE)},
+    backward_dropout={128: (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA)},
+    q_heavy={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(32, 64, 8, 1)},
+    backward_gqa_causal_128=(K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
+    backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
+    short=2048,
+)
+# By compute capability. Others use the nearest older table below them (sm_90's for newer GPUs: untuned there);
+# the kernels need TMA-capable GPUs for their tuned tiles anyway (use_tma falls back to pointer loads).
+TABLES = {(9, 0): SM90}
+
+
+def tables(device: torch.device) -> Tables:
+    """The tables for ``device``'s compute capability (sm_90's off the GPU: tools/compile_check.py targets it)."""
+    if device.type != "cuda":
+        return SM90
+    capability = _capability(device)
+    tuned = [c for c in TABLES if c <= capability]
+    return TABLES[max(tuned)] if tuned else SM90
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _bound(d: int) -> int:
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
+                   tma: bool = True) -> KernelConfig:
+    """``tma``: whether the tiles will load through TMA (the tuned float32 tiles need it: with pointer loads
+    they overflow shared memory)."""
+    if interpreter_enabled():
+        return INTERPRETER_CONFIG
+    t = tables(device)
+    bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    if dtype == torch.float32:
+        if bias or dropout or not tma:  # the tuned float32 tiles would overflow shared memory: untuned
+            return t.float32_untuned
+        return t.forward_float32.get((dot_precision(dtype), bound), t.float32_untuned)
+    if dropout:
+        return t.forward_dropout[bound]
+    if bias:
+        return t.forward_bias[bound]
+    return t.forward[bound]
+
+
+def _tma_reduce_available(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device)[0] >= 9
+
+
+def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bool, device: torch.device,
+                    bias: bool = False, dropout: bool = False, tma: bool = True) -> BackwardConfig:
+    """``masked``: causal or a window; ``tma`` as in :func:`forward_config`."""
+    if interpreter_enabled():
+        mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
+        return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
+    t = tables(device)
+    bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    if dtype == torch.float32:
+        untuned = (t.float32_untuned, t.float32_untuned, DQ_TMA)
+        tuned = not (bias or dropout) and tma
+        kv, q, mode = t.backward_float32.get((dot_precision(dtype), bound), untuned) if tuned else untuned
+    elif bias and bound in t.backward_bias:
+        kv, q, mode = t.backward_bias[bound]
+    elif dropout and bound in t.backward_dropout:
+        kv, q, mode = t.backward_dropout[bound]
+    elif bound == 64 and masked and problem.max_k <= t.short:
+        kv, q, mode = t.backward_short_causal_64
+    elif bound == 128 and masked and problem.group > 1:
+        kv, q, mode = t.backward_gqa_causal_128
+    else:
+        kv, q, mode = t.backward[(bound, masked)]
+        if bias or dropout:
+            q = t.q_heavy[bound]
+    if deterministic:
+        mode = DQ_SEPARATE
+    elif mode == DQ_TMA and not _tma_reduce_available(device):
+        mode = DQ_ATOMIC
+    return BackwardConfig(kv, q, mode)
