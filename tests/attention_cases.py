@@ -74,6 +74,7 @@ class AttnCase:
     strided: bool = False  # q, k, v are non-contiguous views (only stride(-1) == 1)
     prefix: int | None = None  # prefix_len: a per-sequence tensor derived from this (see make)
     documents: bool = False  # dense self-attention over packed rows of random documents
+    query_offset: int | None = None  # query_offset: a per-sequence tensor derived from this (see make)
 
     @property
     def batch(self) -> int:
@@ -107,6 +108,8 @@ class AttnCase:
             parts.append(f"drop{self.dropout_p}")
         if self.prefix is not None:
             parts.append(f"prefix{self.prefix}")
+        if self.query_offset is not None:
+            parts.append(f"qoff{self.query_offset}")
         for flag in ("documents", "deterministic", "grad_lse", "strided"):
             if getattr(self, flag):
                 parts.append(flag.replace("_", ""))
@@ -146,10 +149,20 @@ class AttnCase:
             shape = (H,) if self.alibi == "H" else (self.batch, H)
             # float32 values, exact in every dtype the API converts them through
             slopes = (torch.rand(shape, dtype=torch.float32) * 0.5).to(device, dtype)
+        query_offset = None
+        if self.query_offset is not None:  # varied per sequence: the queries somewhere among the keys
+            query_offset = torch.tensor([(self.query_offset * (b + 1)) % (max(self.kv_lens) + 2)
+                                         for b in range(self.batch)], dtype=torch.int32, device=device)
         generator = keep = None
         if self.dropout_p:
             generator = torch.Generator(device=device).manual_seed(zlib.crc32(self.id.encode()) + 1)
             keep = attention_dropout_mask(q, k, self.dropout_p, generator=generator)
+            if query_offset is not None:  # the mask's rows are the queries' key positions
+                rows = max(self.q_lens) + int(query_offset.max())
+                shape = torch.empty(self.batch, rows, H, 1, device=device)  # only its sizes matter
+                full = attention_dropout_mask(shape, k, self.dropout_p, generator=generator)
+                index = (query_offset.view(-1, 1) + torch.arange(max(self.q_lens), device=device)).long()
+                keep = full.gather(2, index.view(self.batch, 1, -1, 1).expand(-1, H, -1, full.shape[3]))
         out_rows = leaves[0].shape[:-1] + (Dv,)
         dout = torch.randn(out_rows, dtype=dtype, device=device)
         dlse = torch.randn(lse_shape, dtype=torch.float32, device=device) if self.grad_lse else None
@@ -165,7 +178,7 @@ class AttnCase:
             document_ids = torch.stack(runs).to(device)
         return AttnInputs(q=q, k=k, v=v, bias=bias, alibi_slopes=slopes, generator=generator, keep=keep,
                           leaves=leaves, dout=dout, dlse=dlse, poisoned=poisoned, prefix_len=prefix_len,
-                          document_ids=document_ids)
+                          document_ids=document_ids, query_offset=query_offset)
 
     def _bias(self, dtype, device):
         if self.bias is None:
@@ -220,6 +233,7 @@ class AttnInputs:
     poisoned: torch.Tensor | None  # bias entries set to NaN
     prefix_len: torch.Tensor | None
     document_ids: torch.Tensor | None
+    query_offset: torch.Tensor | None
 
 
 def _dense(shape, dtype, device, strided):
@@ -258,7 +272,7 @@ def run_attention(case: AttnCase, inputs: AttnInputs, backend: str):
                                 alibi_slopes=inputs.alibi_slopes, dropout_p=case.dropout_p,
                                 generator=inputs.generator, deterministic=case.deterministic,
                                 prefix_len=inputs.prefix_len, document_ids=inputs.document_ids,
-                                return_lse=True, backend=backend)
+                                query_offset=inputs.query_offset, return_lse=True, backend=backend)
     grads = torch.autograd.grad(_loss(out, lse, inputs, torch.isfinite(lse)), inputs.leaves)
     return out, lse, grads
 
@@ -274,7 +288,7 @@ def run_reference(case: AttnCase, inputs: AttnInputs):
     slopes = None if inputs.alibi_slopes is None else inputs.alibi_slopes.to(torch.float64)
     out, lse = attention_reference(q, k, v, **case.options(), bias=bias, alibi_slopes=slopes,
                                    dropout_mask=inputs.keep, dropout_p=case.dropout_p, prefix_len=inputs.prefix_len,
-                                   document_ids=inputs.document_ids)
+                                   document_ids=inputs.document_ids, query_offset=inputs.query_offset)
     grads = torch.autograd.grad(_loss(out, lse, inputs, torch.isfinite(lse)), up)
     return out, lse, grads
 
@@ -369,6 +383,12 @@ def _feature_cases(shapes) -> list[AttnCase]:
         AttnCase(*dense, 4, 1, 64, 64, documents=True, bias="1HQK", dropout_p=0.2, grad_lse=True),
         AttnCase(*dense, 2, 2, 16, 16, causal=True, window=(4, None), alibi="H", softcap=3.0, documents=True,
                  prefix=6, deterministic=True),
+        # query positions (a slice of longer sequences, as context parallelism runs them)
+        AttnCase(*cross, 4, 2, 32, 32, causal=True, query_offset=7),
+        AttnCase(*jagged, 4, 2, 32, 32, causal=True, window=(5, None), alibi="H", query_offset=3, grad_lse=True),
+        AttnCase(*cross, 4, 2, 32, 32, causal=True, dropout_p=0.3, query_offset=5),
+        AttnCase(*dense_cross, 4, 2, 16, 16, window=(2, 3), softcap=3.0, prefix=4, query_offset=9,
+                 deterministic=True),
         # everything at once
         AttnCase(*cross, 8, 2, 64, 48, causal=True, align="bottom_right", window=(7, None), bias="B11K",
                  alibi="BH", softcap=4.0, dropout_p=0.2, deterministic=True, grad_lse=True),

@@ -190,6 +190,7 @@ GRADCHECK_CASES = [
     # The chunked path's.
     AttnCase(False, (4, 4), (5, 5), 2, 1, 4, 3, causal=True, align="bottom_right", bias="1HQK"),
     AttnCase(True, (4, 6), None, 2, 2, 4, 4, causal=True, prefix=3),
+    AttnCase(True, (3, 5), (7, 6), 2, 1, 4, 4, causal=True, window=(2, None), dropout_p=0.3, query_offset=2),
     AttnCase(False, (7,), None, 2, 1, 4, 4, causal=True, documents=True, bias="1HQK"),
     AttnCase(True, (3, 0, 4), (2, 4, 5), 2, 2, 4, 4, window=(1, 1), softcap=2.0, bias="BHQK"),
     AttnCase(False, (3,), (5,), 4, 2, 4, 4, window=(None, 1), alibi="BH", bias="11Q1"),
@@ -213,7 +214,7 @@ def test_torch_backend_gradcheck(case, device):
         out, lse = varlen.attention(q, k, v, **case.options(), bias=tensors[3] if case.bias else None,
                                     alibi_slopes=inputs.alibi_slopes, dropout_p=case.dropout_p, generator=generator,
                                     prefix_len=inputs.prefix_len, document_ids=inputs.document_ids,
-                                    return_lse=True, backend="torch")
+                                    query_offset=inputs.query_offset, return_lse=True, backend="torch")
         return _values(out), lse.nan_to_num(neginf=0.0)
 
     assert torch.autograd.gradcheck(attention, leaves, atol=1e-8, rtol=1e-6)

@@ -217,17 +217,30 @@ def test_torch_func_limits_raise_clear_errors(device):
 
 
 # ------------------------------------------------------------------------------- prefix and documents
-@pytest.mark.parametrize("prefix_len, error, match", [
-    (-1, ValueError, r"prefix_len: got -1; must be >= 0"),
-    (torch.tensor([1.0, 2.0]), TypeError, "prefix_len: dtype float32 is not supported"),
-    (torch.tensor([1, 2, 3]), ValueError, r"prefix_len: expected shape \(2,\)"),
-    (torch.tensor([1, -2]), ValueError, "prefix_len: got negative lengths"),
-    ("3", TypeError, "prefix_len: expected an int or an integer tensor"),
+@pytest.mark.parametrize("name", ["prefix_len", "query_offset"])
+@pytest.mark.parametrize("value, error, match", [
+    (-1, ValueError, r"NAME: got -1; must be >= 0"),
+    (torch.tensor([1.0, 2.0]), TypeError, "NAME: dtype float32 is not supported"),
+    (torch.tensor([1, 2, 3]), ValueError, r"NAME: expected shape \(2,\)"),
+    (torch.tensor([1, -2]), ValueError, "NAME: got negative values"),
+    ("3", TypeError, "NAME: expected an int or an integer tensor"),
 ])
-def test_bad_prefix_len(prefix_len, error, match):
+def test_bad_per_sequence_ints(name, value, error, match):
     q, k, v = _qkv()
-    with pytest.raises(error, match=match):
-        varlen.attention(q, k, v, causal=True, prefix_len=prefix_len)
+    with pytest.raises(error, match=match.replace("NAME", name)):
+        varlen.attention(q, k, v, causal=True, **{name: value})
+
+
+def test_query_offset_replaces_align():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="query_offset: replaces align"):
+        varlen.attention(q, k, v, causal=True, align="bottom_right", query_offset=2)
+    # query_offset = Lk - Lq is bottom-right alignment
+    q = q[:, 2:].double()
+    k, v = k.double(), v.double()
+    a = varlen.attention(q, k, v, causal=True, align="bottom_right", backend="torch")
+    b = varlen.attention(q, k, v, causal=True, query_offset=k.shape[1] - q.shape[1], backend="torch")
+    assert torch.equal(a, b)
 
 
 def test_prefix_len_int_is_per_sequence_tensor():

@@ -217,7 +217,7 @@ def _opchecks(backend: str) -> tuple[str, ...]:
 
 def _attention_args(q, k, v, *, bias=None, causal=False, window=None, backend="torch"):
     """The op's arguments for one ``varlen.attention`` call, as ``attention_function`` builds them."""
-    call = api._prepare(q, k, v, causal=causal, window=window, align="top_left", scale=None, bias=bias,
+    call = api.prepare(q, k, v, causal=causal, window=window, align="top_left", scale=None, bias=bias,
                         alibi_slopes=None, softcap=0.0, dropout_p=0.0, generator=None, deterministic=False,
                         backend=backend)
     qt, kt, vt, bias, alibi, problem, opts, impl, seed = call.args
@@ -273,7 +273,7 @@ def test_attention_op_boundary_rebuilds_problem_and_options():
     q, k, v = ATTENTION_CASES["jagged_gqa"]()
     v = k.with_values(v.values)
     bias = torch.randn(3, 1, 5, 4, device=DEVICE)
-    call = api._prepare(q, k, v, causal=True, window=(3, None), align="bottom_right", scale=0.3, bias=bias,
+    call = api.prepare(q, k, v, causal=True, window=(3, None), align="bottom_right", scale=0.3, bias=bias,
                         alibi_slopes=torch.rand(4, device=DEVICE), softcap=2.0, dropout_p=0.25, generator=None,
                         deterministic=True, backend="torch")
     qt, kt, vt, bias, alibi, problem, opts, impl, seed = call.args

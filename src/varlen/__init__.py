@@ -4,7 +4,7 @@ Jagged tensors with fused, sync-free backward passes, and fused attention (forwa
 for dense and jagged batches.
 """
 
-from . import nn
+from . import distributed, nn
 from ._backend import use_backend
 from ._checks import checks_enabled, set_checks
 from .attn import attention
@@ -40,6 +40,7 @@ __all__ = [
     "linear",
     "matmul",
     "mean",
+    "distributed",
     "nn",
     "relu",
     "scaled_dot_product_attention",

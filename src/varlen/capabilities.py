@@ -55,6 +55,7 @@ FEATURES: dict[str, tuple[str, Callable[[Call], bool]]] = {
     "dropout": ("dropout (varlen's Philox mask)", lambda c: c.opts.dropout_p > 0),
     "prefix": ("a prefix (prefix_len)", lambda c: c.opts.prefix_len is not None),
     "documents": ("documents (document_ids)", lambda c: c.opts.documents is not None),
+    "query_offset": ("query positions (query_offset)", lambda c: c.opts.query_offset is not None),
     "deterministic": ("deterministic mode", lambda c: c.opts.deterministic),
 }
 ALL_FEATURES = frozenset(FEATURES)

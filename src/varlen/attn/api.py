@@ -16,6 +16,7 @@ from .._checks import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    checks_metadata,
 )
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from . import backends
@@ -42,6 +43,7 @@ def attention(
     deterministic: bool = False,
     prefix_len: int | torch.Tensor | None = None,
     document_ids: torch.Tensor | None = None,
+    query_offset: int | torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
@@ -78,6 +80,10 @@ def attention(
             row (positions for causal masks, windows and ALiBi stay the row's). For transformers-style
             packed batches without ``cu_seqlens``: no host sync, one launch. (Jagged inputs express
             documents as sequences instead.)
+        query_offset: an int or an integer tensor ``(B,)``, instead of ``align``: query i of sequence b sits
+            at key position ``query_offset[b] + i`` (shift = query_offset[b]) for the masks, ALiBi and the
+            dropout mask's rows. For queries that are a slice of a longer sequence whose keys are all given
+            (chunked prefill, context parallelism): the result is that slice's rows of the whole.
         return_lse: also return the logsumexp of the scores (natural log, float32): ``(B, H, Sq)``
             dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``; None (the
@@ -92,9 +98,15 @@ def attention(
         The output in q's layout with head dim ``Dv`` (a JaggedTensor for jagged inputs), and the lse
         when ``return_lse``. A query that sees no key gets output 0, lse -inf and zero gradient.
     """
-    call = _prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
+    call = prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
-                    deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend)
+                    deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend,
+                    query_offset=query_offset)
+    return run(call, return_lse)
+
+
+def run(call: _Call, return_lse: bool):
+    """Run a prepared call: the output in q's layout (and the lse)."""
     out, lse = attention_function(*call.args)
     if not call.problem.dense:
         out = JaggedTensor._trusted(out, call.q_jagged.offsets, call.q_jagged.max_len,
@@ -115,8 +127,11 @@ def _is_jagged(x) -> bool:
     return isinstance(x, JaggedTensor) or (isinstance(x, torch.Tensor) and x.is_nested)
 
 
-def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softcap, dropout_p, generator,
-             deterministic, backend, prefix_len=None, document_ids=None) -> _Call:
+def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softcap, dropout_p, generator,
+            deterministic, backend, prefix_len=None, document_ids=None, query_offset=None,
+            dropout_sequences=None) -> _Call:
+    """Validate a call once (``varlen.attention``'s arguments; ``dropout_sequences``: see ``AttentionOptions``,
+    for ``varlen.distributed``) into what :func:`run` runs."""
     kinds = [_is_jagged(t) for t in (q, k, v)]
     if any(kinds) and not all(kinds):
         raise TypeError("q, k, v: mix dense tensors and jagged tensors; pass all three dense "
@@ -172,7 +187,10 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     check_choice("align", align, ALIGNS)
-    window_left, window_right = _parse_window(window)
+    if query_offset is not None and align != "top_left":
+        raise ValueError(f"query_offset: replaces align (query i of sequence b at key position query_offset[b] + "
+                         f"i); got align={align!r} too: leave align at 'top_left'")
+    window_left, window_right = parse_window(window)
     if scale is None:
         scale = D ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
@@ -198,8 +216,10 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     opts = AttentionOptions(scale=float(scale), causal=causal, window_left=window_left,
                             window_right=window_right, bottom_right=align == "bottom_right",
                             softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic,
-                            prefix_len=_check_prefix(prefix_len, problem, qt.device),
-                            documents=_documents(document_ids, problem, qt.device))
+                            prefix_len=_per_sequence("prefix_len", prefix_len, problem, qt.device),
+                            documents=_documents(document_ids, problem, qt.device),
+                            query_offset=_per_sequence("query_offset", query_offset, problem, qt.device),
+                            dropout_sequences=dropout_sequences)
     bias = _check_bias(bias, problem)
     alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
 
@@ -208,7 +228,7 @@ def _prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softc
     return _Call((qt, kt, vt, bias, alibi, problem, opts, impl, seed), problem, q_jagged)
 
 
-def _parse_window(window) -> tuple[int, int]:
+def parse_window(window) -> tuple[int, int]:
     if window is None:
         return -1, -1
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -253,24 +273,24 @@ def _check_bias(bias, problem: Problem):
     return bias
 
 
-def _check_prefix(prefix_len, problem: Problem, device: torch.device) -> torch.Tensor | None:
-    """``prefix_len`` as an int32 ``(B,)`` tensor on ``device``; values checked where that costs no sync."""
-    if prefix_len is None:
+def _per_sequence(name: str, value, problem: Problem, device: torch.device) -> torch.Tensor | None:
+    """An int or an integer ``(B,)`` tensor (``prefix_len``, ``query_offset``: non-negative) as an int32
+    ``(B,)`` tensor on ``device``; values checked where that costs no sync."""
+    if value is None:
         return None
-    if isinstance(prefix_len, int) and not isinstance(prefix_len, bool):
-        if prefix_len < 0:
-            raise ValueError(f"prefix_len: got {prefix_len}; must be >= 0")
-        return torch.full((problem.batch,), min(prefix_len, INT32_MAX), dtype=torch.int32, device=device)
-    check_tensor("prefix_len", prefix_len, kind="an int or an integer tensor of shape (B,)")
-    check_dtype("prefix_len", prefix_len, (torch.int32, torch.int64))
-    if tuple(prefix_len.shape) != (problem.batch,):
-        raise ValueError(f"prefix_len: expected shape ({problem.batch},) (one length per sequence), got "
-                         f"{tuple(prefix_len.shape)}")
-    if prefix_len.device != device:
-        raise ValueError(f"prefix_len: on device {prefix_len.device}, but q is on {device}")
-    if device.type == "cpu" and bool((prefix_len < 0).any()):
-        raise ValueError(f"prefix_len: got negative lengths {prefix_len.tolist()}; must be >= 0")
-    return prefix_len.clamp(max=INT32_MAX).to(torch.int32)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ValueError(f"{name}: got {value}; must be >= 0")
+        return torch.full((problem.batch,), min(value, INT32_MAX), dtype=torch.int32, device=device)
+    check_tensor(name, value, kind="an int or an integer tensor of shape (B,)")
+    check_dtype(name, value, (torch.int32, torch.int64))
+    if tuple(value.shape) != (problem.batch,):
+        raise ValueError(f"{name}: expected shape ({problem.batch},) (one per sequence), got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name}: on device {value.device}, but q is on {device}")
+    if checks_metadata(device) and bool((value < 0).any()):
+        raise ValueError(f"{name}: got negative values {value.tolist()}; must be >= 0")
+    return value.clamp(max=INT32_MAX).to(torch.int32)
 
 
 def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ MAX_RUNS = 64
 # What the kernel can't take stays with the chunked path (see the module docstring).
 CAPABILITIES = Capabilities("cpu_fused", FLOAT_DTYPES, ("cpu",), features=ALL_FEATURES - {
     "empty", "value_dim", "dropout", "alibi", "softcap", "window", "prefix", "documents", "jagged_bias",
-    "unequal_bottom_right"})
+    "unequal_bottom_right", "query_offset"})
 
 
 def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions) -> list[str]:

@@ -92,17 +92,24 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
 
 def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[int, int], max_k: int,
-                    dropout_p: float, device=None) -> torch.Tensor:
+                    dropout_p: float, device=None, row_offset: torch.Tensor | None = None,
+                    sequences: torch.Tensor | None = None) -> torch.Tensor:
     """Keep bits ``(batch, heads, rows[1] - rows[0], max_k)`` for query rows ``[rows[0], rows[1])``.
 
     The backends' entry point (they build the mask one block of query rows at a time); no checks.
+    ``row_offset`` ``(batch,)``: sequence b's rows start there (``query_offset``); ``sequences`` ``(batch,)``:
+    the sequence index each one's mask is drawn for (default: its own).
     """
     i0, i1 = rows
     groups = -(-max_k // KEYS_PER_CALL)
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)
-    c0 = (ar(i1 - i0) + i0).view(1, 1, -1, 1) & _U32
+    c0 = (ar(i1 - i0) + i0).view(1, 1, -1, 1)
+    if row_offset is not None:
+        c0 = c0 + row_offset.to(torch.int64).view(-1, 1, 1, 1)
+    c0 = c0 & _U32
     c1 = ar(groups).view(1, 1, 1, -1)
-    c2 = (ar(batch).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
+    b = ar(batch) if sequences is None else sequences.to(torch.int64)
+    c2 = (b.view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
     # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy.
     c3, k0, k1 = offset & _U32, seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32
     words = philox4x32((c0, c1, c2, c3), (k0, k1))
@@ -182,8 +189,7 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
     generator = generator if generator is not None else default_generator(device)
     state = generator.get_state()
     try:
-        drawn = draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)),
-                                           generator, device)
+        drawn = draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)), generator, device)
     finally:
         generator.set_state(state)
     return keep_mask_block(drawn.seed, drawn.offset, batch, heads, (0, max_q), max_k, dropout_p,

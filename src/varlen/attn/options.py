@@ -35,7 +35,11 @@ class AttentionOptions:
 
     ``prefix_len``: ``(B,)`` int32, keys visible to every query of their sequence. ``documents``: dense
     self-attention over packed rows, ``(2, B, S)`` int32: for each token, the first row of its document and
-    one past its last (documents are runs of rows).
+    one past its last (documents are runs of rows). ``query_offset``: ``(B,)`` int32, sequence b's query i
+    sits at position ``query_offset[b] + i`` among its keys (``shift = query_offset[b]``, whatever
+    ``bottom_right`` says), for the masks, ALiBi and the dropout mask's rows. ``dropout_sequences``: ``(B,)``
+    int32 (with ``query_offset`` only), the sequence index each sequence's dropout mask is drawn for (the
+    global batch's, when this call computes a part of it: ``varlen.distributed``); None: its own index.
     """
 
     scale: float
@@ -48,6 +52,8 @@ class AttentionOptions:
     deterministic: bool = False
     prefix_len: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     documents: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    query_offset: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    dropout_sequences: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     @property
     def masked(self) -> bool:

@@ -16,7 +16,8 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
                         align: str = "top_left", scale: float | None = None, bias: torch.Tensor | None = None,
                         alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        prefix_len: int | torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
+                        prefix_len: int | torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                        query_offset: int | torch.Tensor | None = None):
     """Attention computed naively in the inputs' dtype; returns ``(out, lse)``.
 
     Same arguments and semantics as ``varlen.attention`` (see its docstring), except that dropout is
@@ -26,7 +27,8 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
     Args:
         q, k, v: dense ``(B, Sq, H, D)``, ``(B, Sk, Hkv, D)``, ``(B, Sk, Hkv, Dv)`` tensors, or jagged
             tensors (JaggedTensor or ``torch.nested``) of logical shapes ``(B, j, H, D)`` etc.
-        causal, window, align, scale, softcap, prefix_len, document_ids: as in ``varlen.attention``.
+        causal, window, align, scale, softcap, prefix_len, document_ids, query_offset: as in
+            ``varlen.attention``.
         bias: float or bool, broadcastable to ``(B, H, Sq, Sk)`` (jagged: ``(B, H, >= max_q, >= max_k)``).
         alibi_slopes: ``(H,)`` or ``(B, H)``.
         dropout_mask: bool keep mask ``(B, H, max_q, max_k)`` (dense: ``(B, H, Sq, Sk)``), applied to
@@ -79,7 +81,10 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
             s = softcap * torch.tanh(s / softcap)
         i = torch.arange(Lq, device=qb.device).view(-1, 1)
         j = torch.arange(Lk, device=qb.device).view(1, -1)
-        shift = Lk - Lq if align == "bottom_right" else 0
+        if query_offset is not None:
+            shift = int(query_offset if isinstance(query_offset, int) else query_offset[b])
+        else:
+            shift = Lk - Lq if align == "bottom_right" else 0
         if bias is not None:
             bb = bias[b if bias.shape[0] > 1 else 0]
             s = s + bb[:, :Lq if bb.shape[1] > 1 else 1, :Lk if bb.shape[2] > 1 else 1]

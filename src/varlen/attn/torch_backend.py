@@ -211,7 +211,10 @@ def _scores(batch: _Batch, rows: tuple[int, int], bias, alibi, problem: Problem,
         s = s + b.reshape(b.shape[0], *heads, b.shape[2], b.shape[3]).to(s.dtype)
     i = torch.arange(i0, i1, device=s.device).view(i1 - i0, 1)
     j = torch.arange(Sk, device=s.device).view(1, Sk)
-    shift = batch.bottom_right_shift if opts.bottom_right else 0
+    if opts.query_offset is not None:
+        shift = opts.query_offset.to(torch.int64).view(B, 1, 1, 1, 1)
+    else:
+        shift = batch.bottom_right_shift if opts.bottom_right else 0
     rel = j - (i + shift)  # key position relative to the query's diagonal: (n, Sk) or (B, 1, 1, n, Sk)
     if alibi is not None:
         s = s - alibi.reshape(B, Hkv, G, 1, 1).to(s.dtype) * rel.abs()
@@ -262,8 +265,10 @@ def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int
     """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
     if seed is None or opts.dropout_p == 0.0:
         return None
+    positions = opts.query_offset is not None
     keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
-                           opts.dropout_p, like.device)
+                           opts.dropout_p, like.device, row_offset=opts.query_offset if positions else None,
+                           sequences=opts.dropout_sequences if positions else None)
     return keep.view(like.shape).to(like.dtype) * dropout_keep_scale(opts.dropout_p)
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from .. import ops
 from .._checks import check_int
-from ..attn.api import _parse_window, attention
+from ..attn.api import attention, parse_window
 from . import _layout
 
 
@@ -55,7 +55,7 @@ class MultiheadAttention(nn.Module):
             raise TypeError(f"bias: expected a bool, got {type(bias).__name__}")
         if not isinstance(causal, bool):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-        _parse_window(window)
+        parse_window(window)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
         self.kv_dim = num_kv_heads * self.head_dim

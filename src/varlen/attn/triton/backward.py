@@ -185,7 +185,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
                             DQ_MODE == 2)
         dbias_bh = dBias.ptr + seq.b.to(tl.int64) * dBias.sb + h * dBias.sh
         hs = head_scores(scores, seq.b, h, F)
-        hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads)
+        hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads, m, F)
         lse2_row = lse_row(LSE2, bt, seq, h, F)
         delta_row = lse_row(DELTA, bt, seq, h, F)
         for stage in tl.static_range(3):
@@ -222,7 +222,7 @@ def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, se
     k_desc = rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA)
     v_desc = rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, T.TMA)
     hs = head_scores(scores, seq.b, h, F)
-    hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads)
+    hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads, m, F)
     dq = tl.zeros([T.BLOCK_M, T.BLOCK_D], dtype=tl.float32)
     bounds = key_stages(m0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for stage in tl.static_range(3):
@@ -255,7 +255,7 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
             h = hi if BCAST[1] else h_out
             hk = h // T.GROUP
             hs = head_scores(scores, b, h, F)
-            hd = head_dropout(dropout, seed, offset_lo, b, h, bt.heads)
+            hd = head_dropout(dropout, seed, offset_lo, b, h, bt.heads, m, F)
             for m0 in range(q_lo, q_hi, T.BLOCK_M):
                 rows_m = m0 + tl.arange(0, T.BLOCK_M)
                 q = load_rows(base(Q, b, seq.q_start, h), m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, True,
@@ -321,7 +321,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
-                  **dropout_args(seed, opts), F=features(problem, opts, bias, alibi, seed))
+                  **dropout_args(seed, opts, problem, lse), F=features(problem, opts, bias, alibi, seed))
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 

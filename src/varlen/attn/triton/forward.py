@@ -79,7 +79,7 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     k_desc = rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA)
     v_desc = rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, T.TMA)
     hs = head_scores(scores, seq.b, h, F)
-    hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads)
+    hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads, m, F)
 
     acc = tl.zeros([T.BLOCK_M, T.BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([T.BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -121,7 +121,7 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None):
     _attn_fwd_kernel[grid](
         Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), O=rows(out, dense), LSE=lse,
         **seqs(problem, q, k, lse), mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
-        **dropout_args(seed, opts), F=features(problem, opts, bias, alibi, seed),
+        **dropout_args(seed, opts, problem, lse), F=features(problem, opts, bias, alibi, seed),
         T=tiles(problem, config, q.dtype, tma), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse

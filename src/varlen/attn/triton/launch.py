@@ -19,7 +19,7 @@ from ..._backend import interpreter_enabled
 from ..._triton import tl, triton
 
 Features = collections.namedtuple("Features", "VARLEN BOTTOM_RIGHT HAS_WL HAS_R PREFIX DOCS HAS_BIAS HAS_ALIBI "
-                                              "SOFTCAP DROPOUT RAW_SCORES")
+                                              "SOFTCAP DROPOUT RAW_SCORES POSITIONS")
 Tiles = collections.namedtuple("Tiles", "D DV BLOCK_M BLOCK_N BLOCK_D BLOCK_DV GROUP DOT_PRECISION TMA")
 
 # Kernel arguments whose values change from batch to batch: row counts, longest lengths, the dropout key.
@@ -52,7 +52,8 @@ def features(problem, opts, bias, alibi, seed) -> Features:
     return constexprs(Features(VARLEN=not problem.dense, BOTTOM_RIGHT=opts.bottom_right, HAS_WL=opts.window_left >= 0,
                     HAS_R=R >= 0, PREFIX=opts.prefix_len is not None, DOCS=opts.documents is not None,
                     HAS_BIAS=bias is not None, HAS_ALIBI=alibi is not None, SOFTCAP=opts.softcap > 0,
-                    DROPOUT=seed is not None, RAW_SCORES=raw_scores(opts, bias, alibi)))
+                    DROPOUT=seed is not None, RAW_SCORES=raw_scores(opts, bias, alibi),
+                    POSITIONS=opts.query_offset is not None))
 
 
 def raw_scores(opts, bias, alibi) -> bool:

@@ -1,7 +1,8 @@
 """Which (query, key) pairs are visible: every mask of the attention kernels, each in one block below.
 
-Positions are in-sequence: query i in ``[0, Lq)``, key j in ``[0, Lk)``, ``shift`` = 0 (top-left) or
-``Lk - Lq`` (bottom-right). The masks, each switched on by a flag of the ``Features`` constexpr:
+Positions are in-sequence: query i in ``[0, Lq)``, key j in ``[0, Lk)``, ``shift`` = 0 (top-left),
+``Lk - Lq`` (bottom-right) or ``query_offset[b]`` (``POSITIONS``: query i sits at key position
+``query_offset[b] + i``). The masks, each switched on by a flag of the ``Features`` constexpr:
 
 - key padding (always): ``j < Lk``; rows ``i >= Lq`` of a tile are padding and see nothing.
 - band (``HAS_R``, ``HAS_WL``): causal and/or a window, ``i + shift - WL <= j <= i + shift + R``.
@@ -24,7 +25,7 @@ from ..._triton import tl, triton
 
 # Runtime values of the masks (host bundle): window sides (-1: unbounded), and the per-sequence prefix
 # lengths and per-token document bounds (placeholder tensors when off).
-Mask = collections.namedtuple("Mask", "window_left right prefix doc_start doc_end")
+Mask = collections.namedtuple("Mask", "window_left right prefix doc_start doc_end query_offset")
 # The masks of one sequence (in-kernel): shift, window sides, prefix length, document-bound row pointers.
 SeqMask = collections.namedtuple("SeqMask", "shift WL R P doc_start doc_end")
 
@@ -34,13 +35,19 @@ def mask_args(problem, opts, placeholder) -> Mask:
     docs = opts.documents
     return Mask(opts.window_left, opts.visible_right(),
                 placeholder if opts.prefix_len is None else opts.prefix_len,
-                placeholder if docs is None else docs[0], placeholder if docs is None else docs[1])
+                placeholder if docs is None else docs[0], placeholder if docs is None else docs[1],
+                placeholder if opts.query_offset is None else opts.query_offset)
 
 
 @triton.jit
 def seq_mask(mask: Mask, b, Lq, Lk, row_stride, F: tl.constexpr):
     """The masks of sequence b (``row_stride``: the documents' row length, the dense sequence length)."""
-    shift = Lk - Lq if F.BOTTOM_RIGHT else Lk * 0
+    if F.POSITIONS:
+        shift = tl.load(mask.query_offset + b)
+    elif F.BOTTOM_RIGHT:
+        shift = Lk - Lq
+    else:
+        shift = Lk * 0
     P = tl.maximum(tl.load(mask.prefix + b), 0) if F.PREFIX else 0
     doc_start = mask.doc_start + b.to(tl.int64) * row_stride
     doc_end = mask.doc_end + b.to(tl.int64) * row_stride

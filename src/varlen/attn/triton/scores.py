@@ -18,6 +18,8 @@ Host side, :func:`score_args` and :func:`dropout_args` pack their runtime values
 
 import collections
 
+import torch
+
 from ..._triton import tl, triton
 from ..dropout import dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
@@ -29,11 +31,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 Scores = collections.namedtuple("Scores", "scale qk_scale softcap_scale softcap2 bias bias_sb bias_sh bias_sq "
                                           "bias_sk alibi alibi_sb alibi_sh")
 # Dropout's key (seed, offset_lo) changes per call: top-level kernel arguments (see program.py).
-Dropout = collections.namedtuple("Dropout", "threshold keep_scale")
+Dropout = collections.namedtuple("Dropout", "threshold keep_scale sequences")
 # Per (sequence, head), in-kernel.
 HeadScores = collections.namedtuple("HeadScores", "scale qk_scale softcap_scale softcap2 bias stride_bq stride_bk "
                                                   "slope2")
-HeadDropout = collections.namedtuple("HeadDropout", "seed offset_lo threshold keep_scale bh")
+HeadDropout = collections.namedtuple("HeadDropout", "seed offset_lo threshold keep_scale bh row0")
 
 
 def broadcast_strides(t) -> tuple[int, ...]:
@@ -49,17 +51,23 @@ def score_args(bias, alibi, opts, placeholder) -> Scores:
                   placeholder if alibi is None else alibi, *((0,) * 2 if alibi is None else broadcast_strides(alibi)))
 
 
-def dropout_args(seed, opts) -> dict:
+def dropout_args(seed, opts, problem, placeholder) -> dict:
     """The ``dropout`` bundle and the key of a call, as kernel keyword arguments: Philox keyed with the seed's
     two words, the offset's high word folded into the second; the offset's low word passed as an int32 with
-    the same bits."""
+    the same bits. With ``query_offset`` (``POSITIONS``), each sequence's mask is that of its
+    ``dropout_sequences`` entry (its own index when None)."""
     if seed is None:
-        return dict(dropout=Dropout(0, 1.0), seed=0, offset_lo=0)
+        return dict(dropout=Dropout(0, 1.0, placeholder), seed=0, offset_lo=0)
+    sequences = placeholder
+    if opts.query_offset is not None:
+        sequences = opts.dropout_sequences
+        if sequences is None:
+            sequences = torch.arange(problem.batch, dtype=torch.int32, device=opts.query_offset.device)
     key = seed.seed ^ ((seed.offset >> 32) << 32)
     offset_lo = seed.offset & 0xFFFFFFFF
     offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo
-    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p)), seed=key,
-                offset_lo=offset_lo)
+    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p), sequences),
+                seed=key, offset_lo=offset_lo)
 
 
 @triton.jit
@@ -73,8 +81,14 @@ def head_scores(s: Scores, b, h, F: tl.constexpr):
 
 
 @triton.jit
-def head_dropout(d: Dropout, seed, offset_lo, b, h, heads):
-    return HeadDropout(seed, offset_lo, d.threshold, d.keep_scale, b * heads + h)
+def head_dropout(d: Dropout, seed, offset_lo, b, h, heads, m: SeqMask, F: tl.constexpr):
+    """Sequence b, head h's dropout stream. With ``POSITIONS`` its rows are the queries' key positions
+    (``m.shift + i``) and its sequence is ``d.sequences[b]``: the mask a whole batch draws for this part."""
+    if F.POSITIONS:
+        return HeadDropout(seed, offset_lo, d.threshold, d.keep_scale, tl.load(d.sequences + b) * heads + h,
+                           m.shift)
+    else:
+        return HeadDropout(seed, offset_lo, d.threshold, d.keep_scale, b * heads + h, 0)
 
 
 # ------------------------------------------------------------------------------------- softcap
@@ -164,13 +178,13 @@ def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constex
 @triton.jit
 def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` dropout keep bits of queries ``m0 + i`` and keys ``n0 + j`` (n0 a multiple
-    of 8): the definition in ``varlen.attn.dropout``.
+    of 8; rows counted from ``d.row0``): the definition in ``varlen.attn.dropout``.
 
     One Philox call per query and 8 keys gives four 32-bit words, that is eight 16-bit numbers, laid
     out so that key ``8 g + t`` takes word ``t >> 1``, half ``t & 1``.
     """
     G: tl.constexpr = BLOCK_N // 8
-    i = m0 + tl.arange(0, BLOCK_M)[:, None]
+    i = d.row0 + m0 + tl.arange(0, BLOCK_M)[:, None]
     g = n0 // 8 + tl.arange(0, G)[None, :]
     zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
     r0, r1, r2, r3 = tl.philox(d.seed, i + zero, g + zero, d.bh + zero, d.offset_lo + zero)

@@ -1,0 +1,94 @@
+"""Which query rows each rank owns: the context-parallel plan, computed once on the host from the lengths.
+
+A plan gives each rank a list of *pieces*: query rows ``[start, end)`` of one sequence. Every rank holds the
+same plan (it is a pure function of the lengths and the world size), so no communication is needed to
+agree on it.
+
+- ``balance="causal"``: under a causal mask a sequence of length L costs about L**2 / 2. Sequences too
+  large to place whole without unbalancing the ranks (more than 1/64 of a rank's share of the work, and at
+  least two rows per chunk) are cut into ``2 * world`` chunks, rank r taking chunks r and
+  ``2 * world - 1 - r`` (zig-zag: an early, cheap chunk with a late, expensive one, so every rank does the
+  same work on that sequence). The other sequences go whole, largest first, to the least-loaded rank.
+- ``balance="tokens"``: the packed token stream is cut into ``world`` contiguous ranges of equal length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BALANCES = ("causal", "tokens")
+# A sequence whose causal work exceeds this fraction of a rank's share is split zig-zag; the others, placed
+# whole, leave the ranks at most about this fraction apart.
+SPLIT_FRACTION = 1 / 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Query rows ``[start, end)`` of sequence ``sequence`` (in-sequence positions)."""
+
+    sequence: int
+    start: int
+    end: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Pieces per rank, in the order their rows are laid out on that rank."""
+
+    lengths: tuple[int, ...]
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.pieces)
+
+    def rows(self, rank: int) -> int:
+        return sum(p.rows for p in self.pieces[rank])
+
+    def work(self, rank: int, causal: bool = True) -> int:
+        """Visible (query, key) pairs of the rank's queries under a causal (or no) mask."""
+        if causal:
+            return sum(_causal_pairs(p.start, p.end) for p in self.pieces[rank])
+        return sum(p.rows * self.lengths[p.sequence] for p in self.pieces[rank])
+
+
+def _causal_pairs(start: int, end: int) -> int:
+    """Pairs (i, j <= i) for queries i in [start, end)."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def make_plan(lengths: list[int], world: int, balance: str = "causal") -> Plan:
+    """The plan for sequences of ``lengths`` over ``world`` ranks (see the module docstring)."""
+    pieces: list[list[Piece]] = [[] for _ in range(world)]
+    if balance == "tokens":
+        total = sum(lengths)
+        bounds = [total * r // world for r in range(world + 1)]
+        first = 0
+        for b, length in enumerate(lengths):
+            for r in range(world):
+                lo, hi = max(bounds[r], first), min(bounds[r + 1], first + length)
+                if lo < hi:
+                    pieces[r].append(Piece(b, lo - first, hi - first))
+            first += length
+        return Plan(tuple(lengths), tuple(tuple(p) for p in pieces))
+    share = sum(_causal_pairs(0, n) for n in lengths) / world
+    load = [0] * world
+    whole = []
+    for b, length in enumerate(lengths):
+        if length >= 4 * world and _causal_pairs(0, length) > SPLIT_FRACTION * share:
+            bounds = [length * c // (2 * world) for c in range(2 * world + 1)]
+            for r in range(world):
+                for c in (r, 2 * world - 1 - r):
+                    pieces[r].append(Piece(b, bounds[c], bounds[c + 1]))
+                    load[r] += _causal_pairs(bounds[c], bounds[c + 1])
+        elif length > 0:
+            whole.append(b)
+    for b in sorted(whole, key=lambda b: -lengths[b]):
+        r = min(range(world), key=lambda r: (load[r], r))
+        pieces[r].append(Piece(b, 0, lengths[b]))
+        load[r] += _causal_pairs(0, lengths[b])
+    return Plan(tuple(lengths), tuple(tuple(sorted(p, key=lambda x: (x.sequence, x.start))) for p in pieces))
