@@ -2,11 +2,14 @@
 ``tools/compile_check.py``, which compiles each launch for sm_90 instead of running it.
 
     python tools/compile_check.py --verbose tools/attention_variants.py
+    ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256; dense, jagged and GQA; causal,
 window, prefix and document masks; bias (full and broadcast, with gradients), ALiBi + softcap, dropout;
 deterministic mode; TMA loads and pointer loads. Outputs stay unwritten (nothing is run).
 """
+
+import os
 
 import torch
 
@@ -38,13 +41,14 @@ FEATURES = {
     "bias_full": dict(bias="BHQK"), "bias_broadcast": dict(bias="1HQK"),
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
+    "positions": dict(causal=True, positions=True, dropout=0.1),
 }
 # (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,
 # the layouts and GQA at the common features, float32 and D 256 at the plain and causal cases.
 CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
-      for name in ("plain", "causal", "bias_broadcast", "dropout")),
+      for name in ("plain", "causal", "bias_broadcast", "dropout", "positions")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
     *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
@@ -65,12 +69,17 @@ def main():
                                 softcap=f.get("softcap", 0.0), dropout_p=f.get("dropout", 0.0),
                                 deterministic=f.get("deterministic", False),
                                 prefix_len=torch.full((B,), 17, dtype=torch.int32) if f.get("prefix") else None,
-                                documents=torch.zeros(2, B, S, dtype=torch.int32) if f.get("documents") else None)
+                                documents=torch.zeros(2, B, S, dtype=torch.int32) if f.get("documents") else None,
+                                query_offset=torch.zeros(B, dtype=torch.int32) if f.get("positions") else None,
+                                dropout_sequences=torch.zeros(B, dtype=torch.int32) if f.get("positions") else None)
         alibi = torch.empty(B, H) if f.get("alibi") else None
         seed = DropoutSeed(1, 2) if f.get("dropout") else None
         for tma in (True, False) if name in ("plain", "causal") else (True,):
-            print(f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
-                  f"{'tma' if tma else 'pointers'}", flush=True)
+            label = (f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
+                     f"{'tma' if tma else 'pointers'}")
+            if os.environ.get("ATTENTION_VARIANTS", "") not in label:
+                continue
+            print(label, flush=True)
             fwd = configs.forward_config(problem, dtype, q.device, bias=bias is not None, dropout=seed is not None,
                                          tma=tma)
             bwd = configs.backward_config(problem, dtype, opts.masked, opts.deterministic, q.device,

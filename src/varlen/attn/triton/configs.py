@@ -63,8 +63,10 @@ class Tables:
     # (TFLOP/s full / causal in the comments); dQ tiles: the best of the deterministic (separate dQ) rows.
     forward_float32: dict
     backward_float32: dict
-    # D256 float32, and float32 with a bias, dropout or pointer loads: UNTUNED.
+    # D256 float32, and float32 with a bias, dropout or pointer loads: UNTUNED. At D256 the backward's pointer
+    # loads need smaller tiles still (32x64 took 448 KiB of shared memory: tools/compile_check.py).
     float32_untuned: KernelConfig
+    float32_untuned_256_pointers: KernelConfig
     # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
     # heavy): a bias runs best with 128x64 forward tiles and a separate dQ kernel (222 TFLOP/s backward vs 156
@@ -107,6 +109,7 @@ SM90 = Tables(
         ("tf32x3", 128): (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 19 / 12
     },
     float32_untuned=K(32, 64, 4, 1),
+    float32_untuned_256_pointers=K(16, 32, 4, 1),
     forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
     forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
     backward_bias={64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
@@ -176,7 +179,8 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
     t = tables(device)
     bound = _bound(max(problem.head_dim, problem.head_dim_v))
     if dtype == torch.float32:
-        untuned = (t.float32_untuned, t.float32_untuned, DQ_TMA)
+        small = t.float32_untuned_256_pointers if bound == 256 and not tma else t.float32_untuned
+        untuned = (small, small, DQ_TMA)
         tuned = not (bias or dropout) and tma
         kv, q, mode = t.backward_float32.get((dot_precision(dtype), bound), untuned) if tuned else untuned
     elif bias and bound in t.backward_bias:
