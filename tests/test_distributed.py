@@ -74,11 +74,11 @@ def test_context_parallel_matches_one_process(world):
     _spawn(world, "torch")
 
 
-def test_context_parallel_triton_kernels(monkeypatch):
-    """The same through the Triton kernels (float32, CPU tensors over gloo: the processes run Triton's
-    interpreter, on a GPU machine too; tests/test_distributed.py::test_context_parallel_nccl_two_gpus runs
-    the compiled kernels)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter, as CI runs it (the "
+                    "GPU machines' Triton 3.6 interpreter can't run these kernels); on GPUs the compiled kernels "
+                    "run in test_context_parallel_nccl_two_gpus")
+def test_context_parallel_triton_kernels():
+    """The same through the Triton kernels (float32, CPU tensors over gloo, the interpreter)."""
     _spawn(2, "triton")
 
 
