@@ -2,11 +2,13 @@
 batch of long documents (causal, bf16), with a projection to more GPUs from the measured compute and
 communication times.
 
-    PYTHONPATH=src python3 bench/context_parallel.py --gpus 1 2 --tokens 262144 --out bench/results/cp.md
+    PYTHONPATH=src python3 bench/context_parallel.py --gpus 1 2 --tokens 262144 --head-chunks 0 1 \
+        --out bench/results/context_parallel_h200.md
 
 One GPU runs ``varlen.attention`` on the whole batch; N GPUs run ``varlen.distributed.ContextParallel``
-over NCCL (one process per GPU), each rank its plan's rows. Times are medians of CUDA-event-timed steps
-after warm-up. Memory: the peak allocated during one step above what the inputs hold, per GPU.
+over NCCL (one process per GPU), each rank its plan's rows, with each ``--head-chunks`` setting. Times are
+medians of CUDA-event-timed steps after warm-up. Memory per GPU, above the inputs and their gradients:
+*saved* (what a forward leaves for its backward) and *peak* (during a forward + backward).
 Projection to W GPUs: compute = one GPU's attention time x the largest rank's share of the causal work in
 W's plan; communication = the K/V all-gather (forward and backward) and the float32 dK/dV reduce-scatter,
 at the bus bandwidth measured on the N GPUs run here (a ring moves (W - 1) / W of the data per GPU).
@@ -26,6 +28,7 @@ import torch.multiprocessing as mp
 
 import varlen
 from varlen.distributed import ContextParallel, make_plan
+from varlen.distributed.context_parallel import head_chunks_for
 
 
 def lengths_for(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -50,7 +53,7 @@ def _timed(fn, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _run(rank: int, world: int, port: int, args, results):
+def _run(rank: int, world: int, port: int, args, chunks, results):
     torch.cuda.set_device(rank)
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -64,7 +67,7 @@ def _run(rank: int, world: int, port: int, args, results):
         rows = cp.local_rows
 
         def attend(q, k, v):
-            return cp.attention(q, k, v, causal=True)
+            return cp.attention(q, k, v, causal=True, head_chunks=chunks)
     else:
         rows = sum(lengths)
 
@@ -87,6 +90,11 @@ def _run(rank: int, world: int, port: int, args, results):
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    out = attend(q, k, v)
+    torch.cuda.synchronize()
+    saved = (torch.cuda.memory_allocated() - base) / 2**30  # the output and what its backward keeps
+    out.backward(dout)
+    del out
     step_ms = _timed(step, args.steps)
     fwd_ms = _timed(lambda: attend(q, k, v), args.steps)
     comm = {}
@@ -101,7 +109,8 @@ def _run(rank: int, world: int, port: int, args, results):
                                            args.steps)
         comm["all_gather_bytes"] = world * block * 2 * H * D * 2
         comm["reduce_scatter_bytes"] = world * block * 2 * H * D * 4
-    result = dict(world=world, rank=rank, rows=rows, step_ms=step_ms, fwd_ms=fwd_ms, peak_gib=peak, **comm)
+    result = dict(world=world, rank=rank, rows=rows, step_ms=step_ms, fwd_ms=fwd_ms, peak_gib=peak, saved_gib=saved,
+                  head_chunks=None if world == 1 else head_chunks_for(H, world, 0.0, chunks), **comm)
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, result)
@@ -112,12 +121,12 @@ def _run(rank: int, world: int, port: int, args, results):
         results.put([result])
 
 
-def measure(world: int, args) -> list[dict]:
+def measure(world: int, args, chunks: int | None = None) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_run, args=(world, port, args, queue), nprocs=world, join=True)
+    mp.spawn(_run, args=(world, port, args, chunks, queue), nprocs=world, join=True)
     return queue.get()
 
 
@@ -131,29 +140,36 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--project", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--head-chunks", type=int, nargs="+", default=[0],
+                    help="kv-head chunks of the context-parallel runs (0: ContextParallel's default), one run each")
     ap.add_argument("--out")
     args = ap.parse_args()
     lengths = lengths_for(args.tokens, args.min_len, args.max_len)
-    runs = {w: measure(w, args) for w in args.gpus}
-    for w, ranks in runs.items():
-        print(json.dumps(dict(world=w, ranks=ranks)), flush=True)
-    one = runs.get(1, [None])[0]
+    runs = []
+    for w in args.gpus:
+        for c in [0] if w == 1 else args.head_chunks:
+            runs.append((w, measure(w, args, c or None)))
+            print(json.dumps(dict(world=w, ranks=runs[-1][1])), flush=True)
+    one = next((ranks[0] for w, ranks in runs if w == 1), None)
     lines = [f"# Context-parallel attention ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"Triton {__import__('triton').__version__}, {datetime.date.today()})", "",
              f"{len(lengths)} documents of {args.min_len}-{args.max_len} tokens ({sum(lengths)} tokens: "
              f"{lengths}), causal, H{args.heads} D{args.dim}, bf16, forward + backward.", "",
-             "| GPUs | step ms | tokens/s | speedup | forward ms | peak GiB per GPU (max) | all-gather ms | "
-             "reduce-scatter ms |", "|---|---|---|---|---|---|---|---|"]
-    for w, ranks in runs.items():
+             "Memory per GPU (the largest rank's), above the inputs and their gradients: *saved* is what one forward "
+             "leaves for its backward (the output included), *peak* the most allocated during a forward + backward "
+             "(the gathered K/V and the float32 dK/dV sums of one head chunk are transients).", "",
+             "| GPUs | head chunks | step ms | tokens/s | speedup | forward ms | saved GiB | peak GiB | "
+             "all-gather ms | reduce-scatter ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for w, ranks in runs:
         step = max(r["step_ms"] for r in ranks)
         speed = f"{one['step_ms'] / step:.2f}x" if one else "-"
-        lines.append(f"| {w} | {step:.1f} | {sum(lengths) / step * 1e3:,.0f} | {speed} | "
-                     f"{max(r['fwd_ms'] for r in ranks):.1f} | {max(r['peak_gib'] for r in ranks):.2f} | "
-                     f"{ranks[0].get('all_gather_ms', 0):.2f} | {ranks[0].get('reduce_scatter_ms', 0):.2f} |")
-    measured = [w for w in runs if w > 1]
+        lines.append(f"| {w} | {ranks[0]['head_chunks'] or '-'} | {step:.1f} | {sum(lengths) / step * 1e3:,.0f} | "
+                     f"{speed} | {max(r['fwd_ms'] for r in ranks):.1f} | {max(r['saved_gib'] for r in ranks):.2f} | "
+                     f"{max(r['peak_gib'] for r in ranks):.2f} | {ranks[0].get('all_gather_ms', 0):.2f} | "
+                     f"{ranks[0].get('reduce_scatter_ms', 0):.2f} |")
+    measured = [(w, ranks) for w, ranks in runs if w > 1]
     if one and measured and args.project:
-        w0 = measured[-1]
-        r0 = runs[w0][0]
+        w0, (r0, *_) = measured[-1]
         # Bus bandwidth: a ring all-gather / reduce-scatter moves (W - 1) / W of the buffer per GPU.
         ag_bw = r0["all_gather_bytes"] * (w0 - 1) / w0 / r0["all_gather_ms"]
         rs_bw = r0["reduce_scatter_bytes"] * (w0 - 1) / w0 / r0["reduce_scatter_ms"]

@@ -23,6 +23,8 @@ CASES = [
     dict(causal=True, dropout_p=0.3, lse=True),
     dict(causal=True, balance="tokens", lse=True),
     dict(causal=True, deterministic=True, heads=(2, 1)),
+    dict(causal=True, window=(6, 3), heads=(6, 3), head_chunks=1, alibi="H"),  # every head in one call
+    dict(causal=True, heads=(6, 3), head_chunks=3, lse=True),
 ]
 TRITON_CASES = [dict(causal=True, heads=(4, 2), backend="triton", dtype=torch.float32, lse=True)]
 # On GPUs (NCCL): bf16 through the Triton kernels, longer sequences, judged by flash-attn's rule.
@@ -108,7 +110,8 @@ def run_case(cp: ContextParallel, case: dict, lengths: list[int], device: torch.
     rows = cp.local_index.to(device)
     local = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
     generator = torch.Generator(device=device).manual_seed(seed) if options["dropout_p"] else None
-    out_cp, lse_cp = cp.attention(*local, **options, generator=generator, return_lse=True, backend=backend)
+    out_cp, lse_cp = cp.attention(*local, **options, generator=generator, return_lse=True, backend=backend,
+                                  head_chunks=case.get("head_chunks"))
     loss(out_cp, lse_cp, rows).backward()
     finite = torch.isfinite(lse[:, rows])
     if not torch.equal(finite, torch.isfinite(lse_cp)):

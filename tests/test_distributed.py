@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 
 import distributed_worker
 from varlen.distributed import ContextParallel, make_plan
+from varlen.distributed.context_parallel import head_chunks_for
 from varlen.distributed.plan import Piece
 
 
@@ -54,7 +55,21 @@ def test_tokens_plan_balances_the_rows():
 
 def test_zigzag_pairs_an_early_chunk_with_a_late_one():
     plan = make_plan([80], 2, "causal")
-    assert plan.pieces == ((Piece(0, 0, 20), Piece(0, 60, 80)), (Piece(0, 20, 40), Piece(0, 40, 60)))
+    assert plan.pieces == ((Piece(0, 0, 20), Piece(0, 60, 80)), (Piece(0, 20, 60),))  # the middle chunks meet
+
+
+def test_head_chunks():
+    assert head_chunks_for(32, 2, 0.0, None) == 4  # a group's gathered K/V: half the rank's own
+    assert head_chunks_for(8, 3, 0.0, None) == 8
+    assert head_chunks_for(1, 2, 0.0, None) == 1
+    assert head_chunks_for(32, 2, 0.1, None) == 1  # dropout's mask is keyed on the head index in the call
+    assert head_chunks_for(6, 2, 0.0, 3) == 3
+    with pytest.raises(ValueError, match="head_chunks: got 4; it must divide the 6 kv heads"):
+        head_chunks_for(6, 2, 0.0, 4)
+    with pytest.raises(ValueError, match="head_chunks: got 2 with dropout_p=0.1"):
+        head_chunks_for(6, 2, 0.1, 2)
+    with pytest.raises(TypeError, match="head_chunks: expected an int or None, got float"):
+        head_chunks_for(6, 2, 0.0, 2.0)
 
 
 def test_errors_without_a_process_group():

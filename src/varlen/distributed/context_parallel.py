@@ -136,7 +136,7 @@ class ContextParallel:
                   scale: float | None = None, alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
                   dropout_p: float = 0.0, generator: torch.Generator | None = None, deterministic: bool = False,
                   prefix_len: int | torch.Tensor | None = None, return_lse: bool = False,
-                  backend: str | None = None):
+                  backend: str | None = None, head_chunks: int | None = None):
         """This rank's rows of ``varlen.attention`` on the whole batch (self-attention: q, k, v share the
         offsets).
 
@@ -147,6 +147,11 @@ class ContextParallel:
                 ``varlen.attention`` (q and k have the same lengths, so both alignments agree).
             alibi_slopes: ``(H,)`` or ``(B, H)`` for the global batch.
             prefix_len: an int or ``(B,)`` for the global batch.
+            head_chunks: run the kv heads in this many groups, one after another, each with its own
+                all-gather and reduce-scatter: a rank then holds one group's gathered K/V (and its float32
+                dK/dV sums) at a time, not every head's. None (default): the smallest divisor of the kv heads
+                that is at least ``2 * world`` (a group's gathered K/V at most half the rank's own K/V);
+                1 with dropout (its mask is keyed on the head index inside one call).
 
         Returns:
             ``(rows, H, Dv)``, and with ``return_lse`` the lse ``(H, rows)``. Differentiable with respect
@@ -186,7 +191,8 @@ class ContextParallel:
         qt, _, _, _, alibi, problem, opts, impl, seed = call.args
         extras, primitives = function.flatten(alibi, problem, opts, impl.NAME, seed)
         k, v = call_dtype(k, qt), call_dtype(v, qt)
-        out, lse = _ContextParallelAttention.apply(qt, k, v, layout.key_rows, self._block_rows, self.group,
+        chunks = head_chunks_for(k.shape[1], self.world, dropout_p, head_chunks)
+        out, lse = _ContextParallelAttention.apply(qt, k, v, layout.key_rows, self._block_rows, self.group, chunks,
                                                    extras, primitives)
         return (out, lse) if return_lse else out
 
@@ -196,69 +202,135 @@ def call_dtype(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == q.dtype else t.to(q.dtype)
 
 
+def head_chunks_for(kv_heads: int, world: int, dropout_p: float, requested: int | None) -> int:
+    """How many kv-head groups the attention runs in, one after another (see ``ContextParallel.attention``).
+
+    Default: the smallest divisor of ``kv_heads`` that is at least ``2 * world`` (all of them if none is), so
+    that a group's gathered K/V is at most half the size of the rank's own K/V; 1 with dropout, whose mask
+    is keyed on the head's index inside the call.
+    """
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int):
+            raise TypeError(f"head_chunks: expected an int or None, got {type(requested).__name__}")
+        if requested < 1 or kv_heads % requested:
+            raise ValueError(f"head_chunks: got {requested}; it must divide the {kv_heads} kv heads")
+        if requested > 1 and dropout_p > 0:
+            raise ValueError(f"head_chunks: got {requested} with dropout_p={dropout_p}; dropout's mask is keyed on "
+                             "the head index within one call, so with dropout the heads run in one chunk (1)")
+        return requested
+    if dropout_p > 0:
+        return 1
+    return next((c for c in range(2 * world, kv_heads + 1) if kv_heads % c == 0), kv_heads)
+
+
+def _head_slices(heads: int, kv_heads: int, chunks: int):
+    """``(q heads, kv heads)`` slices of each chunk: kv heads in ``chunks`` groups with their query heads."""
+    per_kv, per_q = kv_heads // chunks, heads // chunks
+    return [(slice(c * per_q, (c + 1) * per_q), slice(c * per_kv, (c + 1) * per_kv)) for c in range(chunks)]
+
+
+def _chunk_extras(extras: list, q_heads: slice, chunks: int) -> list:
+    """The call's tensor arguments for one head chunk: ALiBi slopes ``(H,)`` or ``(P, H)`` sliced to its heads."""
+    if chunks == 1 or extras[0] is None:
+        return extras
+    return [extras[0][..., q_heads], *extras[1:]]
+
+
 # ------------------------------------------------------------------------------------ collectives
 def _gather(k: torch.Tensor, v: torch.Tensor, key_rows: torch.Tensor, block_rows: int, group):
     """Every rank's K and V rows (one all-gather of both, each rank's block padded to ``block_rows``),
-    then the rows ``key_rows`` of that: the local call's keys and values."""
+    then the rows ``key_rows`` of that: the local call's keys and values (contiguous)."""
     rows = k.shape[0]
+    width_k = k.shape[1] * k.shape[2]
     kv = torch.cat([k.reshape(rows, -1), v.reshape(rows, -1)], dim=1)
     if rows < block_rows:
         kv = torch.cat([kv, kv.new_zeros(block_rows - rows, kv.shape[1])])
     everyone = funcol.wait_tensor(_all_gather(kv.contiguous(), 0, group))
-    picked = everyone.index_select(0, key_rows)
-    width_k = k[0].numel() if rows else k.shape[1] * k.shape[2]
-    k_call = picked[:, :width_k].reshape(-1, *k.shape[1:])
-    v_call = picked[:, width_k:].reshape(-1, *v.shape[1:])
-    return k_call.contiguous(), v_call.contiguous()
+    k_call = everyone[:, :width_k].index_select(0, key_rows).view(-1, *k.shape[1:])
+    v_call = everyone[:, width_k:].index_select(0, key_rows).view(-1, *v.shape[1:])
+    return k_call, v_call
 
 
-def _scatter(dk_call: torch.Tensor, dv_call: torch.Tensor, key_rows: torch.Tensor, block_rows: int, group,
-             k: torch.Tensor, v: torch.Tensor):
-    """The local call's dK and dV summed, in float32 (float64 for float64), into the gathered layout and
-    reduce-scattered to the rows' owners: this rank's dK and dV, in k's and v's dtypes."""
+def _scatter(d_call: torch.Tensor, key_rows: torch.Tensor, block_rows: int, group, like: torch.Tensor):
+    """The local call's dK (or dV) summed, in float32 (float64 for float64), into the gathered layout and
+    reduce-scattered to the rows' owners: this rank's rows, shaped and typed as ``like``."""
     world = dist.get_world_size(group)
-    flat = torch.cat([dk_call.reshape(dk_call.shape[0], -1), dv_call.reshape(dv_call.shape[0], -1)], dim=1)
+    flat = d_call.reshape(d_call.shape[0], -1)
     summed = flat.new_zeros(world * block_rows, flat.shape[1], dtype=accumulate_dtype(flat.dtype))
     # index_put_ with accumulate: deterministic under torch.use_deterministic_algorithms (sorted), unlike index_add_.
     summed.index_put_((key_rows,), flat.to(summed.dtype), accumulate=True)
-    mine = funcol.wait_tensor(_reduce_scatter(summed, "sum", 0, group))[:k.shape[0]]
-    width_k = k.shape[1] * k.shape[2]
-    dk = mine[:, :width_k].reshape(k.shape).to(k.dtype)
-    dv = mine[:, width_k:].reshape(v.shape).to(v.dtype)
-    return dk, dv
+    mine = funcol.wait_tensor(_reduce_scatter(summed, "sum", 0, group))[:like.shape[0]]
+    return mine.view(like.shape).to(like.dtype)
+
+
+def _attention_forward(*args):
+    if torch.compiler.is_compiling():
+        return torch.ops.varlen.attention_forward(*args)
+    return function._forward_impl(*args)
+
+
+def _attention_backward(*args):
+    if torch.compiler.is_compiling():
+        return torch.ops.varlen.attention_backward(*args)
+    return function._backward_impl(*args)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
-    """The local attention with its keys gathered from every rank, gathered again in the backward."""
+    """The local attention with its keys gathered from every rank, one kv-head chunk at a time, gathered
+    again in the backward. Only this rank's rows are saved."""
 
     @staticmethod
-    def forward(ctx, q, k, v, key_rows, block_rows, group, extras, primitives):
-        k_call, v_call = _gather(k, v, key_rows, block_rows, group)
-        if torch.compiler.is_compiling():
-            out, lse = torch.ops.varlen.attention_forward(q, k_call, v_call, None, extras, *primitives)
-        else:
-            out, lse = function._forward_impl(q, k_call, v_call, None, extras, *primitives)
+    def forward(ctx, q, k, v, key_rows, block_rows, group, chunks, extras, primitives):
+        slices = _head_slices(q.shape[1], k.shape[1], chunks)
+        out = lse = None
+        for q_heads, kv_heads in slices:
+            k_call, v_call = _gather(k[:, kv_heads], v[:, kv_heads], key_rows, block_rows, group)
+            q_chunk = q if chunks == 1 else q[:, q_heads].contiguous()
+            o, l = _attention_forward(q_chunk, k_call, v_call, None, _chunk_extras(extras, q_heads, chunks),
+                                      *primitives)
+            del k_call, v_call
+            if chunks == 1:
+                out, lse = o, l
+                break
+            if out is None:
+                out = o.new_empty(q.shape[0], q.shape[1], o.shape[2])
+                lse = l.new_empty(q.shape[1], *l.shape[1:])
+            out[:, q_heads] = o
+            lse[q_heads] = l
         present = [e is not None for e in extras]
         ctx.save_for_backward(q, k, v, out, lse, key_rows, *(e for e in extras if e is not None))
-        ctx.layout = (block_rows, group, present, primitives)
+        ctx.layout = (block_rows, group, chunks, present, primitives)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_rows, *kept = ctx.saved_tensors
-        block_rows, group, present, primitives = ctx.layout
+        block_rows, group, chunks, present, primitives = ctx.layout
         kept = iter(kept)
         extras = [next(kept) if p else None for p in present]
-        k_call, v_call = _gather(k, v, key_rows, block_rows, group)
         if dout is None:
             dout = torch.zeros_like(out)
         needs = [ctx.needs_input_grad[0], True, True, False]  # dK and dV: every rank joins the reduce-scatter
-        args = (dout.contiguous(), dlse, q, k_call, v_call, out, lse, None, extras, *primitives)
-        if torch.compiler.is_compiling():
-            grads = torch.ops.varlen.attention_backward(*args, needs)
-        else:
-            grads = function._backward_impl(*args, needs)
-        dq = grads[0] if needs[0] else None
-        dk, dv = _scatter(grads[-2], grads[-1], key_rows, block_rows, group, k, v)
-        return dq, dk, dv, None, None, None, None, None
+        dq = torch.empty_like(q) if needs[0] and chunks > 1 else None
+        dk = torch.empty_like(k) if chunks > 1 else None
+        dv = torch.empty_like(v) if chunks > 1 else None
+        for q_heads, kv_heads in _head_slices(q.shape[1], k.shape[1], chunks):
+            def part(t, heads=q_heads):
+                return t.contiguous() if chunks == 1 else t[:, heads].contiguous()
+
+            k_call, v_call = _gather(k[:, kv_heads], v[:, kv_heads], key_rows, block_rows, group)
+            grads = _attention_backward(part(dout), None if dlse is None else dlse[q_heads], part(q), k_call, v_call,
+                                        part(out), lse[q_heads], None, _chunk_extras(extras, q_heads, chunks),
+                                        *primitives, needs)
+            del k_call, v_call
+            dk_chunk = _scatter(grads[-2], key_rows, block_rows, group, k[:, kv_heads])
+            dv_chunk = _scatter(grads[-1], key_rows, block_rows, group, v[:, kv_heads])
+            if chunks == 1:
+                return (grads[0] if needs[0] else None), dk_chunk, dv_chunk, None, None, None, None, None, None
+            if needs[0]:
+                dq[:, q_heads] = grads[0]
+            dk[:, kv_heads] = dk_chunk
+            dv[:, kv_heads] = dv_chunk
+            del grads
+        return dq, dk, dv, None, None, None, None, None, None

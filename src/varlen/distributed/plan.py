@@ -8,7 +8,8 @@ agree on it.
   large to place whole without unbalancing the ranks (more than 1/64 of a rank's share of the work, and at
   least two rows per chunk) are cut into ``2 * world`` chunks, rank r taking chunks r and
   ``2 * world - 1 - r`` (zig-zag: an early, cheap chunk with a late, expensive one, so every rank does the
-  same work on that sequence). The other sequences go whole, largest first, to the least-loaded rank.
+  same work on that sequence; the last rank's two chunks meet and are one piece). The other sequences go
+  whole, largest first, to the least-loaded rank.
 - ``balance="tokens"``: the packed token stream is cut into ``world`` contiguous ranges of equal length.
 """
 
@@ -91,4 +92,16 @@ def make_plan(lengths: list[int], world: int, balance: str = "causal") -> Plan:
         r = min(range(world), key=lambda r: (load[r], r))
         pieces[r].append(Piece(b, 0, lengths[b]))
         load[r] += _causal_pairs(0, lengths[b])
-    return Plan(tuple(lengths), tuple(tuple(sorted(p, key=lambda x: (x.sequence, x.start))) for p in pieces))
+    return Plan(tuple(lengths), tuple(_merged(sorted(p, key=lambda x: (x.sequence, x.start))) for p in pieces))
+
+
+def _merged(pieces: list[Piece]) -> tuple[Piece, ...]:
+    """Adjacent pieces of one sequence as one (the zig-zag's middle chunks meet on the last rank): one piece
+    whose keys are gathered once, not a prefix for each."""
+    out: list[Piece] = []
+    for p in pieces:
+        if out and out[-1].sequence == p.sequence and out[-1].end == p.start:
+            out[-1] = Piece(p.sequence, out[-1].start, p.end)
+        else:
+            out.append(p)
+    return tuple(out)
