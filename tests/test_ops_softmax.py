@@ -123,6 +123,24 @@ def test_infinities(backend, device):
     assert_close(y, ref)
 
 
+@pytest.mark.parametrize("plan", PLANS[:2], ids=["split-64", "split-8"])
+def test_infinities_split_plans(plan, device):
+    """-inf across chunks and tile rows: slots that see only -inf, columns whose max arrives late, and a
+    column of -inf only (NaN, as torch.softmax)."""
+    lengths = [20, 11]
+    x = random_jagged(lengths, (4,), device=device, dtype=torch.float64)
+    x.values[:15, 0] = -math.inf  # the finite values of this column come in the last chunk
+    x.values[20:, 1] = -math.inf  # the second sequence's column 1: all -inf
+    x.values[3, 2] = 50.0  # a large max after smaller values: the running sums rescale
+    x.values[::2, 3] = -math.inf  # alternate slots never see a finite value
+    y = softmax_ops.softmax_fwd_triton(x.values.reshape(x.total, -1), x.offsets, x.max_len, plan)
+    ref = torch.cat([torch.softmax(part, 0) for part in x.values.split(lengths)])
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[20:, 1]).all()
+    assert (y[:15, 0] == 0).all() and (y[20::2, 3] == 0).all()
+    finite = ~torch.isnan(ref)
+    assert_close(y[finite], ref[finite])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_empty_batch_one_and_nested_input(backend, device):
     empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(4, dtype=torch.int64, device=device))

@@ -118,10 +118,11 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
 
 
 def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) -> tuple[int, int]:
-    """GPU: 256 contiguous bytes of a row and 4K accumulators per program. Interpreter: large tiles."""
+    """GPU: 256 contiguous bytes of a row and 8K accumulators per program (an H100 sweep at bench/jagged_ops.py's
+    shape: 78% of copy in bf16 and 93% in float32, against 58% and 86% with 4K). Interpreter: large tiles."""
     if device.type == "cuda":
         block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size))
-        return min(triton.next_power_of_2(max(max_len, 1)), max(1, 4096 // block_f)), block_f
+        return min(triton.next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f)), block_f
     block_f = min(triton.next_power_of_2(n_cols), 1024)
     return min(triton.next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f
 

@@ -52,7 +52,7 @@ def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr,
     # A column with no finite max (empty, or all -inf) shifts by 0 so exp never sees -inf - -inf.
     m = tl.where(m == float("-inf"), 0.0, m)
     e = tl.exp(v - m[None, :])
-    out = e / tl.sum(e, 0)[None, :]
+    out = e * (1.0 / tl.sum(e, 0))[None, :]  # one division per column, not per element
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
@@ -60,24 +60,30 @@ def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr,
 def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           stride_xr, stride_xc,
                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    # Online max and sum of exponentials of one chunk of one sequence, per column.
+    # Online max and sum of exponentials of one chunk of one sequence, per column. Each (row, column) slot of
+    # the tile keeps its own running max and sum, so the loop does no cross-thread reduction (a reduction
+    # over rows crosses warps: shared memory and a barrier per tile); the rows are combined once, after it.
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
         return
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = cols < n_cols
-    m = tl.full([BLOCK_F], float("-inf"), ACC)
-    s = tl.zeros([BLOCK_F], ACC)
+    m_slot = tl.full([BLOCK_T, BLOCK_F], float("-inf"), ACC)
+    s_slot = tl.zeros([BLOCK_T, BLOCK_F], ACC)
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         mask = (rows < hi)[:, None] & col_ok[None, :]
         v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
                     other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m, tl.max(v, 0))
+        m_new = tl.maximum(m_slot, v)
+        # A slot with no finite value yet shifts by 0 so exp never sees -inf - -inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(v - shift[None, :]), 0)
-        m = m_new
+        s_slot = s_slot * tl.exp(m_slot - shift) + tl.exp(v - shift)
+        m_slot = m_new
+    m = tl.max(m_slot, 0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_slot * tl.exp(m_slot - shift[None, :]), 0)
     idx = b_chunk.to(tl.int64) * n_cols + cols
     tl.store(part_max + idx, m, mask=col_ok)
     tl.store(part_sum + idx, s, mask=col_ok)
@@ -108,12 +114,13 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
         s = s * tl.exp(m - shift) + s_c * tl.exp(m_c - shift)
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m)
+    inv_s = 1.0 / s  # one division per column, not per element
     for t0 in range(lo, hi, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         mask = (rows < hi)[:, None] & col_ok[None, :]
         v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
                     other=float("-inf")).to(ACC)
-        out = tl.exp(v - shift[None, :]) / s[None, :]
+        out = tl.exp(v - shift[None, :]) * inv_s[None, :]
         tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty),
                  mask=mask)
 
@@ -197,20 +204,27 @@ class SoftmaxPlan:
     num_warps: int = 4
 
 
-def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device) -> SoftmaxPlan:
-    """The plan for these sizes: ``single`` when a sequence fits a tile of ~8K elements (64K under the
-    interpreter) whose rows are at least one 32-byte sector wide, else ``split``."""
+def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
+                 inputs: int = 1) -> SoftmaxPlan:
+    """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward): ``single``
+    when a sequence fits a tile of ~8K elements (64K under the interpreter) whose rows are at least one
+    32-byte sector wide per input, else ``split``.
+
+    Split tiles on the GPU: 256 contiguous bytes of a row, 8K elements per input (16 to 32 KiB in flight per
+    program) and 8 warps: the best of a sweep over 64-256 columns, 4K-16K elements and 4 or 8 warps on an
+    H100 (bench/NOTES.md: 51-58% of copy bandwidth in bf16, against 30-51% with 4K elements and 4 warps).
+    """
     on_gpu = device.type == "cuda"
     budget = 8192 if on_gpu else 65536
     full_t = triton.next_power_of_2(max(max_len, 1))
     block_f = min(triton.next_power_of_2(n_cols), budget // full_t)
-    if block_f >= 1 and (block_f >= n_cols or block_f * elem_size >= 32):
+    if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
         return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
     block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
-    block_t = min(full_t, max(1, (4096 if on_gpu else 16384) // block_f))
+    block_t = min(full_t, max(1, (8192 * inputs if on_gpu else 16384) // block_f))
     n_col_tiles = triton.cdiv(n_cols, block_f)
     chunk_rows = chunk_rows_for(max_len, batch * n_col_tiles, block_t, device, max_rows=MAX_CHUNK_ELEMS // block_f)
-    return SoftmaxPlan(block_t, block_f, chunk_rows)
+    return SoftmaxPlan(block_t, block_f, chunk_rows, 8 if on_gpu else 4)
 
 
 def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> tuple[int, int, int]:
@@ -254,8 +268,7 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     dx = torch.empty((total, n_cols), dtype=y.dtype, device=y.device)
     if dx.numel() == 0:
         return dx
-    # Two inputs per element: plan as if elements were twice as wide.
-    plan = plan or softmax_plan(batch, max_len, n_cols, 2 * y.element_size(), y.device)
+    plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2)
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
