@@ -34,11 +34,6 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_import_error() -> str | None:
-    """Why Triton can't be imported here, or None when it can."""
-    return IMPORT_ERROR
-
-
 @contextlib.contextmanager
 def use_backend(name: str):
     """Run the jagged ops and attention inside the block with backend ``name`` (``"auto"``, ``"triton"``,
@@ -55,9 +50,8 @@ def use_backend(name: str):
 
 def triton_unsupported_reason(device: torch.device) -> str | None:
     """Why the Triton kernels can't run on ``device``, or None when they can."""
-    err = triton_import_error()
-    if err is not None:
-        return err
+    if IMPORT_ERROR is not None:
+        return IMPORT_ERROR
     if device.type == "cuda":
         return None
     if device.type == "cpu" and interpreter_enabled():

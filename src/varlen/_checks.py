@@ -6,6 +6,8 @@ these helpers (or raises ValueError/TypeError itself), never with ``assert``.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from collections.abc import Iterable
 
@@ -114,6 +116,37 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: got {value}; must be >= {minimum}")
     return value
+
+
+def check_probability(name: str, value) -> float:
+    """A dropout probability: a real number in ``[0, 1)``, returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"{name}: expected a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_generator(name: str, value) -> None:
+    if value is not None and not isinstance(value, torch.Generator):
+        raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}")
+
+
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers: neither floating point, complex nor bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def host_int(name: str, value) -> int:
+    """``value`` as a non-negative Python int: an int (or another integral number, e.g. a numpy int), or a
+    1-element integer tensor, read on the host (a device-to-host copy on a GPU). Bools, floats and other
+    tensors are rejected with :func:`check_int`'s errors."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or not is_integer_dtype(value.dtype):
+            raise TypeError(f"{name}: expected an int, got Tensor of shape {tuple(value.shape)} and dtype "
+                            f"{value.dtype}")
+        value = int(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = operator.index(value)
+    return check_int(name, value, minimum=0)
 
 
 def normalize_dim(name: str, dim: int, ndim: int) -> int:

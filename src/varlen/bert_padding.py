@@ -11,10 +11,11 @@ returned five values, with ``unused_mask``, since 2.7.0). The round trip around 
 What the returns are, as in flash-attn: the gathered rows in ``hidden_states``' dtype; ``indices`` int64
 positions in the flattened ``(B * S)`` batch, in row-major order; ``cu_seqlens`` int32 ``(B + 1,)``
 offsets; ``max_seqlen_in_batch`` a Python int; ``seqused`` int32 ``(B,)``; all on the mask's device
-(which must be ``hidden_states``' device). ``unpad_input`` reads the lengths on the host (one
-device-to-host copy on a GPU, as in flash-attn); ``pad_input`` and the ``index_*`` functions make none and
-trust their indices (torch checks the range on the CPU; on a GPU an index out of range is a device-side
-error).
+(which must be ``hidden_states``' device). ``unpad_input`` reads on the host, as flash-attn does: two
+device-to-host syncs on a GPU, one for the positions of the valid tokens (``nonzero``) and one for
+``max_seqlen_in_batch``; ``unpad_input_for_concatenated_sequences`` also makes two (it copies the lengths to the
+host once, then finds the positions). ``pad_input`` and the ``index_*`` functions make none and trust their
+indices (torch checks the range on the CPU; on a GPU an index out of range is a device-side error).
 
 The ``index_*`` functions are differentiable: ``index_first_axis`` gathers rows and its backward
 scatters the gradient into zeros; ``index_put_first_axis`` scatters rows into zeros and its backward
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_dtype, check_int, check_tensor
+from ._checks import INDEX_DTYPES, check_dtype, check_same_device, check_tensor, host_int
 
 __all__ = [
     "IndexFirstAxis",
@@ -81,7 +82,7 @@ class IndexPutFirstAxis(torch.autograd.Function):
         if indices.shape[0] != values.shape[0]:
             raise ValueError(f"indices: {indices.shape[0]} indices for the {values.shape[0]} rows of values; "
                              "there must be one index per row")
-        first_axis_dim = _host_int("first_axis_dim", first_axis_dim)
+        first_axis_dim = host_int("first_axis_dim", first_axis_dim)
         ctx.save_for_backward(indices)
         output = values.new_zeros(first_axis_dim, *values.shape[1:])
         output[indices] = values
@@ -145,8 +146,13 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
         longest sequence, and each sequence's count of ``attention_mask`` tokens.
     """
     _check_rows("hidden_states", hidden_states, ndim=2, layout="(batch, seqlen, ...)")
-    valid = _check_mask("attention_mask", attention_mask, hidden_states)
-    kept = valid if unused_mask is None else valid | _check_mask("unused_mask", unused_mask, hidden_states)
+    _check_mask("attention_mask", attention_mask, hidden_states)
+    valid = attention_mask != 0
+    if unused_mask is None:
+        kept = valid
+    else:
+        _check_mask("unused_mask", unused_mask, hidden_states)
+        kept = valid | (unused_mask != 0)
     seqlens = kept.sum(dim=-1, dtype=torch.int32)
     indices = kept.flatten().nonzero().flatten()
     rows = hidden_states.flatten(0, 1)
@@ -169,22 +175,23 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     """
     _check_rows("hidden_states", hidden_states, ndim=2, layout="(batch, seqlen, ...)")
     lengths = attention_mask_in_length
-    check_tensor("attention_mask_in_length", lengths)
-    check_dtype("attention_mask_in_length", lengths, _MASK_DTYPES[1:])  # lengths: integers, not bools
-    _check_mask("attention_mask_in_length", lengths, hidden_states)
-    if bool((lengths < 0).any()):
+    _check_mask("attention_mask_in_length", lengths, hidden_states,
+                dtypes=_MASK_DTYPES[1:])  # lengths: integers, not bools
+    host = lengths.cpu()  # the one copy of the lengths to the host (a device-to-host sync on a GPU)
+    if bool((host < 0).any()):
         raise ValueError("attention_mask_in_length: has negative entries; each row holds sequence lengths")
     S = lengths.shape[1]
-    per_row = lengths.sum(dim=-1)
-    if bool((per_row > S).any()):
-        b = int((per_row > S).nonzero()[0, 0])
-        raise ValueError(f"attention_mask_in_length: row {b} sums to {int(per_row[b])}, more than its "
+    host_per_row = host.sum(dim=-1)
+    if bool((host_per_row > S).any()):
+        b = int((host_per_row > S).nonzero()[0, 0])
+        raise ValueError(f"attention_mask_in_length: row {b} sums to {int(host_per_row[b])}, more than its "
                          f"{S} positions")
-    seqlens = lengths.flatten()[lengths.flatten() != 0]
-    kept = torch.arange(S, device=lengths.device) < per_row.unsqueeze(1)
-    indices = kept.flatten().nonzero().flatten()
+    seqlens = host.flatten()[host.flatten() != 0]
+    kept = torch.arange(S, device=lengths.device) < lengths.sum(dim=-1).unsqueeze(1)
+    indices = kept.flatten().nonzero().flatten()  # on the device (the second sync)
     rows = hidden_states.flatten(0, 1)
-    return index_first_axis(rows, indices), indices, _cu_seqlens(seqlens), _max(seqlens)
+    cu_seqlens = _cu_seqlens(seqlens).to(lengths.device, non_blocking=True)  # host to device: no sync
+    return index_first_axis(rows, indices), indices, cu_seqlens, _max(seqlens)
 
 
 def pad_input(hidden_states, indices, batch, seqlen):
@@ -199,7 +206,7 @@ def pad_input(hidden_states, indices, batch, seqlen):
     Returns:
         ``(batch, seqlen, ...)``, differentiable with respect to ``hidden_states``.
     """
-    batch, seqlen = _host_int("batch", batch), _host_int("seqlen", seqlen)
+    batch, seqlen = host_int("batch", batch), host_int("seqlen", seqlen)
     output = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return output.view(batch, seqlen, *output.shape[1:])
 
@@ -217,20 +224,17 @@ def _check_indices(indices, rows: torch.Tensor, rows_name: str) -> None:
     check_dtype("indices", indices, INDEX_DTYPES)
     if indices.dim() != 1:
         raise ValueError(f"indices: expected 1 dim (n,), got shape {tuple(indices.shape)}")
-    if indices.device != rows.device:
-        raise ValueError(f"indices: on device {indices.device}, but {rows_name} is on {rows.device}")
+    check_same_device([(rows_name, rows), ("indices", indices)])
 
 
-def _check_mask(name: str, mask, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The mask as bool (nonzero = set), after checking it against ``hidden_states`` ``(B, S, ...)``."""
+def _check_mask(name: str, mask, hidden_states: torch.Tensor, dtypes=_MASK_DTYPES) -> None:
+    """Checks a ``(B, S)`` mask (or lengths) of one of ``dtypes`` against ``hidden_states`` ``(B, S, ...)``."""
     check_tensor(name, mask)
-    check_dtype(name, mask, _MASK_DTYPES)
+    check_dtype(name, mask, dtypes)
     if mask.shape != hidden_states.shape[:2]:
         raise ValueError(f"{name}: expected shape (batch, seqlen) = {tuple(hidden_states.shape[:2])} to match "
                          f"hidden_states, got {tuple(mask.shape)}")
-    if mask.device != hidden_states.device:
-        raise ValueError(f"{name}: on device {mask.device}, but hidden_states is on {hidden_states.device}")
-    return mask != 0
+    check_same_device([("hidden_states", hidden_states), (name, mask)])
 
 
 def _cu_seqlens(seqlens: torch.Tensor) -> torch.Tensor:
@@ -241,10 +245,3 @@ def _cu_seqlens(seqlens: torch.Tensor) -> torch.Tensor:
 def _max(seqlens: torch.Tensor) -> int:
     return int(seqlens.max()) if seqlens.numel() else 0
 
-
-def _host_int(name: str, value) -> int:
-    """A non-negative Python int; a 1-element integer tensor is read on the host."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (
-            value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-        value = int(value)
-    return check_int(name, value, minimum=0)

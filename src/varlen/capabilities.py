@@ -93,8 +93,12 @@ class Capabilities:
 
 
 def unsupported_reasons(caps: Capabilities, call: Call) -> list[str]:
-    """Why ``caps``' implementation can't run ``call`` (empty when it can)."""
-    reasons = [r for r in (caps.device_reason(call.q.device), caps.dtype_reason(call.q.dtype)) if r]
+    """Why ``caps``' implementation can't run ``call`` (empty when it can). On a device it can't use, the
+    features are not examined: some predicates read tensors (``_same_lengths``), a host sync on a GPU."""
+    device_reason = caps.device_reason(call.q.device)
+    reasons = [r for r in (device_reason, caps.dtype_reason(call.q.dtype)) if r]
+    if device_reason:
+        return reasons
     dims = (call.problem.head_dim, call.problem.head_dim_v)
     if caps.max_head_dim is not None and max(dims) > caps.max_head_dim:
         reasons.append(f"head dims {dims} (at most {caps.max_head_dim})")
@@ -105,22 +109,16 @@ def unsupported_reasons(caps: Capabilities, call: Call) -> list[str]:
     return reasons
 
 
-def triton_device_reason(device: torch.device) -> str | None:
-    """The Triton kernels' device rule: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; Triton
-    installed."""
-    return triton_unsupported_reason(device)
-
-
 # The jagged ops' Triton kernels, by family (the PyTorch path takes every dtype on every device):
 # - copy: padded conversion and select, which move elements (any of these types);
 # - ragged: softmax and sum/mean along the ragged dim;
 # - matmul: matmul with per-sequence weights and transposed_matmul (tensor-core dots: no float64).
 _COPY_DTYPES = FLOAT_DTYPES + (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
 JAGGED_KERNELS = {
-    "copy": Capabilities("triton", _COPY_DTYPES, ("cuda",), device_check=triton_device_reason),
-    "ragged": Capabilities("triton", FLOAT_DTYPES, ("cuda",), device_check=triton_device_reason),
+    "copy": Capabilities("triton", _COPY_DTYPES, ("cuda",), device_check=triton_unsupported_reason),
+    "ragged": Capabilities("triton", FLOAT_DTYPES, ("cuda",), device_check=triton_unsupported_reason),
     "matmul": Capabilities("triton", (torch.float16, torch.bfloat16, torch.float32), ("cuda",),
-                           device_check=triton_device_reason),
+                           device_check=triton_unsupported_reason),
 }
 # The attention backends declare theirs beside their code: attn/triton/backend.py,
 # attn/torch_backend.py and its fused CPU path, attn/cpu_fused.py.

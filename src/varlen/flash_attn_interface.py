@@ -43,11 +43,17 @@ import numbers
 
 import torch
 
-from ._checks import INDEX_DTYPES, accumulate_dtype, check_dtype, check_tensor, checks_metadata
+from ._checks import (
+    INDEX_DTYPES,
+    accumulate_dtype,
+    check_dtype,
+    check_tensor,
+    host_int,
+    is_integer_dtype,
+)
 from .attn.api import attention
 from .attn.dropout import attention_dropout_mask
 from .jagged import JaggedTensor
-from .offsets import check_offsets
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -190,7 +196,7 @@ def _probabilities(q, k, *, causal, window, scale, softcap, alibi_slopes) -> tor
 def _window(window_size) -> tuple[int | None, int | None]:
     """flash-attn's ``(left, right)``, a negative side meaning unbounded, as varlen's window."""
     if isinstance(window_size, torch.Tensor):
-        if window_size.dtype.is_floating_point or window_size.dtype.is_complex or window_size.dtype == torch.bool:
+        if not is_integer_dtype(window_size.dtype):
             raise TypeError(f"window_size: expected (left, right) ints or an integer tensor, got a tensor of dtype "
                             f"{window_size.dtype}")
         if window_size.shape != (2,):
@@ -230,7 +236,7 @@ def _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} differs from cu_seqlens_q's "
                          f"{tuple(cu_seqlens_q.shape)}; both hold batch + 1 offsets")
-    max_q, max_k = _host_int("max_seqlen_q", max_seqlen_q), _host_int("max_seqlen_k", max_seqlen_k)
+    max_q, max_k = host_int("max_seqlen_q", max_seqlen_q), host_int("max_seqlen_k", max_seqlen_k)
     qj = _sequences(q, cu_seqlens_q, max_q, "q")
     if cu_seqlens_k is cu_seqlens_q and k.shape[0] == q.shape[0] and max_k == max_q:
         kj = qj.with_values(k)  # self-attention: one offsets tensor, which varlen need not compare
@@ -242,21 +248,6 @@ def _jagged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
 def _sequences(x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, name: str) -> JaggedTensor:
     """``x`` over ``cu_seqlens``: checked where that costs no sync (CPU) or in checking mode, else
     trusted (see ``varlen.set_checks``)."""
-    host = None
-    if checks_metadata(cu_seqlens.device):
-        side = name[-1]
-        host = check_offsets(cu_seqlens, x.shape[0], max_seqlen,
-                             names=(f"cu_seqlens_{side}", f"{name}.shape[0]", f"max_seqlen_{side}"))
-    return JaggedTensor._trusted(x, cu_seqlens.contiguous(), max_seqlen, host)
-
-
-def _host_int(name: str, value) -> int:
-    """A non-negative int; a 1-element integer tensor is read (a device-to-host copy on a GPU)."""
-    if isinstance(value, torch.Tensor) and (value.numel() != 1 or value.is_floating_point()):
-        raise TypeError(f"{name}: expected an int, got a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
-    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.Tensor)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"{name}: got {value}; must be >= 0")
-    return value
+    side = name[-1]
+    return JaggedTensor._from_metadata(x, cu_seqlens, max_seqlen,
+                                       (f"cu_seqlens_{side}", f"{name}.shape[0]", f"max_seqlen_{side}"))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tensor, checks_metadata
-from .offsets import check_offsets, segment_ids
+from .offsets import check_offsets, check_offsets_tensor, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
 
 
@@ -38,12 +38,9 @@ class JaggedTensor:
     def __init__(self, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None = None, *,
                  validate: bool = True):
         check_tensor("values", values)
-        check_tensor("offsets", offsets)
+        check_offsets_tensor("offsets", offsets)
         if values.dim() < 1:
             raise ValueError("values: expected at least 1 dim (total, *inner), got a 0-dim tensor")
-        if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise ValueError(f"offsets: expected shape (B + 1,) with B >= 1, got {tuple(offsets.shape)}")
-        check_dtype("offsets", offsets, INDEX_DTYPES)
         if offsets.device != values.device:
             raise ValueError(f"offsets: on device {offsets.device}, but values is on {values.device}; "
                              "they must be on one device")
@@ -75,6 +72,18 @@ class JaggedTensor:
         out.max_len = max_len
         out._host_offsets = host_offsets
         return out
+
+    @classmethod
+    def _from_metadata(cls, values: torch.Tensor, offsets: torch.Tensor, max_len: int | None,
+                       names: tuple[str, str, str]) -> JaggedTensor:
+        """Over offsets and a maximum length from outside (a nested tensor's, flash-attn's ``cu_seqlens``):
+        checked where that costs no sync (CPU) or in checking mode, else trusted (``varlen.set_checks``);
+        a maximum of None is computed (a host read). ``names``: as :func:`check_offsets`'."""
+        host = None
+        if max_len is None or checks_metadata(offsets.device):
+            host = check_offsets(offsets, values.shape[0], max_len, names=names)
+            max_len = int((host[1:] - host[:-1]).max()) if max_len is None else max_len
+        return cls._trusted(values, offsets.contiguous(), max_len, host)
 
     def with_values(self, values: torch.Tensor) -> JaggedTensor:
         """A jagged tensor with these offsets and new ``values`` (same number of rows)."""
@@ -251,13 +260,8 @@ class JaggedTensor:
                              "not supported; call .contiguous() on it first")
         values, offsets = nt.values(), nt.offsets()
         hint = nt._maybe_max_seqlen  # trusted like any max_len (see varlen.set_checks)
-        max_len = None if hint is None else int(hint)
-        host = None
-        if max_len is None or checks_metadata(offsets.device):
-            host = check_offsets(offsets, values.shape[0], max_len,
-                                 names=("nt.offsets()", "nt.values().shape[0]", "nt's max_seqlen hint"))
-            max_len = int((host[1:] - host[:-1]).max()) if max_len is None else max_len
-        return cls._trusted(values, offsets.contiguous(), max_len, host)
+        return cls._from_metadata(values, offsets, None if hint is None else int(hint),
+                                  ("nt.offsets()", "nt.values().shape[0]", "nt's max_seqlen hint"))
 
     def __repr__(self) -> str:
         return (f"JaggedTensor(batch_size={self.batch_size}, max_len={self.max_len}, "

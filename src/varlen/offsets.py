@@ -10,6 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import INDEX_DTYPES, check_dtype, check_tensor
+
+
+def check_offsets_tensor(name: str, offsets) -> None:
+    """What can be checked of offsets without reading them: a 1-D integer tensor of ``B + 1 >= 2`` entries."""
+    check_tensor(name, offsets)
+    if offsets.dim() != 1 or offsets.shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (B + 1,) with B >= 1, got {tuple(offsets.shape)}")
+    check_dtype(name, offsets, INDEX_DTYPES)
+
 
 def check_offsets(offsets: torch.Tensor, total: int, max_len: int | None, *,
                   names: tuple[str, str, str] = ("offsets", "values.shape[0]", "max_len")) -> torch.Tensor:

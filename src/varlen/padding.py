@@ -20,8 +20,9 @@ from .tiling import as_columns, copy_tiles, tile_coords
 
 # ------------------------------------------------------------------------------------ kernels
 # The padded width and the tile counts change with every batch: Triton must not specialize on them (a new
-# kernel variant per batch). The padded side's batch stride is passed as a number of rows, so that its
-# alignment (known from the row stride, a model constant) survives.
+# kernel variant per batch). The padded side's batch stride is passed as a count of one of its other strides
+# (``unit_stride``: the row stride, a model constant), so that its alignment survives; a count, not a copy,
+# also covers broadcast rows (stride 0: the gradient of a sum over the padded rows).
 @triton.jit(do_not_specialize=["total", "width", "n_row_tiles"])
 def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_row_tiles, n_col_tiles,
                              stride_vr, stride_vc, stride_or,
@@ -40,9 +41,9 @@ def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_
     tl.store(dst, x, mask=(rows < width)[:, None] & col_ok)
 
 
-@triton.jit(do_not_specialize=["total", "width", "n_row_tiles", "rows_per_batch"])
+@triton.jit(do_not_specialize=["total", "width", "n_row_tiles", "batch_units"])
 def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_tiles, n_col_tiles,
-                             rows_per_batch, stride_pr, stride_pc, stride_or,
+                             batch_units, unit_stride, stride_pr, stride_pc, stride_or,
                              BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
     # One program per (sequence, block of rows up to max_len, block of columns); blocks past the
     # sequence's end have nothing to copy and return at once. padded has `width` rows per sequence,
@@ -55,7 +56,8 @@ def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_t
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     mask = (rows < length)[:, None] & (cols < n_cols)[None, :]
-    src = padded + (b.to(tl.int64) * rows_per_batch + rows[:, None]) * stride_pr + cols[None, :] * stride_pc
+    src = (padded + b.to(tl.int64) * batch_units * unit_stride + rows[:, None] * stride_pr
+           + cols[None, :] * stride_pc)
     x = tl.load(src, mask=mask)
     tl.store(out + (start + rows)[:, None] * stride_or + cols[None, :], x, mask=mask)
 
@@ -90,8 +92,8 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     if out.numel() == 0:
         return out
     p = as_columns(padded, 2)
-    if p.stride(1) == 0 or p.stride(0) % p.stride(1):
-        p = p.contiguous()  # the kernel takes the batch stride as a whole number of rows
+    # The batch stride as a whole number of row (or column) strides; 1-element units otherwise.
+    unit = next((st for st in (p.stride(1), p.stride(2)) if st and p.stride(0) % st == 0), 1)
     o = as_columns(out, 1)
     n_cols = o.shape[1]
     bt, bf = copy_tiles(max_len, n_cols, o.element_size(), o.device)
@@ -99,7 +101,7 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
     _padded_to_jagged_kernel[(B * n_row_tiles * n_col_tiles,)](
         p, offsets, o, total, p.shape[1], n_cols, n_row_tiles, n_col_tiles,
-        p.stride(0) // p.stride(1), p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)
+        p.stride(0) // unit, unit, p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)
     return out
 
 

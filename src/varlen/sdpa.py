@@ -12,7 +12,15 @@ import numbers
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_dtype, check_same_device, check_same_dtype, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_probability,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    is_integer_dtype,
+)
 from .attn.api import attention
 from .jagged import JaggedTensor
 
@@ -107,9 +115,7 @@ def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
-    dropout_p = _host_number("dropout_p", dropout_p)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+    dropout_p = check_probability("dropout_p", _host_number("dropout_p", dropout_p))
     scale = None if scale is None else _host_number("scale", scale)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
@@ -129,7 +135,7 @@ def _host_number(name: str, value):
     device-to-host copy on a GPU); any other value is returned as it is."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+    if value.dim() != 0 or not (value.is_floating_point() or is_integer_dtype(value.dtype)):
         raise TypeError(f"{name}: expected a float or a 0-dim float or integer tensor, got a tensor of shape "
                         f"{tuple(value.shape)} and dtype {value.dtype}")
     if value.requires_grad:

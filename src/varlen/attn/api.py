@@ -13,6 +13,8 @@ from .._checks import (
     accumulate_dtype,
     check_choice,
     check_dtype,
+    check_generator,
+    check_probability,
     check_same_device,
     check_same_dtype,
     check_tensor,
@@ -198,10 +200,8 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
             0 <= softcap < math.inf):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    dropout_p = check_probability("dropout_p", dropout_p)
+    check_generator("generator", generator)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -254,7 +254,6 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
 def _check_bias(bias, problem: Problem):
     if bias is None:
         return None
-    check_tensor("bias", bias)
     if bias.dtype != torch.bool:
         check_dtype("bias", bias, FLOAT_DTYPES)
     if bias.dim() > 4:
@@ -326,7 +325,6 @@ def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Te
 def _check_alibi(slopes, problem: Problem, dtype: torch.dtype):
     if slopes is None:
         return None
-    check_tensor("alibi_slopes", slopes)
     check_dtype("alibi_slopes", slopes, FLOAT_DTYPES)
     if slopes.requires_grad:
         raise ValueError("alibi_slopes: gradients with respect to the slopes are not computed; pass "

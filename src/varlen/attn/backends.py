@@ -25,15 +25,14 @@ def select(name: str | None, q, bias, alibi, problem: Problem, opts: AttentionOp
     ValueError listing every reason when none can."""
     name = _backend.scoped() if name is None else name
     check_choice("backend", name, _backend.BACKENDS)
-    modules = _MODULES
     auto_order = ["triton", "torch"] if q.device.type == "cuda" else ["torch"]
     order = auto_order if name == "auto" else [name]
     call = capabilities.Call(q, bias, alibi, problem, opts)
     reasons = {}
     for candidate in order:
-        why = capabilities.unsupported_reasons(modules[candidate].CAPABILITIES, call)
+        why = capabilities.unsupported_reasons(_MODULES[candidate].CAPABILITIES, call)
         if not why:
-            return modules[candidate]
+            return _MODULES[candidate]
         reasons[candidate] = why
     listed = "; ".join(f"backend={n!r} can't take {', '.join(r)}" for n, r in reasons.items())
     raise ValueError(f"backend: no attention backend can run these inputs ({listed})")

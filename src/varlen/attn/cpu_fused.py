@@ -132,7 +132,7 @@ _plans: dict = {}
 
 def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
     """The plan for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
-    mask_dtype = _mask_dtype(dtype)
+    mask_dtype = _kernel_dtype(dtype)
     key = (id(problem.cu_q), id(problem.cu_k), problem.cu_q._version, problem.cu_k._version, opts.causal,
            problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
     entry = _plans.get(key)
@@ -142,11 +142,6 @@ def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype, rows: tu
     _plans.clear()  # only the latest batch's plan is kept
     _plans[key] = (weakref.ref(problem.cu_q), weakref.ref(problem.cu_k), plan)
     return plan
-
-
-def _mask_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The kernel's dtype (:func:`_kernel_dtype`), which its mask must have."""
-    return _kernel_dtype(dtype)
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -184,7 +179,7 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
 
 def _forward_dense(q, k, v, bias, opts: AttentionOptions):
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views
-    mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
+    mask = None if bias is None else bias.to(_kernel_dtype(q.dtype))
     out, lse = _FORWARD(*_inputs(qt, kt, vt), 0.0, opts.causal, attn_mask=mask, scale=opts.scale)
     out, lse = out.to(q.dtype), lse.to(accumulate_dtype(q.dtype))
     if mask is not None:
@@ -232,7 +227,7 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
 
 
 def _backward_dense(dout, q, k, v, out, lse, bias, opts: AttentionOptions):
-    mask = None if bias is None else bias.to(_mask_dtype(q.dtype))
+    mask = None if bias is None else bias.to(_kernel_dtype(q.dtype))
     grads = _BACKWARD(*_inputs(*(t.transpose(1, 2) for t in (dout, q, k, v, out))), _kernel_lse(lse), 0.0,
                       opts.causal, attn_mask=mask, scale=opts.scale)
     return tuple(g.transpose(1, 2).to(t.dtype) for g, t in zip(grads, (q, k, v), strict=True))

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_generator, check_int, check_probability
 from ..jagged import as_jagged
-from .options import AttentionOptions, DropoutSeed
+from .options import DropoutSeed
 
 _U32 = 0xFFFFFFFF
 _U64_LIMIT = 2**64
@@ -145,7 +145,7 @@ def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p:
     for name, value in (("seed", seed), ("offset", offset)):
         if value >= _U64_LIMIT:
             raise ValueError(f"{name}: got {value}; must be below 2**64")
-    _check_p(dropout_p)
+    dropout_p = check_probability("dropout_p", dropout_p)
     return keep_mask_block(seed, offset, batch, heads, (0, max_q), max_k, dropout_p, device).contiguous()
 
 
@@ -179,9 +179,8 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
         TypeError / ValueError: q or k is not a 4-dim tensor or a jagged tensor of 3-dim values,
         ``dropout_p`` is outside ``[0, 1)``, or ``generator`` is not a ``torch.Generator``.
     """
-    _check_p(dropout_p)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
+    dropout_p = check_probability("dropout_p", dropout_p)
+    check_generator("generator", generator)
     batch, max_q, heads, device = _shape(q, "q")
     _, max_k, _, _ = _shape(k, "k")
     if dropout_p == 0.0:
@@ -189,7 +188,7 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
     generator = generator if generator is not None else default_generator(device)
     state = generator.get_state()
     try:
-        drawn = draw_dropout_seed(AttentionOptions(scale=1.0, dropout_p=float(dropout_p)), generator, device)
+        drawn = draw_dropout_seed(generator, device)
     finally:
         generator.set_state(state)
     return keep_mask_block(drawn.seed, drawn.offset, batch, heads, (0, max_q), max_k, dropout_p,
@@ -209,28 +208,24 @@ def _shape(x, name: str) -> tuple[int, int, int, torch.device]:
     return xj.batch_size, xj.max_len, xj.values.shape[1], xj.device
 
 
-def _check_p(dropout_p) -> None:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p!r}")
+# Seeds lie in [0, SEED_LIMIT): 63 bits, eager or drawn inside a compiled graph.
+SEED_LIMIT = 2**63 - 1
 
 
-def draw_dropout_seed(opts: AttentionOptions, generator: torch.Generator | None,
-                      device: torch.device) -> DropoutSeed | None:
-    """The Philox key of one call, drawn from ``generator`` on the host (no device sync).
+def draw_dropout_seed(generator: torch.Generator | None, device: torch.device) -> DropoutSeed:
+    """The Philox key of one call with dropout, drawn from ``generator`` on the host (no device sync).
 
     A CUDA generator gives its seed and current offset, then advances the offset, as PyTorch's own
     dropout does; a CPU generator gives a random 63-bit seed. Either way the generator's state moves,
     so consecutive calls get different masks and a restored state replays the same one.
     """
-    if opts.dropout_p == 0.0:
-        return None
     if generator is None:
         generator = default_generator(device)
     if generator.device.type == "cuda":
         offset = generator.get_offset()
         generator.set_offset(offset + 4)
-        return DropoutSeed(seed=generator.initial_seed() & (2**63 - 1), offset=offset)
-    seed = int(torch.randint(0, 2**63 - 1, (1,), generator=generator, dtype=torch.int64))
+        return DropoutSeed(seed=generator.initial_seed() & SEED_LIMIT, offset=offset)
+    seed = int(torch.randint(0, SEED_LIMIT, (1,), generator=generator, dtype=torch.int64))
     return DropoutSeed(seed=seed, offset=0)
 
 

@@ -36,11 +36,9 @@ from torch import Tensor
 from .. import _amp
 from .._checks import accumulate_dtype
 from . import backends
-from .dropout import draw_dropout_seed
+from .dropout import SEED_LIMIT, draw_dropout_seed
 from .options import AttentionOptions, DropoutSeed, Problem
 
-# Seeds drawn inside a compiled graph lie in [0, SEED_LIMIT), as the eager ones (63 bits).
-SEED_LIMIT = 2**63 - 1
 DOUBLE_BACKWARD = ("varlen.attention: double backward (the gradient of a gradient through attention) is not "
                    "supported; compute first-order gradients only (no create_graph=True through attention)")
 
@@ -252,7 +250,7 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
             raise ValueError("generator: not supported inside torch.compile (the compiled graph draws the "
                              "dropout seed from the default generator); pass generator=None")
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
-    drawn = draw_dropout_seed(opts, generator, device)
+    drawn = draw_dropout_seed(generator, device)
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
 
 

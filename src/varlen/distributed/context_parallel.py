@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from .._checks import INDEX_DTYPES, accumulate_dtype, check_choice, check_dtype, check_tensor
+from .. import _amp
+from .._checks import accumulate_dtype, check_choice, check_tensor
 from ..attn import api, function
 from ..attn.options import AttentionOptions
 from ..jagged import JaggedTensor
-from ..offsets import check_offsets
+from ..offsets import check_offsets, check_offsets_tensor
 from .plan import BALANCES, Piece, make_plan
 
 # funcol's single-tensor collectives (their older names in the torch versions that lack these).
@@ -65,10 +66,7 @@ class ContextParallel:
     """
 
     def __init__(self, offsets: torch.Tensor, group: dist.ProcessGroup | None = None, balance: str = "causal"):
-        check_tensor("offsets", offsets)
-        check_dtype("offsets", offsets, INDEX_DTYPES)
-        if offsets.dim() != 1 or offsets.shape[0] < 2:
-            raise ValueError(f"offsets: expected shape (B + 1,) with B >= 1, got {tuple(offsets.shape)}")
+        check_offsets_tensor("offsets", offsets)
         check_choice("balance", balance, BALANCES)
         host = offsets.detach().to("cpu", torch.int64)
         host = check_offsets(host, int(host[-1]), None)
@@ -85,6 +83,7 @@ class ContextParallel:
         self._block_rows = max(max(counts), 1)
         starts = host[:-1].tolist()
         gathered = torch.empty(int(host[-1]), dtype=torch.int64)  # global row -> row in the gathered K/V
+        self.local_index = torch.zeros(0, dtype=torch.int64, device=offsets.device)
         for r, pieces in enumerate(self.plan.pieces):
             rows = [torch.arange(starts[p.sequence] + p.start, starts[p.sequence] + p.end) for p in pieces]
             if rows:
@@ -92,8 +91,6 @@ class ContextParallel:
                 gathered[owned] = r * self._block_rows + torch.arange(owned.numel())
                 if r == self.rank:
                     self.local_index = owned.to(offsets.device)
-        if not self.plan.pieces[self.rank]:
-            self.local_index = torch.zeros(0, dtype=torch.int64, device=offsets.device)
         self._starts = starts
         self._gathered_row = gathered
         # A rank without rows runs one empty piece, so that its call has the same shape as the others'.
@@ -190,16 +187,11 @@ class ContextParallel:
                            query_offset=layout.query_offset, dropout_sequences=layout.sequences)
         qt, _, _, _, alibi, problem, opts, impl, seed = call.args
         extras, primitives = function.flatten(alibi, problem, opts, impl.NAME, seed)
-        k, v = call_dtype(k, qt), call_dtype(v, qt)
+        k, v = _amp.cast(_amp.LOWER_PRECISION, qt.device, k, v)  # as api.prepare cast q
         chunks = head_chunks_for(k.shape[1], self.world, dropout_p, head_chunks)
         out, lse = _ContextParallelAttention.apply(qt, k, v, layout.key_rows, self._block_rows, self.group, chunks,
                                                    extras, primitives)
         return (out, lse) if return_lse else out
-
-
-def call_dtype(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """k or v in the dtype the call runs in (q's after ``api.prepare``: autocast's)."""
-    return t if t.dtype == q.dtype else t.to(q.dtype)
 
 
 def head_chunks_for(kv_heads: int, world: int, dropout_p: float, requested: int | None) -> int:
@@ -285,7 +277,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         out = lse = None
         for q_heads, kv_heads in slices:
             k_call, v_call = _gather(k[:, kv_heads], v[:, kv_heads], key_rows, block_rows, group)
-            q_chunk = q if chunks == 1 else q[:, q_heads].contiguous()
+            q_chunk = q if chunks == 1 else q[:, q_heads]  # a strided view: the backends take head strides
             o, l = _attention_forward(q_chunk, k_call, v_call, None, _chunk_extras(extras, q_heads, chunks),
                                       *primitives)
             del k_call, v_call
@@ -317,7 +309,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         dv = torch.empty_like(v) if chunks > 1 else None
         for q_heads, kv_heads in _head_slices(q.shape[1], k.shape[1], chunks):
             def part(t, heads=q_heads):
-                return t.contiguous() if chunks == 1 else t[:, heads].contiguous()
+                return t if chunks == 1 else t[:, heads]
 
             k_call, v_call = _gather(k[:, kv_heads], v[:, kv_heads], key_rows, block_rows, group)
             grads = _attention_backward(part(dout), None if dlse is None else dlse[q_heads], part(q), k_call, v_call,

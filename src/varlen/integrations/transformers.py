@@ -16,9 +16,11 @@ How each batch layout runs (no copies of q, k, v unless noted):
 
 - Packed batches (``DataCollatorWithFlattening``: sequences one after another, ``position_ids`` restarting
   at each sequence). With ``return_flash_attn_kwargs=True`` the collator also gives ``cu_seq_lens_q/k``
-  and ``max_length_q/k``: jagged attention over the flattened rows. With ``position_ids`` alone, each
-  row's documents (where positions restart) are found on the device and attention stays within them
-  (``varlen.attention``'s ``document_ids``). Neither reads anything on the host, and both compile.
+  and ``max_length_q/k``: jagged attention over the rows, q, k, v flattened to ``(B * S, heads, dim)`` with
+  ``reshape``: a view for the collator's single row (B = 1), a copy when B > 1 (and heads > 1). With
+  ``position_ids`` alone, each row's documents (where positions restart) are found on the device and
+  attention stays within them (``varlen.attention``'s ``document_ids``). Neither reads anything on the
+  host, and both compile.
 - Padded batches (2-D ``attention_mask``): dense attention with the padding as a key mask (an all-ones mask
   too: telling it apart would read it on the host); exact for any mask, no device-to-host copy, but the
   padding is computed over (pack the batch to skip it).
@@ -111,13 +113,16 @@ def _documents(position_ids, batch: int, seq_q: int, seq_k: int) -> torch.Tensor
     """The document of each token of packed rows, ``(B, S)``, or None when the batch can't be packed (no
     position_ids, or a cache: Sq != Sk). A document starts at each row's start and wherever the position
     doesn't follow the previous one's by 1, as transformers' packed-sequence masks define it. Computed on the
-    device: no host sync, and it traces under ``torch.compile``; a row that is one sequence is one document."""
+    device: no host sync, and it traces under ``torch.compile``; a row that is one sequence is one document.
+
+    The ids are ``pos[i] - i``: ``varlen.attention`` only compares neighbours (a document is a run of equal
+    ids), and ``pos[i] - i == pos[i - 1] - (i - 1)`` exactly when ``pos[i] == pos[i - 1] + 1``."""
     if not isinstance(position_ids, torch.Tensor) or seq_q != seq_k or seq_q < 2:
         return None
     if position_ids.shape[-1] != seq_q or position_ids.numel() not in (seq_q, batch * seq_q):
         return None
     pos = position_ids.reshape(-1, seq_q).expand(batch, -1)
-    return torch.cat([pos.new_zeros(batch, 1), (pos[:, 1:] != pos[:, :-1] + 1).cumsum(1)], dim=1)
+    return pos - torch.arange(seq_q, device=pos.device)
 
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,

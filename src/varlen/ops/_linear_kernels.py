@@ -21,6 +21,7 @@ import torch
 
 from .._amp import dot_precision
 from .._triton import tl, triton
+from ..offsets import sequence_bounds
 from ..tiling import chunk_rows_for, sequence_rows
 
 # Grouped matmul tiles: BLOCK_M rows of one sequence x BLOCK_N output columns, K in BLOCK_K steps.
@@ -55,7 +56,7 @@ def _grouped_matmul_kernel(
     row_end = seq_start + seq_len
     rows = row_start + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = (rows >= seq_start) & (rows < row_end)  # row_start came from unclamped offsets
+    row_ok = rows < row_end  # row_start lies in the (clamped) sequence: _row_blocks clamps as sequence_rows
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None] * stride_xm
     w_cols = w_ptr + seq.to(tl.int64) * stride_wb + cols[None, :] * stride_wn
@@ -112,19 +113,21 @@ def _grouped_config(dtype: torch.dtype) -> dict:
                 num_warps=4, num_stages=3)
 
 
-def _row_blocks(offsets: torch.Tensor, block_m: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_blocks(offsets: torch.Tensor, total: int, block_m: int,
+                num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of ``num_blocks`` row tiles: its sequence (B when idle) and its first row. No sync.
 
-    Sequence b has ``cdiv(L_b, block_m)`` tiles, numbered consecutively in sequence order; the
-    host bound ``num_blocks = cdiv(total, block_m) + B`` is >= their sum, and the rest are idle.
+    Sequence b (bounds clamped into the ``total`` rows, as the kernel clamps them) has ``cdiv(L_b, block_m)``
+    tiles, numbered consecutively in sequence order; the host bound ``num_blocks = cdiv(total, block_m) + B``
+    is >= their sum for valid offsets, and the rest are idle.
     """
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    starts, lengths = sequence_bounds(offsets, total, total)
     tiles = (lengths + (block_m - 1)) // block_m
     tile_ends = torch.cumsum(tiles, 0)
     ids = torch.arange(num_blocks, device=offsets.device)
     seq = torch.searchsorted(tile_ends, ids, right=True)  # in [0, B]: B past the last tile
     first_tile = torch.cat([tile_ends - tiles, tile_ends[-1:]])  # (B + 1,), so idle ids index it too
-    first_row = offsets.to(torch.int64)[seq] + (ids - first_tile[seq]) * block_m
+    first_row = torch.cat([starts, starts[-1:]])[seq] + (ids - first_tile[seq]) * block_m
     return seq.to(torch.int32), first_row
 
 
@@ -141,7 +144,7 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
         return out
     cfg = _grouped_config(x.dtype)
     num_blocks = triton.cdiv(total, cfg["BLOCK_M"]) + B
-    block_seq, block_row = _row_blocks(offsets, cfg["BLOCK_M"], num_blocks)
+    block_seq, block_row = _row_blocks(offsets, total, cfg["BLOCK_M"], num_blocks)
     grid = (num_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
     _grouped_matmul_kernel[grid](
         x, w, out, offsets, block_seq, block_row, B, total, K, N,

@@ -18,19 +18,19 @@ from torch.types import Number
 from .._checks import check_int, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
+from ..offsets import sequence_bounds
 from ..padding import copy_backend
-from ..tiling import as_columns, copy_tiles
+from ..tiling import as_columns, copy_tiles, sequence_rows
 
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit
 def _positions(offsets, bs, batch, index, total, FROM_END: tl.constexpr):
     """For sequences ``bs``: the row of position ``index`` and whether that position exists (sequence
-    bounds clamped into the ``total`` rows, as ``tiling.sequence_rows``)."""
+    bounds clamped into the ``total`` rows by ``tiling.sequence_rows``; ``bs`` past the batch read its last
+    sequence's offsets and exist nowhere)."""
     b_ok = bs < batch
-    start = tl.minimum(tl.maximum(tl.load(offsets + bs, mask=b_ok, other=0).to(tl.int64), 0), total)
-    end = tl.minimum(tl.maximum(tl.load(offsets + bs + 1, mask=b_ok, other=0).to(tl.int64), start), total)
-    length = end - start
+    start, length = sequence_rows(offsets, tl.minimum(bs, batch - 1), total)
     pos = length + index if FROM_END else tl.zeros_like(length) + index
     return start + pos, b_ok & (pos >= 0) & (pos < length)
 
@@ -104,8 +104,7 @@ def scatter_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, index: in
 
 def _positions_torch(offsets: torch.Tensor, total: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of position ``index`` of every sequence (clamped into range) and whether each exists."""
-    start = offsets[:-1].to(torch.int64).clamp(0, total)
-    length = torch.maximum(offsets[1:].to(torch.int64).clamp(max=total), start) - start
+    start, length = sequence_bounds(offsets, total, total)
     pos = length + index if index < 0 else torch.full_like(start, index)
     ok = (pos >= 0) & (pos < length)
     return (start + pos).clamp(0, max(total - 1, 0)), ok

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...capabilities import Capabilities, triton_device_reason
+from ..._backend import triton_unsupported_reason
+from ...capabilities import Capabilities
 from . import configs
 from .backward import launch_backward
 from .forward import launch_forward
@@ -14,7 +15,7 @@ NAME = "triton"
 # Every feature; head dims up to 256 (the tiles of larger ones don't fit sm_90's shared memory); no float64
 # (no float64 tensor-core dots).
 CAPABILITIES = Capabilities("triton", (torch.float16, torch.bfloat16, torch.float32), ("cuda",), max_head_dim=256,
-                            device_check=triton_device_reason)
+                            device_check=triton_unsupported_reason)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

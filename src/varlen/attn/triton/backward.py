@@ -313,15 +313,16 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     delta = torch.empty_like(lse)
     lse2 = torch.empty_like(lse)
     seq_args = seqs(problem, q, k, lse)
+    feats = features(problem, opts, bias, alibi, seed)
     pre_block = 64
     _bwd_preprocess[(cdiv(problem.max_q, pre_block), H, B)](
         O=rows(out, dense), dO=rows(dout, dense), dLSE=lse if dlse is None else dlse, LSE=lse, DELTA=delta,
-        LSE2=lse2, **seq_args, F=features(problem, opts, bias, alibi, seed), HAS_DLSE=dlse is not None,
+        LSE2=lse2, **seq_args, F=feats, HAS_DLSE=dlse is not None,
         DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
-                  **dropout_args(seed, opts, problem, lse), F=features(problem, opts, bias, alibi, seed))
+                  **dropout_args(seed, opts, problem, lse), F=feats)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
 

@@ -168,7 +168,8 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     return t.forward[bound]
 
 
-def _tma_reduce_available(device: torch.device) -> bool:
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has the Tensor Memory Accelerator (Hopper and newer): descriptor loads, bulk reduce."""
     return device.type == "cuda" and _capability(device)[0] >= 9
 
 
@@ -199,6 +200,6 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
             q = t.q_heavy[bound]
     if deterministic:
         mode = DQ_SEPARATE
-    elif mode == DQ_TMA and not _tma_reduce_available(device):
+    elif mode == DQ_TMA and not has_tma(device):
         mode = DQ_ATOMIC
     return BackwardConfig(kv, q, mode)

@@ -111,9 +111,8 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None):
     ``tma``: load tiles through TMA descriptors; None decides from the device and alignment.
     """
     B, H, DV, dense = problem.batch, problem.heads, problem.head_dim_v, problem.dense
-    rows_q = q.shape[0] * q.shape[1] if dense else q.shape[0]
     out = q.new_empty((*q.shape[:-1], DV))
-    lse = torch.empty((B, H, problem.max_q) if dense else (H, rows_q), device=q.device, dtype=torch.float32)
+    lse = torch.empty((B, H, problem.max_q) if dense else (H, q.shape[0]), device=q.device, dtype=torch.float32)
     grid = (cdiv(problem.max_q, config.block_m), H, B)
     if 0 in grid:  # no query: nothing to write
         return out, lse

@@ -10,13 +10,13 @@ Every kernel takes two constexpr bundles besides its tensor and runtime bundles 
 from __future__ import annotations
 
 import collections
-import functools
 
 import torch
 
 from ..._amp import dot_precision
 from ..._backend import interpreter_enabled
 from ..._triton import tl, triton
+from .configs import has_tma
 
 Features = collections.namedtuple("Features", "VARLEN BOTTOM_RIGHT HAS_WL HAS_R PREFIX DOCS HAS_BIAS HAS_ALIBI "
                                               "SOFTCAP DROPOUT RAW_SCORES POSITIONS")
@@ -73,15 +73,10 @@ def tiles(problem, config, dtype: torch.dtype, tma: bool) -> Tiles:
                             DOT_PRECISION=dot_precision(dtype), TMA=tma))
 
 
-@functools.cache
-def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def use_tma(*tensors) -> bool:
     """Tiles load through TMA descriptors on Hopper+, when every base and row stride is 16-byte aligned."""
     t0 = tensors[0]
-    if t0.device.type != "cuda" or interpreter_enabled() or not _has_tma(t0.device.index or 0):
+    if interpreter_enabled() or not has_tma(t0.device):
         return False
     for t in tensors:
         size = t.element_size()

@@ -89,6 +89,20 @@ def tile_stages(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _within_documents(lo, hi, full_lo, full_hi, m: SeqMask, first, last):
+    """The visible range ``[lo, hi)`` and fully visible range ``[full_lo, full_hi)`` of a block of rows
+    ``first..last`` (queries or keys: documents are runs of rows, the same along both) cut to the documents
+    of its first and last rows; every row sees the full range only when the block lies in one document."""
+    first_doc = tl.load(m.doc_start + first)
+    last_doc = tl.load(m.doc_start + last)
+    lo = tl.maximum(lo, first_doc)
+    hi = tl.minimum(hi, tl.load(m.doc_end + last))
+    full_lo = tl.maximum(full_lo, last_doc)
+    full_hi = tl.where(first_doc == last_doc, tl.minimum(full_hi, tl.load(m.doc_end + first)), full_lo)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
 def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key tiles a block of queries [m0, m0 + BLOCK_M) must visit (see ``tile_stages``)."""
     i_first = m0
@@ -112,14 +126,7 @@ def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, B
         full_lo = tl.where(full_lo <= P, 0, full_lo)
         lo = tl.where(P > 0, 0, lo)
     if F.DOCS:
-        # Keys of the documents of the block's first and last rows (documents are runs of rows).
-        first_doc = tl.load(m.doc_start + i_first)
-        last_doc = tl.load(m.doc_start + i_last)
-        lo = tl.maximum(lo, first_doc)
-        hi = tl.minimum(hi, tl.load(m.doc_end + i_last))
-        # Every row sees a key only when the whole block lies in one document.
-        full_lo = tl.maximum(full_lo, last_doc)
-        full_hi = tl.where(first_doc == last_doc, tl.minimum(full_hi, tl.load(m.doc_end + i_first)), full_lo)
+        lo, hi, full_lo, full_hi = _within_documents(lo, hi, full_lo, full_hi, m, i_first, i_last)
     return tile_stages(lo, hi, full_lo, full_hi, BLOCK_N)
 
 
@@ -147,12 +154,7 @@ def query_stages(n0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr,
         full_lo = tl.where(whole, 0, full_lo)
         full_hi = tl.where(whole, Lq, full_hi)
     if F.DOCS:
-        first_doc = tl.load(m.doc_start + j_first)
-        last_doc = tl.load(m.doc_start + j_last)
-        lo = tl.maximum(lo, first_doc)
-        hi = tl.minimum(hi, tl.load(m.doc_end + j_last))
-        full_lo = tl.maximum(full_lo, last_doc)
-        full_hi = tl.where(first_doc == last_doc, tl.minimum(full_hi, tl.load(m.doc_end + j_first)), full_lo)
+        lo, hi, full_lo, full_hi = _within_documents(lo, hi, full_lo, full_hi, m, j_first, j_last)
     # A key block that runs past Lk needs the key mask on every tile.
     full_hi = tl.where(n0 + BLOCK_N <= Lk, full_hi, 0)
     return tile_stages(lo, hi, full_lo, full_hi, BLOCK_M)
