@@ -31,8 +31,8 @@ from varlen.distributed import ContextParallel, make_plan
 from varlen.distributed.context_parallel import head_chunks_for
 
 
-def lengths_for(tokens: int, lo: int, hi: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
+def lengths_for(tokens: int, lo: int, hi: int) -> list[int]:
+    g = torch.Generator().manual_seed(0)
     lengths = []
     while sum(lengths) < tokens:
         lengths.append(int(torch.randint(lo, hi + 1, (1,), generator=g)))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import varlen
+from utils import rel_err
 from varlen.distributed import ContextParallel
 
 # Each case: attention keyword arguments plus test settings (dtype, backend, balance, lse in the loss).
@@ -47,16 +48,17 @@ def _lengths(world: int, seed: int, long: bool = False) -> list[int]:
     return [0, 1, max(1, world - 1), 40 + world * 9, *torch.randint(0, 24, (4,), generator=g).tolist()]
 
 
-def _rel(got, want) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp(min=1e-30))
-
-
 def _check(name, got, want, tol, whole=None):
     """``got`` within ``tol`` of ``want``; with ``whole`` (the one-process result in the same precision, ``want``
     then the float64 one), flash-attn's rule instead: at most twice one process's error, plus ``tol``."""
-    err = _rel(got, want)
-    allowed = tol if whole is None else 2 * _rel(whole, want) + tol
+    # Every value compared must be finite (rel_err skips the non-finite entries that two tensors share, and an
+    # infinite error of ``whole`` would allow anything), and an all-zero ``want`` leaves the error relative to
+    # 1e-30, not absolute.
+    for t in (got, want) if whole is None else (got, want, whole):
+        if not bool(torch.isfinite(t).all()):
+            raise AssertionError(f"{name}: non-finite values")
+    err = rel_err(got, want, floor=1e-30)
+    allowed = tol if whole is None else 2 * rel_err(whole, want, floor=1e-30) + tol
     if not err <= allowed:
         raise AssertionError(f"{name}: relative error {err:.3g} > {allowed:.3g}")
 

@@ -121,6 +121,7 @@ def test_encoder_layer_matches_torch_nn_under_autocast(norm_first):
         grads_ref = torch.autograd.grad((y_ref.float() * weights).sum(), list(theirs.parameters()))
         for (name, p), g, r in zip(ours.named_parameters(), grads, grads_ref, strict=True):
             assert g.dtype == p.dtype == torch.float32
+            # 5x: both sides' grads carry the forward's roundings plus those of each later sublayer's autocast backward
             assert_close(g, r, tol=5 * TOL[dtype], name=f"d{name}", floor=1e-3)
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
-from utils import REL_TOL, assert_close
+from utils import REL_TOL, assert_close, float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen.attn import reference, torch_backend
 from varlen.attn.reference import attention_reference
@@ -233,13 +233,9 @@ FLOAT32_GPU_CASES = [
 @pytest.mark.parametrize("case", FLOAT32_GPU_CASES, ids=lambda c: c.id)
 def test_triton_float32_follows_torch_precision(case, precision, tol, device):
     """float32 on the GPU: float32 accuracy by default (three-pass TF32 dots), TF32's when torch allows TF32."""
-    saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = precision
-    try:
+    with float32_matmul_precision(precision):
         inputs = case.make(torch.float32, device)
         out, lse, grads = run_attention(case, inputs, "triton")
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = saved
     ref_out, ref_lse, ref_grads = run_reference(case, inputs)
     assert_close(_values(out), _values(ref_out), tol=tol, name="out")
     assert_close(lse, ref_lse, tol=tol, name="lse")

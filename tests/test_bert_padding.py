@@ -68,8 +68,8 @@ APPLIED = {"index_first_axis": "IndexFirstAxis", "index_put_first_axis": "IndexP
 FUNCTIONS = ["unpad_input", "unpad_input_for_concatenated_sequences", "pad_input"]
 
 
-def _params(fn, skip: int = 0) -> list:
-    return [(p.name, p.kind, p.default) for p in list(inspect.signature(fn).parameters.values())[skip:]]
+def _params(fn) -> list:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
 
 
 def test_module_exports_exactly_flash_attns_names():

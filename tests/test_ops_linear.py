@@ -8,8 +8,7 @@ import torch
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import REL_TOL, assert_close, checkable_dtypes, random_jagged, rel_err
-from varlen.attn import torch_backend
+from utils import REL_TOL, assert_close, checkable_dtypes, float32_matmul_precision, random_jagged, rel_err
 from varlen.capabilities import JAGGED_KERNELS
 from varlen.ops.linear import linear, matmul, transposed_matmul
 
@@ -24,10 +23,11 @@ BACKENDS = ["torch", "triton"]
 
 
 def _dtypes(backend):
-    """What each backend declares (the Triton matmul kernels: no float64), less what can't be checked here."""
+    """The matmul family's declared dtypes (``JAGGED_KERNELS["matmul"]``), less what can't be checked here; the
+    PyTorch path takes float64 too, which the Triton kernels don't (tensor-core dots)."""
     if backend == "triton":
         return checkable_dtypes(JAGGED_KERNELS["matmul"])
-    return checkable_dtypes(torch_backend.CAPABILITIES, half_on_cpu=False)
+    return [*checkable_dtypes(JAGGED_KERNELS["matmul"], half_on_cpu=False), torch.float64]
 
 
 def _id(dtype):
@@ -174,16 +174,12 @@ def test_per_sequence_gradcheck():
 def test_float32_full_precision_on_gpu():
     """With PyTorch's default (no TF32), float32 kernels on the GPU keep float32 accuracy (three-pass TF32), not
     TF32's."""
-    saved = torch.backends.cuda.matmul.fp32_precision
-    try:
-        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    with float32_matmul_precision("ieee"):
         x = random_jagged([300, 1000, 0, 7], (512,))
         w = torch.randn(4, 512, 256, device=DEVICE)
         with varlen.use_backend("triton"):
             out = matmul(x, w)
             t_out = transposed_matmul(x, out)
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = saved
     bounds = _bounds(x)
     ref = _ref_grouped(x.values.double(), bounds, w.double())
     assert rel_err(out.values, ref) < 1e-5

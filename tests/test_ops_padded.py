@@ -97,6 +97,22 @@ def test_strided_inputs(backend, device):
     assert torch.equal(v, torch.cat([padded_t[b, :n] for b, n in enumerate(lengths)]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_padded_inputs(backend, device):
+    """Padded tensors with stride-0 dims, as the gradients of sums over the padded rows arrive: (B, 1, F)
+    expanded over the rows, one row expanded over everything, and a batch stride that is no whole number
+    of rows."""
+    lengths = [4, 0, 9, 2]
+    offsets = torch.tensor([0, 4, 4, 13, 15], device=device)
+    per_batch = torch.randn(4, 1, 6, device=device).expand(4, 9, 6)
+    everywhere = torch.randn(6, device=device).expand(4, 9, 6)
+    rows_outer = torch.randn(9, 4, 6, device=device).transpose(0, 1)  # batch stride 6, row stride 24
+    for padded in (per_batch, everywhere, rows_outer):
+        with varlen.use_backend(backend):
+            v = padded_ops.padded_to_jagged(padded, offsets, 15, 9)
+        assert torch.equal(v, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
+
+
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16], ids=str)
 def test_copy_kernels_move_any_dtype_exactly(dtype, device):
     lengths = [3, 0, 5]

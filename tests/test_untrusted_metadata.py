@@ -132,14 +132,6 @@ def test_gpu_trusts_metadata_outside_the_checking_mode(device):
 
 
 # ---------------------------------------------------------------------------- no access out of bounds
-def _guarded(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t``'s values in the middle of a NaN-filled buffer: (the buffer, the view)."""
-    flat = torch.full((t.numel() + 2 * GUARD,), math.nan, dtype=t.dtype, device=t.device)
-    view = flat[GUARD:GUARD + t.numel()].view(t.shape)
-    view.copy_(t)
-    return flat, view
-
-
 @pytest.fixture
 def guarded_outputs(monkeypatch):
     """``torch.empty``/``empty_like``/``new_empty`` hand out zeroed memory between NaN guards; returns the
@@ -167,7 +159,6 @@ def guarded_outputs(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty)
     yield buffers
-    monkeypatch.undo()
 
 
 def _assert_guards_intact(buffers):
@@ -200,11 +191,14 @@ def _trusted(values, case, device):
     return JaggedTensor._trusted(values, torch.tensor(offsets, dtype=torch.int32, device=device), max_len)
 
 
-def _leaf(shape, device, dtype=torch.float32):
-    """A leaf between NaN guards (the view of the guarded buffer is what the ops read)."""
-    flat, view = _guarded(torch.randn(shape, dtype=dtype, device=device))
-    flat.requires_grad_(True)
-    return flat, flat[GUARD:GUARD + view.numel()].view(shape)
+def _leaf(shape, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random values in the middle of a NaN-filled buffer: (the buffer, a leaf that requires grad; the values'
+    view of it, taken before, outside the graph). The ops read the same view, taken again from the leaf."""
+    values = torch.randn(shape, dtype=dtype, device=device)
+    flat = torch.full((values.numel() + 2 * GUARD,), math.nan, dtype=dtype, device=device)
+    view = flat[GUARD:GUARD + values.numel()].view(shape)
+    view.copy_(values)
+    return flat.requires_grad_(True), view
 
 
 START = [0, 5, 22]
