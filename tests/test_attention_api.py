@@ -304,3 +304,21 @@ def test_backend_reasons_come_from_the_declarations():
     with pytest.raises(ValueError, match=r"backend='triton' can't take .*dtype float64 \(allowed: float16, "
                                          r"bfloat16, float32\), head dims \(300, 300\) \(at most 256\)"):
         varlen.attention(q, q, q, backend="triton")
+
+
+def test_features_are_not_examined_on_a_device_the_backend_cannot_use():
+    """A backend that can't take the device lists the device, dtype and head dims, and never evaluates a
+    feature predicate (some read device tensors: a host sync per call)."""
+    from types import SimpleNamespace
+
+    from varlen import capabilities
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"a feature predicate read opts.{name}")
+
+    caps = capabilities.Capabilities("gpu_only", (torch.float16,), ("cuda",), frozenset(), max_head_dim=64)
+    problem = SimpleNamespace(head_dim=80, head_dim_v=80)
+    call = capabilities.Call(torch.empty(0, dtype=torch.float32, device="meta"), None, None, problem, Untouchable())
+    assert capabilities.unsupported_reasons(caps, call) == [
+        "tensors on meta (it runs on cuda)", "dtype float32 (allowed: float16)", "head dims (80, 80) (at most 64)"]

@@ -97,11 +97,11 @@ def unsupported_reasons(caps: Capabilities, call: Call) -> list[str]:
     features are not examined: some predicates read tensors (``_same_lengths``), a host sync on a GPU."""
     device_reason = caps.device_reason(call.q.device)
     reasons = [r for r in (device_reason, caps.dtype_reason(call.q.dtype)) if r]
-    if device_reason:
-        return reasons
     dims = (call.problem.head_dim, call.problem.head_dim_v)
     if caps.max_head_dim is not None and max(dims) > caps.max_head_dim:
         reasons.append(f"head dims {dims} (at most {caps.max_head_dim})")
+    if device_reason:
+        return reasons
     for name in sorted(ALL_FEATURES - caps.features):
         text, uses = FEATURES[name]
         if uses(call):
