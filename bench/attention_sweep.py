@@ -1,6 +1,7 @@
 """Tile-configuration sweep for the attention kernels (a tuning tool; results feed configs.py).
 
     PYTHONPATH=src python3 bench/attention_sweep.py --jobs 16 [--quick] [--focus F] --csv rows.csv
+    PYTHONPATH=src python3 bench/attention_sweep.py --focus fp32 --precision tf32x3 --kind bwd --csv rows.csv
 
 Every variant is first compiled in a pool of processes (filling Triton's on-disk cache in parallel),
 then timed one after another in this process. Forward and backward are timed separately; the backward
@@ -52,11 +53,15 @@ FWD_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(128, 32, 4, 2), K(128, 64, 8, 2),
 KV_F32 = [K(32, 64, 4, 1), K(32, 64, 4, 2), K(64, 64, 4, 2), K(64, 32, 4, 2), K(32, 32, 4, 2), K(64, 64, 8, 2),
           K(32, 128, 8, 2), K(64, 128, 8, 2)]
 QK_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(32, 64, 4, 2), K(128, 32, 4, 2)]
+# The 3xTF32 backward keeps every loaded tile and its remainder in shared memory (configs.splits_tf32): few
+# query rows per tile.
+KV_F32_SPLIT = [K(16, 64, 4, 2), K(16, 64, 4, 3), K(16, 64, 4, 1), K(32, 64, 4, 2), K(32, 64, 4, 1),
+                K(16, 128, 8, 2), K(16, 64, 8, 2), K(32, 128, 8, 2)]
 
 
 def shapes(args):
     if args.focus == "fp32":
-        for D, causal, prec in itertools.product((64, 128), (False, True), ("tf32", "tf32x3")):
+        for D, causal, prec in itertools.product((64, 128), (False, True), args.precision):
             yield dict(D=D, causal=causal, S=2048, B=8, H=512 // D, feat=None, dtype=torch.float32, prec=prec)
         return
     if args.focus == "all":
@@ -77,12 +82,16 @@ def variants(args):
     """(kind, shape, config, tma): TMA tile loads, plus the pointer path for reference."""
     for sh in shapes(args):
         if sh.get("dtype") == torch.float32:
-            for c in FWD_F32:
-                yield ("fwd", sh, c, None)
-            for c in KV_F32:
+            if args.kind != "bwd":
+                for c in FWD_F32:
+                    yield ("fwd", sh, c, None)
+            if args.kind == "fwd":
+                continue
+            kv_tiles = KV_F32_SPLIT if sh["prec"] == "tf32x3" else KV_F32
+            for c in kv_tiles:
                 for mode in (configs.DQ_TMA, configs.DQ_ATOMIC):
                     yield ("bwd", sh, BC(c, None, mode), None)
-            for kv, q in itertools.product(KV_F32[:4], QK_F32):
+            for kv, q in itertools.product(kv_tiles[:4], QK_F32):
                 yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), None)
             continue
         if "Hkv" in sh or "window" in sh:
@@ -164,6 +173,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32"])
     ap.add_argument("--csv", help="write the rows here (see the module docstring)")
+    ap.add_argument("--precision", nargs="+", default=["tf32", "tf32x3"], choices=["tf32", "tf32x3"],
+                    help="--focus fp32: the float32 dot precisions to sweep")
+    ap.add_argument("--kind", default="both", choices=["fwd", "bwd", "both"], help="--focus fp32: which passes")
     a = ap.parse_args()
     major, minor = torch.cuda.get_device_capability()
     provenance = dict(gpu=torch.cuda.get_device_name(), capability=f"{major}.{minor}",

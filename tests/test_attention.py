@@ -11,10 +11,12 @@ import torch.nn.functional as F
 
 import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
-from utils import REL_TOL, assert_close, float32_matmul_precision
+from utils import KERNEL_DEVICE, REL_TOL, assert_close, float32_matmul_precision
 from varlen._checks import accumulate_dtype
+from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.reference import attention_reference
+from varlen.attn.triton.backward import split_tf32, tf32_lo
 
 # The lse is float32 by contract (float64 for float64 inputs).
 LSE_FLOOR = 1e-6
@@ -225,6 +227,11 @@ FLOAT32_GPU_CASES = [
     AttnCase(True, (1000, 17, 0, 1, 513), None, 4, 4, 128, 128),
     AttnCase(True, (200, 31), (150, 400), 6, 2, 40, 40, causal=True, align="bottom_right", bias="1HQK"),
     AttnCase(False, (257,), None, 2, 1, 96, 96, window=(64, 8), dropout_p=0.2),
+    # The split 3xTF32 backward keeps K's and V's remainders in dK's and dV's buffers: strided inputs, Dv != D,
+    # the separate dQ kernel (deterministic), and the score modifiers with an lse gradient.
+    AttnCase(True, (65, 0, 300), (129, 7, 300), 4, 2, 64, 128, causal=True, align="bottom_right",
+             deterministic=True, strided=True),
+    AttnCase(False, (200,), None, 4, 4, 128, 128, strided=True, softcap=30.0, alibi="H", grad_lse=True),
 ]
 
 
@@ -241,6 +248,28 @@ def test_triton_float32_follows_torch_precision(case, precision, tol, device):
     assert_close(lse, ref_lse, tol=tol, name="lse")
     for name, grad, ref in zip(GRAD_NAMES, grads, ref_grads, strict=False):
         assert_close(grad, ref, tol=tol, name=name, floor=1e-3 * float(ref.abs().max()))
+
+
+@triton.jit
+def _tf32_remainders(X, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(OUT + offs, tf32_lo(tl.load(X + offs)))
+
+
+def test_tf32_split_is_exact_and_agrees_between_host_and_kernel():
+    """The 3xTF32 backward's split: x = high + remainder exactly, the high part with only the 10 mantissa bits a
+    TF32 product reads, the remainder below its last bit; the kernel's in-register rule gives the same bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g) * torch.logspace(-30, 30, 1024)
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, -3.0])
+    lo = split_tf32(x)
+    high = x - lo
+    assert torch.equal(high + lo, x)
+    assert not (high.view(torch.int32) & 8191).any()
+    assert (lo.abs() <= high.abs() * 2.0**-10).all()
+    out = torch.empty_like(x, device=KERNEL_DEVICE)
+    _tf32_remainders[(1,)](x.to(KERNEL_DEVICE), out, N=1024)
+    assert torch.equal(out.cpu(), lo)
 
 
 # --------------------------------------------------------------------------- the reference itself

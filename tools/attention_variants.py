@@ -44,13 +44,19 @@ FEATURES = {
     "positions": dict(causal=True, positions=True, dropout=0.1),
 }
 # (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,
-# the layouts and GQA at the common features, float32 and D 256 at the plain and causal cases.
+# the layouts and GQA at the common features, float32 and D 256 at the plain and causal cases, float32 at full
+# accuracy with every feature.
 CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
       for name in ("plain", "causal", "bias_broadcast", "dropout", "positions")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
+    # float32 at full accuracy splits the backward's operands (configs.splits_tf32): its shared memory next to
+    # each feature and layout.
+    *((D, torch.float32, "ieee", jagged, group, name) for D in (64, 128)
+      for jagged, group, name in ((False, 1, "bias_full"), (False, 1, "bias_broadcast"), (False, 1, "dropout"),
+                                  (False, 1, "deterministic"), (True, 4, "causal"), (True, 1, "positions"))),
     *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
       for name in ("plain", "causal")),
 ]

@@ -48,6 +48,8 @@ def _dump_sass(kernel, folder, name, n):
                           capture_output=True, text=True).stdout
     with open(path + ".sass", "w") as f:
         f.write(sass)
+    with open(path + ".ttgir", "w") as f:
+        f.write(kernel.asm["ttgir"])
 
 
 def main():
@@ -55,7 +57,7 @@ def main():
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--smem-limit", type=int, default=232448, help="bytes per block (sm_90: 227 KiB)")
-    ap.add_argument("--sass", default=None, help="folder to write each kernel's cubin and SASS into")
+    ap.add_argument("--sass", default=None, help="folder to write each kernel's cubin, SASS and TTGIR into")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()

@@ -7,7 +7,8 @@
    P = exp2(S - lse), and computes dV += (P∘M)ᵀ dO, dP = (dO Vᵀ)∘M (M: the dropout keep mask scaled by
    1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless the dQ kernel runs, dQ += dS K added into an
    fp32 buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
-   and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``).
+   and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``). float32 at full
+   accuracy (``SPLIT``): each product is three TF32 dots (:func:`_dot3`) of operands split once per call.
 3. ``_bwd_q_kernel`` (``DQ_MODE`` 0, also the deterministic mode): one program per query block walking
    its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
    counted); a broadcast bias then gets its gradient from ``_bwd_dbias_kernel``, one program per
@@ -19,8 +20,18 @@ import collections
 import torch
 
 from ..._triton import tl, triton
-from .configs import DQ_SEPARATE, DQ_TMA
-from .launch import DATA_DEPENDENT, cdiv, constexprs, ensure_allocator, features, head_block, tiles, use_tma
+from .configs import DQ_SEPARATE, DQ_TMA, head_bound, splits_tf32
+from .launch import (
+    DATA_DEPENDENT,
+    cdiv,
+    constexprs,
+    ensure_allocator,
+    features,
+    head_block,
+    tiles,
+    tma_aligned,
+    use_tma,
+)
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs, sequence
 from .scores import (
@@ -92,6 +103,23 @@ def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadSco
 
 
 @triton.jit
+def tf32_lo(x):
+    """What a TF32 tensor-core product drops of fp32 ``x``: the hardware reads only the top 10 mantissa bits
+    (it truncates), so ``x - tf32_lo(x)`` is what it multiplies. The same rule as :func:`split_tf32`."""
+    return x - (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot3(a, a_lo, b, b_lo, acc):
+    """``acc + a @ b`` to about float32's accuracy from three TF32 products (3xTF32): ``a`` and ``b`` as
+    given (the hardware keeps their TF32 part) plus the cross terms with their remainders ``a_lo``/``b_lo``;
+    the remainders' product is below float32's rounding."""
+    acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+    acc = tl.dot(a, b_lo, acc, input_precision="tf32")
+    return tl.dot(a, b, acc, input_precision="tf32")
+
+
+@triton.jit
 def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K: Rows, V: Rows, start, end, m0, seq: Seq, m: SeqMask,
                  hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr, MASKED: tl.constexpr):
     """dQ of one query block over key tiles ``[start, end)``."""
@@ -105,11 +133,15 @@ def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K: Rows, V: Rows, start
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, dbias_bh, start, end, n0,
-                  Q: Rows, dO: Rows, dQ: Rows, dBias: DBias, seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout,
-                  F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, MASKED: tl.constexpr):
+def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_desc, dq_tile, lse2_row, delta_row,
+                  dbias_bh, start, end, n0, Q: Rows, dO: Rows, Q_LO: Rows, dO_LO: Rows, dQ: Rows, dBias: DBias,
+                  seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr,
+                  DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, MASKED: tl.constexpr):
     """dK and dV of one key block over query tiles ``[start, end)``, adding each tile's dQ into ``dq_tile``
-    (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none)."""
+    (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none). ``SPLIT``: float32 in
+    3xTF32 (:func:`_dot3`), with the remainders of k, v (``k_lo``, ``v_lo``) and of the q, dO rows (loaded
+    like them) computed once per call by :func:`split_tf32`, so that every loaded operand stays in shared
+    memory; those of P and dS are taken in registers."""
     cols = n0 + tl.arange(0, T.BLOCK_N)[:, None]
     for m0 in range(start, end, T.BLOCK_M):
         m0 = tl.multiple_of(m0, T.BLOCK_M)
@@ -122,24 +154,45 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, d
         else:
             lse2 = tl.load(lse2_row + rows_m)
             delta = tl.load(delta_row + rows_m)
+        if SPLIT:
+            q_lo = load_rows(q_lo_desc, m0, seq.Lq, Q_LO.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA)
+            do_lo = load_rows(do_lo_desc, m0, seq.Lq, dO_LO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
-        qkt = tl.dot(k, tl.trans(q), input_precision=T.DOT_PRECISION)
+        if SPLIT:
+            qkt = _dot3(k, k_lo, tl.trans(q), tl.trans(q_lo), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+        else:
+            qkt = tl.dot(k, tl.trans(q), input_precision=T.DOT_PRECISION)
         st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False)
         pt = tl.exp2(st - lse2[None, :])
-        dpt = tl.dot(v, tl.trans(do), input_precision=T.DOT_PRECISION)
+        if SPLIT:
+            dpt = _dot3(v, v_lo, tl.trans(do), tl.trans(do_lo), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+        else:
+            dpt = tl.dot(v, tl.trans(do), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:
             keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N))
-            dv += tl.dot(tl.where(keept, pt * hd.keep_scale, 0.0).to(do.dtype), do, input_precision=T.DOT_PRECISION)
+            pt_kept = tl.where(keept, pt * hd.keep_scale, 0.0)
             dpt = tl.where(keept, dpt * hd.keep_scale, 0.0)
         else:
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=T.DOT_PRECISION)
+            pt_kept = pt
+        if SPLIT:
+            dv = _dot3(pt_kept, tf32_lo(pt_kept), do, do_lo, dv)
+        else:
+            dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if DB.MODE != 0:
             bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB)
         dst = softcap_grad(dst, tt, F)
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=T.DOT_PRECISION)
+        if SPLIT:
+            dst_lo = tf32_lo(dst)
+            dk = _dot3(dst, dst_lo, q, q_lo, dk)
+        else:
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=T.DOT_PRECISION)
         if DQ_MODE != 0:
-            dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=T.DOT_PRECISION) * hs.scale
+            if SPLIT:
+                dq = _dot3(tl.trans(dst), tl.trans(dst_lo), k, k_lo,
+                           tl.zeros([T.BLOCK_M, T.BLOCK_D], tl.float32)) * hs.scale
+            else:
+                dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=T.DOT_PRECISION) * hs.scale
             if DQ_MODE == 2:
                 # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
                 dq_tile.atomic_add([m0, 0], dq)
@@ -153,7 +206,8 @@ def _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, d
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
-                   dBias: DBias, F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr):
+                   dBias: DBias, Q_LO: Rows, K_LO: Rows, V_LO: Rows, dO_LO: Rows, F: tl.constexpr, T: tl.constexpr,
+                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr):
     """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``: program
     ``(j, hk, b)`` owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
     tiles that see them, for each of the GROUP query heads of hk.
@@ -161,6 +215,9 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     Q, dO ``(B, Sq, H, D|DV)`` | ``(Tq, H, D|DV)``; K, V and dK, dV (written) ``(B, Sk, Hkv, D|DV)`` |
     ``(Tk, Hkv, D|DV)``; dQ: the fp32 accumulator ``(B, Sq, H, BLOCK_D)`` | ``(Tq, H, BLOCK_D)`` (added to
     unless DQ_MODE is 0); LSE2, DELTA from the preprocess; dBias: the bias gradient of the bias's shape.
+    ``SPLIT`` (float32 in 3xTF32): Q_LO, K_LO, V_LO, dO_LO hold the remainders of Q, K, V, dO
+    (:func:`split_tf32`, same shapes; K_LO and V_LO are dK's and dV's buffers, each program reading its own
+    rows there before it writes them); otherwise they are Q, K, V, dO again and unread.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
     block, hk, seq, m = prologue(bt, mask, F, False)
@@ -171,6 +228,14 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
                   n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA)
     v = load_rows(rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
                             T.TMA), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True, T.TMA)
+    k_lo = k
+    v_lo = v
+    if SPLIT:
+        k_lo = load_rows(rows_desc(base(K_LO, seq.b, seq.k_start, hk), seq.Lk, K_LO.stride_s, T.D, T.BLOCK_N,
+                                   T.BLOCK_D, T.TMA), n0, seq.Lk, K_LO.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA)
+        v_lo = load_rows(rows_desc(base(V_LO, seq.b, seq.k_start, hk), seq.Lk, V_LO.stride_s, T.DV, T.BLOCK_N,
+                                   T.BLOCK_DV, T.TMA), n0, seq.Lk, V_LO.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True,
+                         T.TMA)
     dk = tl.zeros([T.BLOCK_N, T.BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([T.BLOCK_N, T.BLOCK_DV], dtype=tl.float32)
     # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
@@ -180,6 +245,13 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
         q_desc = rows_desc(base(Q, seq.b, seq.q_start, h), seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA)
         do_desc = rows_desc(base(dO, seq.b, seq.q_start, h), seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV,
                             T.TMA)
+        q_lo_desc = q_desc
+        do_lo_desc = do_desc
+        if SPLIT:
+            q_lo_desc = rows_desc(base(Q_LO, seq.b, seq.q_start, h), seq.Lq, Q_LO.stride_s, T.D, T.BLOCK_M,
+                                  T.BLOCK_D, T.TMA)
+            do_lo_desc = rows_desc(base(dO_LO, seq.b, seq.q_start, h), seq.Lq, dO_LO.stride_s, T.DV, T.BLOCK_M,
+                                   T.BLOCK_DV, T.TMA)
         # The fp32 dQ rows of this sequence and head: a descriptor for the TMA bulk reduce.
         dq_tile = rows_desc(base(dQ, seq.b, seq.q_start, h), seq.Lq, dQ.stride_s, T.BLOCK_D, T.BLOCK_M, T.BLOCK_D,
                             DQ_MODE == 2)
@@ -189,9 +261,9 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
         lse2_row = lse_row(LSE2, bt, seq, h, F)
         delta_row = lse_row(DELTA, bt, seq, h, F)
         for stage in tl.static_range(3):
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, q_desc, do_desc, dq_tile, lse2_row, delta_row, dbias_bh,
-                                   bounds[stage], bounds[stage + 1], n0, Q, dO, dQ, dBias, seq, m, hs, hd, F, T, DB,
-                                   DQ_MODE, stage != 1)
+            dk, dv = _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_desc, dq_tile,
+                                   lse2_row, delta_row, dbias_bh, bounds[stage], bounds[stage + 1], n0, Q, dO, Q_LO,
+                                   dO_LO, dQ, dBias, seq, m, hs, hd, F, T, DB, DQ_MODE, SPLIT, stage != 1)
     store_rows(base(dK, seq.b, seq.k_start, hk), n0, seq.Lk, dK.stride_s, dk * scores.scale, T.D, T.BLOCK_N,
                T.BLOCK_D)
     store_rows(base(dV, seq.b, seq.k_start, hk), n0, seq.Lk, dV.stride_s, dv, T.DV, T.BLOCK_N, T.BLOCK_DV)
@@ -290,6 +362,14 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
                  (offs_n[None, :] < bt.max_k))
 
 
+def split_tf32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The remainder of float32 ``x`` that a TF32 tensor-core product drops (the hardware truncates to the top
+    10 mantissa bits): ``x - truncate(x)``, exact, written into ``out`` (default: a tensor like x). The same
+    rule as :func:`tf32_lo`."""
+    out = torch.empty_like(x) if out is None else out
+    return torch.sub(x, (x.view(torch.int32) & -8192).view(torch.float32), out=out)
+
+
 def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
     """Which of the bias's (B, H, Sq, Sk) dims are broadcast (size 1 against a larger problem dim)."""
     full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
@@ -321,10 +401,19 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
-    common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
-                  **dropout_args(seed, opts, problem, lse), F=feats)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    # float32 in 3xTF32: the remainders of the loaded operands, once per call (see _dot3); they load like the
+    # operands, through TMA (with pointer loads the split tiles would overflow shared memory). Those of K and V
+    # live in dK and dV: each kv program reads its key rows' remainders first and writes their gradients last.
+    remainders = None
+    if tma and splits_tf32(q.dtype, head_bound(problem)):
+        remainders = (split_tf32(q), split_tf32(k, dk), split_tf32(v, dv), split_tf32(dout))
+        if not tma_aligned(*remainders):  # (a strided input whose rows are not a multiple of 16 bytes)
+            remainders = None
+    q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
+    common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
+                  **dropout_args(seed, opts, problem, lse), F=feats)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.
     dbias, db_mode, bcast, dbias_buf = None, DBIAS_NONE, (False,) * 4, q
@@ -353,7 +442,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
         Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
         dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
+        Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
         T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=config.dq_mode,
+        SPLIT=remainders is not None,
         num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
     )
     if db_mode == DBIAS_ATOMIC:

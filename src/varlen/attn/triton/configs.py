@@ -67,6 +67,9 @@ class Tables:
     # loads need smaller tiles still (32x64 took 448 KiB of shared memory: tools/compile_check.py).
     float32_untuned: KernelConfig
     float32_untuned_256_pointers: KernelConfig
+    # The 3xTF32 backward with split operands (:func:`splits_tf32`) keeps each loaded tile and its remainder in
+    # shared memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py). UNTUNED.
+    float32_split_untuned: KernelConfig
     # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
     # heavy): a bias runs best with 128x64 forward tiles and a separate dQ kernel (222 TFLOP/s backward vs 156
@@ -107,11 +110,13 @@ SM90 = Tables(
     backward_float32={
         ("tf32", 64): (K(64, 128, 8, 2), K(128, 32, 4, 2), DQ_ATOMIC),  # 117 / 87
         ("tf32", 128): (K(32, 128, 8, 2), K(128, 32, 4, 2), DQ_TMA),  # 100 / 60
-        ("tf32x3", 64): (K(64, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 34 / 25
-        ("tf32x3", 128): (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 19 / 12
+        # Split operands (splits_tf32); before the split: 34 / 25 and 19 / 12.
+        ("tf32x3", 64): (K(32, 128, 8, 2), K(64, 32, 4, 2), DQ_TMA),  # 44 / 33
+        ("tf32x3", 128): (K(16, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 22 / 16
     },
     float32_untuned=K(32, 64, 4, 1),
     float32_untuned_256_pointers=K(16, 32, 4, 1),
+    float32_split_untuned=K(16, 64, 4, 1),
     forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
     forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
     backward_bias={64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
@@ -149,6 +154,20 @@ def _bound(d: int) -> int:
     return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
+def head_bound(problem) -> int:
+    """The head-dim bound (64, 128 or 256) that picks a problem's tiles."""
+    return _bound(max(problem.head_dim, problem.head_dim_v))
+
+
+def splits_tf32(dtype: torch.dtype, bound: int) -> bool:
+    """Whether the backward computes float32's 3xTF32 dots from operands split once per call
+    (``backward.split_tf32``) instead of Triton's ``tf32x3`` dots, which split both operands of every dot in
+    registers, when its tiles load through TMA. Up to head dim 128: at 256 a key tile and its remainder overflow
+    shared memory. Not under the interpreter, whose TF32 dots are exact float32 products (the remainders would
+    count twice)."""
+    return dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and bound <= 128 and not interpreter_enabled()
+
+
 def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
                    tma: bool = True) -> KernelConfig:
     """``tma``: whether the tiles will load through TMA (the tuned float32 tiles need it: with pointer loads
@@ -156,7 +175,7 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     if interpreter_enabled():
         return INTERPRETER_CONFIG
     t = tables(device)
-    bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    bound = head_bound(problem)
     if dtype == torch.float32:
         if bias or dropout or not tma:  # the tuned float32 tiles would overflow shared memory: untuned
             return t.float32_untuned
@@ -180,9 +199,14 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
         mode = DQ_SEPARATE if deterministic else DQ_ATOMIC
         return BackwardConfig(INTERPRETER_CONFIG, INTERPRETER_CONFIG, mode)
     t = tables(device)
-    bound = _bound(max(problem.head_dim, problem.head_dim_v))
+    bound = head_bound(problem)
     if dtype == torch.float32:
-        small = t.float32_untuned_256_pointers if bound == 256 and not tma else t.float32_untuned
+        if splits_tf32(dtype, bound) and tma:
+            small = t.float32_split_untuned
+        elif bound == 256 and not tma:
+            small = t.float32_untuned_256_pointers
+        else:
+            small = t.float32_untuned
         untuned = (small, small, DQ_TMA)
         tuned = not (bias or dropout) and tma
         kv, q, mode = t.backward_float32.get((dot_precision(dtype), bound), untuned) if tuned else untuned

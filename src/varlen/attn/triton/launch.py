@@ -75,15 +75,16 @@ def tiles(problem, config, dtype: torch.dtype, tma: bool) -> Tiles:
 
 def use_tma(*tensors) -> bool:
     """Tiles load through TMA descriptors on Hopper+, when every base and row stride is 16-byte aligned."""
-    t0 = tensors[0]
-    if interpreter_enabled() or not has_tma(t0.device):
+    if interpreter_enabled() or not has_tma(tensors[0].device) or not tma_aligned(*tensors):
         return False
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
     ensure_allocator()
     return True
+
+
+def tma_aligned(*tensors) -> bool:
+    """Whether every base address and every stride but the last is a multiple of 16 bytes (TMA's rule)."""
+    return not any(t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1])
+                   for t in tensors)
 
 
 def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
