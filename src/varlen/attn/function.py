@@ -101,6 +101,15 @@ def _guard(grads: tuple, *inputs) -> tuple:
 
 # --------------------------------------------------------------------------------- eager entry
 class _EagerAttention(torch.autograd.Function):
+    @classmethod
+    def apply(cls, *args):
+        # torch's Function.apply binds the arguments through inspect.signature on every call when setup_context
+        # is defined (for its functorch path): about 40 us, a third of this call's host time. The arguments are
+        # always the nine positional ones, so outside functorch transforms they go to the C++ apply as they are.
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+
     @staticmethod
     def forward(q, k, v, bias, alibi, problem, opts, impl, seed):
         return run_forward(impl, q, k, v, bias, alibi, problem, opts, _seed(seed))

@@ -10,6 +10,7 @@ Every kernel takes two constexpr bundles besides its tensor and runtime bundles 
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 
@@ -42,9 +43,15 @@ def head_block(d: int) -> int:
 def constexprs(bundle):
     """``bundle`` (a namedtuple or tuple) with each field wrapped in ``tl.constexpr``: Triton 3.6 hands a
     constexpr bundle's fields to the kernel as plain Python values, which builtins such as ``tl.zeros``
-    reject; wrapped, they are constexprs (the interpreter takes either)."""
-    values = [tl.constexpr(v) for v in bundle]
-    return type(bundle)(*values) if hasattr(bundle, "_fields") else tuple(values)
+    reject; wrapped, they are constexprs (the interpreter takes either). Made once per distinct bundle (a few
+    per model): wrapping costs microseconds on every launch."""
+    return _wrapped(type(bundle), tuple(bundle))
+
+
+@functools.lru_cache(maxsize=4096)
+def _wrapped(kind, values):
+    wrapped = [tl.constexpr(v) for v in values]
+    return kind(*wrapped) if hasattr(kind, "_fields") else tuple(wrapped)
 
 
 def features(problem, opts, bias, alibi, seed) -> Features:
