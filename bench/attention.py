@@ -11,7 +11,6 @@ Tile tuning is ``bench/attention_sweep.py``'s job.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import varlen
+from varlen._amp import float32_matmul_precision
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -193,18 +193,6 @@ def suite_features(args, rows):
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
 
-@contextlib.contextmanager
-def fp32_precision(precision: str):
-    """torch's float32 matmuls (and varlen's, which follow them) in ``precision``, "ieee" or "tf32", for the
-    forward and the backward alike."""
-    saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = precision
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = saved
-
-
 def suite_fp32(args, rows):
     """float32 inputs: varlen at full float32 accuracy (torch's default: three-pass TF32 dots) and with TF32
     allowed, next to SDPA's memory-efficient kernel (the only fused float32 one), B·S = 16k tokens, H·D = 512.
@@ -225,7 +213,7 @@ def suite_fp32(args, rows):
                     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
                 for prec in ("ieee", "tf32"):
-                    with fp32_precision(prec):
+                    with float32_matmul_precision(prec):
                         res[f"varlen {prec}"] = time_fwd_bwd(lambda: varlen.attention(q, k, v, causal=causal),
                                                              [q, k, v], flops)
                         res[f"sdpa_efficient {prec}"] = time_fwd_bwd(efficient, [qt, kt, vt], flops)
@@ -247,7 +235,7 @@ def suite_fp32(args, rows):
             return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=keep)
     res = {}
     for prec in ("ieee", "tf32"):
-        with fp32_precision(prec):
+        with float32_matmul_precision(prec):
             res[f"varlen {prec}"] = time_fwd_bwd(lambda: varlen.attention(q, k, v), [q.values, k.values, v.values],
                                                  flops)
             res[f"padded sdpa_efficient {prec}"] = time_fwd_bwd(padded, [qq, kk, vv], flops)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
-from utils import KERNEL_DEVICE, REL_TOL, assert_close, float32_matmul_precision
+from utils import KERNEL_DEVICE, REL_TOL, assert_close
+from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend

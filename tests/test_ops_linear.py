@@ -8,7 +8,8 @@ import torch
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import REL_TOL, assert_close, checkable_dtypes, float32_matmul_precision, random_jagged, rel_err
+from utils import REL_TOL, assert_close, checkable_dtypes, random_jagged, rel_err
+from varlen._amp import float32_matmul_precision
 from varlen.capabilities import JAGGED_KERNELS
 from varlen.ops.linear import linear, matmul, transposed_matmul
 

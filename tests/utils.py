@@ -1,6 +1,5 @@
 """Helpers shared by the tests: tolerances, error measures, random jagged batches."""
 
-import contextlib
 
 import torch
 
@@ -13,7 +12,7 @@ from conftest import DEVICE, ON_GPU
 # take when torch allows TF32. At torch's defaults both are float32-accurate (three-pass TF32 dots in the kernels,
 # IEEE in cuBLAS): the float32 checks that use this table stayed under 1e-6 in a run of most of the suite on an
 # H100, so 3e-3 is loose there. The tests that hold float32 accuracy itself ask for it explicitly
-# (float32_matmul_precision("ieee") in test_attention.py and test_ops_linear.py).
+# (varlen._amp.float32_matmul_precision("ieee") in test_attention.py and test_ops_linear.py).
 REL_TOL = {
     torch.float64: 1e-10,
     torch.float32: 3e-3 if ON_GPU else 2e-5,
@@ -37,18 +36,6 @@ def checkable_dtypes(caps, *, half_on_cpu: bool = True) -> list[torch.dtype]:
     if half_on_cpu:
         allowed += [torch.float16] if interpreted else [torch.float16, torch.bfloat16]
     return [d for d in declared if d in allowed]
-
-
-@contextlib.contextmanager
-def float32_matmul_precision(precision: str):
-    """torch's float32 matmul precision on CUDA (``torch.backends.cuda.matmul.fp32_precision``, which varlen's
-    float32 kernels follow) set to ``precision`` ("ieee" or "tf32") inside the block, restored after it."""
-    saved = torch.backends.cuda.matmul.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = precision
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.fp32_precision = saved
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:

@@ -54,6 +54,19 @@ def float32_matmul_uses_tf32() -> bool:
     return precision == "tf32"
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """torch's float32 matmul precision on CUDA (``torch.backends.cuda.matmul.fp32_precision``, which varlen's
+    float32 kernels follow) set to ``precision`` ("ieee" or "tf32") inside the block, restored after it: for
+    tests and benchmarks that compare both."""
+    saved = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = precision
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = saved
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` for inputs of ``dtype`` in varlen's kernels.
 

@@ -404,10 +404,10 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # float32 in 3xTF32: the remainders of the loaded operands, once per call (see _dot3); they load like the
-    # operands, through TMA (with pointer loads the split tiles would overflow shared memory). Those of K and V
-    # live in dK and dV: each kv program reads its key rows' remainders first and writes their gradients last.
+    # operands, through TMA. Those of K and V live in dK and dV: each kv program reads its key rows'
+    # remainders first and writes their gradients last.
     remainders = None
-    if tma and splits_tf32(q.dtype, head_bound(problem)):
+    if splits_tf32(q.dtype, head_bound(problem), tma):
         remainders = (split_tf32(q), split_tf32(k, dk), split_tf32(v, dv), split_tf32(dout))
         if not tma_aligned(*remainders):  # (a strided input whose rows are not a multiple of 16 bytes)
             remainders = None

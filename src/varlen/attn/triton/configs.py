@@ -159,13 +159,14 @@ def head_bound(problem) -> int:
     return _bound(max(problem.head_dim, problem.head_dim_v))
 
 
-def splits_tf32(dtype: torch.dtype, bound: int) -> bool:
+def splits_tf32(dtype: torch.dtype, bound: int, tma: bool) -> bool:
     """Whether the backward computes float32's 3xTF32 dots from operands split once per call
     (``backward.split_tf32``) instead of Triton's ``tf32x3`` dots, which split both operands of every dot in
-    registers, when its tiles load through TMA. Up to head dim 128: at 256 a key tile and its remainder overflow
-    shared memory. Not under the interpreter, whose TF32 dots are exact float32 products (the remainders would
-    count twice)."""
-    return dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and bound <= 128 and not interpreter_enabled()
+    registers. Only when its tiles load through TMA (``tma``: with pointer loads the split tiles overflow
+    shared memory) and up to head dim 128 (at 256 a key tile and its remainder overflow it). Not under the
+    interpreter, whose TF32 dots are exact float32 products (the remainders would count twice)."""
+    return (tma and dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and bound <= 128
+            and not interpreter_enabled())
 
 
 def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
@@ -201,7 +202,7 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
     t = tables(device)
     bound = head_bound(problem)
     if dtype == torch.float32:
-        if splits_tf32(dtype, bound) and tma:
+        if splits_tf32(dtype, bound, tma):
             small = t.float32_split_untuned
         elif bound == 256 and not tma:
             small = t.float32_untuned_256_pointers
