@@ -7,6 +7,7 @@ code generation is skipped). One test per model runs TorchInductor (marked ``ind
 """
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -319,3 +320,32 @@ def test_jagged_ops_opcheck(name, backend):
     args = _jagged_op_cases(backend)[name]
     op = "segment_sum" if name == "segment_mean" else name  # a mean over no rows is NaN: no empty sequence
     torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks(backend))
+
+
+def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):
+    """softmax and sum/mean call their implementations directly in eager (the custom ops' Python dispatch costs
+    host time); under a dispatch mode (fake tensors, tracing, FLOP counters) they go through the custom ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x = random_jagged([3, 0, 5], (2,), requires_grad=True)
+    ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows"}
+    seen = set()
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(func.name().removeprefix("varlen::"))
+            return func(*args, **(kwargs or {}))
+
+    def run():
+        (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum()).backward()
+        return x.values.grad
+
+    with Recorder():
+        want = run()
+    assert ops <= seen, seen
+    softmax_ops, reduce_ops = (importlib.import_module(f"varlen.ops.{name}") for name in ("softmax", "reduce"))
+    for module, name in ((softmax_ops, "_softmax_fwd_op"), (softmax_ops, "_softmax_bwd_op"),
+                         (reduce_ops, "_segment_sum_op"), (reduce_ops, "_broadcast_rows_op")):
+        monkeypatch.setattr(module, name, None)  # a call through them would fail
+    x.values.grad = None
+    assert_close(run(), want)

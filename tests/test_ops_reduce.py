@@ -55,16 +55,17 @@ def test_ragged_reduction_matches_reference(op, backend, dtype, inner, device, p
 
 @pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
 @pytest.mark.parametrize("tiles", [dict(block_t=8, chunk_rows=32), dict(block_t=1, block_f=1),
-                                   dict(block_t=4, block_f=2, chunk_rows=4)], ids=str)
+                                   dict(block_t=4, block_f=2, chunk_rows=4, num_warps=2, stages=3)], ids=str)
 def test_forced_tiles_and_chunks(mean, tiles, device, poison_empty):
-    """Sequences split into chunks (partial sums added afterwards) and tiny tiles with edges."""
+    """Sequences split into chunks (the last chunk to finish adds the partial sums, in the kernel), pipelined
+    loads and tiny tiles with edges."""
     lengths = [0, 1, 6, 3] if tiles.get("block_t") in (1, 4) else [0, 1, 17, 90, 5]
     x = random_jagged(lengths, (3,), dtype=torch.float64, device=device)
     out = reduce_ops.segment_sum_triton(x.values, x.offsets, x.max_len, mean, **tiles)
     ref, _ = reference(x.values, lengths, "mean" if mean else "sum")
     assert_close(out, ref)
     g = torch.randn(len(lengths), 3, dtype=torch.float64, device=device)
-    tile_args = {k: v for k, v in tiles.items() if k != "chunk_rows"}
+    tile_args = {k: v for k, v in tiles.items() if k not in ("chunk_rows", "stages")}
     dx = reduce_ops.broadcast_rows_triton(g, x.offsets, x.total, x.max_len, mean, **tile_args)
     scale = [max(n, 1) if mean else 1 for n in lengths]
     assert_close(dx, torch.cat([g[b].expand(n, 3) / scale[b] for b, n in enumerate(lengths)]))
@@ -167,6 +168,17 @@ def test_bad_inputs(device):
         varlen.sum(x.with_values(x.values.long()), 1)
     with pytest.raises(TypeError, match="x: expected a varlen.JaggedTensor"):
         varlen.mean(x.values, 1)
+
+
+@pytest.mark.gpu_only
+def test_gpu_chunked_sum_is_deterministic(device):
+    """Sequences in several chunks: the last chunk to finish adds the partials in chunk order, so repeated calls
+    give the same bits whichever chunk that is."""
+    x = random_jagged([4096, 12000, 70000], (1024,), device=device)
+    first = reduce_ops.segment_sum_triton(x.values, x.offsets, x.max_len, False, chunk_rows=512)
+    for _ in range(5):
+        assert torch.equal(reduce_ops.segment_sum_triton(x.values, x.offsets, x.max_len, False, chunk_rows=512),
+                           first)
 
 
 @pytest.mark.gpu_only

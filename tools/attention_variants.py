@@ -6,13 +6,15 @@
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256; dense, jagged and GQA; causal,
 window, prefix and document masks; bias (full and broadcast, with gradients), ALiBi + softcap, dropout;
-deterministic mode; TMA loads and pointer loads. Outputs stay unwritten (nothing is run).
+deterministic mode; TMA loads and pointer loads; and the Gluon backward for every case it supports (its
+"gluon ..." labels). Outputs stay unwritten (nothing is run).
 """
 
 import os
 
 import torch
 
+from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attn.triton import configs
 from varlen.attn.triton.backward import launch_backward
@@ -92,7 +94,11 @@ def main():
                                           bias=bias is not None, dropout=seed is not None, tma=tma)
             out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma)
             launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
-                            need_dbias=bias is not None, tma=tma)
+                            need_dbias=bias is not None, tma=tma, gluon=False)
+            if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
+                print(label.replace("case", "gluon"), flush=True)
+                launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
+                                need_dbias=bias is not None, tma=tma, gluon=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Compile every Triton kernel a script launches for a GPU target, on a machine without a GPU.
+"""Compile every Triton (and Gluon) kernel a script launches for a GPU target, on a machine without a GPU.
 
     python tools/compile_check.py --arch 90 SCRIPT [ARGS...]
 
@@ -17,10 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 _seen = {}
@@ -77,8 +79,8 @@ def main():
         options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
         t0 = time.time()
         try:
-            k = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                               options=options.__dict__)
+            source = (GluonASTSource if self.is_gluon() else ASTSource)(self, signature, constexprs, attrs)
+            k = triton.compile(source, target=target, options=options.__dict__)
             _seen[key] = _resources(k) + f" smem {k.metadata.shared}"
             if k.metadata.shared > a.smem_limit:
                 raise RuntimeError(f"shared memory {k.metadata.shared} exceeds the limit {a.smem_limit}")
@@ -88,7 +90,8 @@ def main():
             _seen[key] = "FAILED"
             cause = exc.__cause__ or exc  # the compiler's own error, under the located one
             _failures.append((self.__name__, constexprs, f"{type(cause).__name__}: {str(cause)[-300:]}"))
-            print(f"FAILED {self.__name__} {constexprs}\n{exc}\n{cause!r}", file=sys.stderr)
+            print(f"FAILED {self.__name__} {constexprs}\n{exc}", file=sys.stderr)
+            traceback.print_exception(cause, file=sys.stderr)  # (Gluon nests the failing partition's error)
             return None
         if a.verbose:
             print(f"compiled {self.__name__} (warps {options.num_warps}, stages {options.num_stages}) in "

@@ -58,3 +58,12 @@ def triton_unsupported_reason(device: torch.device) -> str | None:
         return None
     return (f"Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 for CPU tensors; "
             f"got a tensor on {device}")
+
+
+def through_custom_op() -> bool:
+    """Whether a jagged op calls its ``torch.library`` custom op rather than its implementation: while
+    torch.compile traces (the graph holds the opaque op, its shape from the fake implementation) and under
+    a dispatch mode (fake tensors, tracing, FLOP counters see the op). Plain eager calls skip it: the
+    custom op's Python dispatch costs tens of microseconds of host time per call, as much as a small
+    kernel's whole GPU time (so a benchmark of one op, or a small model, waits on the host)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

@@ -3,9 +3,10 @@
 Over the ragged dim the result is dense ``(B, *inner)``: a segmented column reduction of ``values``.
 The Triton kernel gives each (sequence, chunk of rows, block of columns) to one program that
 accumulates a ``BLOCK_T x BLOCK_F`` tile in float32 (float64 for float64) and reduces it once at the
-end. When the batch alone can't fill the GPU, long sequences are cut into chunks whose partial sums
-(a ``(B, chunks, F)`` buffer, tiny next to the input) are added afterwards; else the kernel writes
-the result directly, mean included. The backward broadcasts each sequence's gradient over its rows
+end. When the batch alone can't fill the GPU, long sequences are cut into chunks: each chunk stores its
+partial sum (a ``(B, chunks, F)`` buffer, tiny next to the input) and the last of a sequence's chunks to
+finish adds them in chunk order and writes the result, mean included, in the same launch (a sequence
+in one chunk writes it directly). The backward broadcasts each sequence's gradient over its rows
 (divided by the length for mean), one program per (sequence, block of rows, block of columns). Both
 are linear and each is the other's backward, so double backward works.
 
@@ -14,10 +15,13 @@ Over inner dims each row of ``values`` is reduced on its own with ``torch.sum``/
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from .. import _amp, capabilities
+from .._backend import through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -27,21 +31,42 @@ from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_ti
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
-def _segment_sum_kernel(x, offsets, out, total, n_cols, n_chunks, chunk_rows, n_col_tiles, stride_xr, stride_xc,
-                        MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    # out is (B * n_chunks, n_cols) contiguous; every row is written (0 for a chunk past the end).
+def _segment_sum_kernel(x, offsets, out, partials, chunks_done, total, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                        stride_xr, stride_xc, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_F: tl.constexpr, STAGES: tl.constexpr):
+    # One (sequence, chunk, column block) per program; out is (B, n_cols) contiguous.
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
-    cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
+    # The chunks that hold rows; at least one, so that an empty sequence writes its 0 (NaN for mean).
+    n_live = tl.maximum(tl.minimum(tl.cdiv(length, chunk_rows), n_chunks), 1)
+    if b_chunk % n_chunks >= n_live:
+        return
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
     acc = tl.zeros([BLOCK_T, BLOCK_F], ACC)
-    for t0 in range(lo, hi, BLOCK_T):
-        rows = (start + t0 + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
-        mask = (rows < start + hi) & (cols < n_cols)
-        acc += tl.load(x + rows * stride_xr + cols * stride_xc, mask=mask, other=0.0).to(ACC)
-    total = tl.sum(acc, 0)[None, :]
-    if MEAN:
-        total = total / length.to(ACC)  # 0 / 0 = NaN for an empty sequence, as torch.mean
-    tl.store(out + b_chunk.to(tl.int64) * n_cols + cols, total.to(out.dtype.element_ty), mask=cols < n_cols)
+    for t0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
+        rows = start + t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < start + hi)[:, None] & col_ok[None, :]
+        acc += tl.load(x + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(ACC)
+    result = tl.sum(acc, 0)
+    finished = n_live - 1
+    if n_live > 1:
+        # Several chunks: each stores its partial sum and takes a ticket; the last to finish adds the partials in
+        # chunk order, so the result doesn't depend on which one that is (deterministic), and nobody waits. The
+        # barrier puts every thread's partial before the ticket's release; the partials of the other chunks
+        # are read from L2 (.cg), never from this SM's L1.
+        tl.store(partials + b_chunk.to(tl.int64) * n_cols + cols, result, mask=col_ok)
+        tl.debug_barrier()
+        finished = tl.atomic_add(chunks_done + b.to(tl.int64) * n_col_tiles + col_tile, 1).to(n_live.dtype)
+        if finished == n_live - 1:
+            result = tl.zeros([BLOCK_F], ACC)
+            first = b.to(tl.int64) * n_chunks
+            for c in range(0, n_live):
+                result += tl.load(partials + (first + c) * n_cols + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+    if finished == n_live - 1:
+        if MEAN:
+            result = result / length.to(ACC)  # 0 / 0 = NaN for an empty sequence, as torch.mean
+        tl.store(out + b.to(tl.int64) * n_cols + cols, result.to(out.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit(do_not_specialize=["total", "n_row_tiles"])
@@ -59,7 +84,8 @@ def _broadcast_rows_kernel(g, offsets, out, total, n_cols, n_row_tiles, n_col_ti
     v = tl.load(g + b.to(tl.int64) * stride_gb + cols * stride_gc, mask=col_ok, other=0.0).to(ACC)
     if MEAN:
         v = v / length.to(ACC)
-    tile = tl.broadcast_to(v, [BLOCK_T, BLOCK_F]).to(out.dtype.element_ty)
+    # Converted once per column, then broadcast (not converted per element of the tile).
+    tile = tl.broadcast_to(v.to(out.dtype.element_ty), [BLOCK_T, BLOCK_F])
     tl.store(out + (start + rows) * stride_or + cols, tile, mask=(rows < length) & col_ok)
 
 
@@ -69,41 +95,45 @@ MAX_CHUNK_ELEMS = 1 << 17
 
 
 def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mean: bool, *,
-                       block_t: int | None = None, block_f: int | None = None,
-                       chunk_rows: int | None = None) -> torch.Tensor:
-    """``(B, F)`` per-sequence sums (or means) of ``x`` ``(total, F)``, in ``x``'s dtype.
+                       block_t: int | None = None, block_f: int | None = None, chunk_rows: int | None = None,
+                       num_warps: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """``(B, F)`` per-sequence sums (or means) of ``x`` ``(total, F)``, in ``x``'s dtype; one launch (and
+    a memset of the chunks' tickets when a sequence spans several chunks).
 
-    ``block_t``/``block_f``/``chunk_rows`` override the tiling (tests use them to reach every path).
+    The keywords override the tiling (tests and bench sweeps use them to reach every path): rows and
+    columns of a tile, rows per chunk, warps, and tiles in flight (Triton's software pipelining; 1: none).
     """
     total, n_cols = x.shape
     batch = offsets.shape[0] - 1
     if n_cols == 0:
         return x.new_empty((batch, 0))
-    bt, bf = _sum_tiles(max_len, n_cols, x.element_size(), x.device)
-    bt, bf = block_t or bt, block_f or bf
+    tiles = _sum_tiles(max_len, n_cols, x.element_size(), x.device)
+    bt, bf = block_t or tiles.block_t, block_f or tiles.block_f
     n_col_tiles = triton.cdiv(n_cols, bf)
     rows = chunk_rows or chunk_rows_for(max_len, batch * n_col_tiles, bt, x.device, waves=8,
                                         max_rows=MAX_CHUNK_ELEMS // bf)
     n_chunks = max(1, triton.cdiv(max_len, rows))
-    acc = acc_type(x.dtype)
-    if n_chunks == 1:
-        out = torch.empty((batch, n_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((batch, n_cols), dtype=x.dtype, device=x.device)
+    # One-element stand-ins when no sequence spans two chunks (never touched; same dtypes, so the same kernel).
+    acc_dtype = accumulate_dtype(x.dtype)
+    if n_chunks > 1:
+        partials = torch.empty((batch * n_chunks, n_cols), dtype=acc_dtype, device=x.device)
+        chunks_done = torch.zeros(batch * n_col_tiles, dtype=torch.int32, device=x.device)
     else:
-        out = torch.empty((batch * n_chunks, n_cols), dtype=accumulate_dtype(x.dtype), device=x.device)
+        partials = torch.empty(1, dtype=acc_dtype, device=x.device)
+        chunks_done = torch.empty(1, dtype=torch.int32, device=x.device)
     _segment_sum_kernel[(batch * n_chunks * n_col_tiles,)](
-        x, offsets, out, total, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
-        MEAN=mean and n_chunks == 1, ACC=acc, BLOCK_T=bt, BLOCK_F=bf)
-    if n_chunks == 1:
-        return out
-    out = out.view(batch, n_chunks, n_cols).sum(1)
-    if mean:
-        out = out / (offsets[1:] - offsets[:-1]).to(out.dtype)[:, None]
-    return out.to(x.dtype)
+        x, offsets, out, partials, chunks_done, total, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
+        MEAN=mean, ACC=acc_type(x.dtype), BLOCK_T=bt, BLOCK_F=bf, STAGES=stages or tiles.stages,
+        num_warps=num_warps or tiles.num_warps)
+    return out
 
 
 def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, max_len: int, mean: bool, *,
-                          block_t: int | None = None, block_f: int | None = None) -> torch.Tensor:
-    """``(total, F)``: row r of sequence b is ``g[b]`` (``g[b] / L_b`` for mean); ``g`` is ``(B, F)``."""
+                          block_t: int | None = None, block_f: int | None = None,
+                          num_warps: int | None = None) -> torch.Tensor:
+    """``(total, F)``: row r of sequence b is ``g[b]`` (``g[b] / L_b`` for mean); ``g`` is ``(B, F)``. The
+    keywords override the tiles (:func:`varlen.tiling.copy_tiles`) and warps (4)."""
     batch, n_cols = g.shape
     out = torch.empty((total, n_cols), dtype=g.dtype, device=g.device)
     if out.numel() == 0:
@@ -113,18 +143,28 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
     n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
     _broadcast_rows_kernel[(batch * n_row_tiles * n_col_tiles,)](
         g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, g.stride(0), g.stride(1), out.stride(0),
-        MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf)
+        MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf, num_warps=num_warps or 4)
     return out
 
 
-def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) -> tuple[int, int]:
+class _SumTiles(NamedTuple):
+    block_t: int
+    block_f: int
+    num_warps: int
+    stages: int
+
+
+def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) -> _SumTiles:
     """GPU: 256 contiguous bytes of a row and 8K accumulators per program (an H100 sweep at bench/jagged_ops.py's
-    shape: 78% of copy in bf16 and 93% in float32, against 58% and 86% with 4K). Interpreter: large tiles."""
+    shape: 78% of copy in bf16 and 93% in float32, against 58% and 86% with 4K), 4 warps. 16-bit tiles are half
+    the bytes of float32 ones at the same accumulator count (registers), so they load two tiles ahead (Triton's
+    pipelining) to keep as many bytes in flight. Interpreter: large tiles."""
     if device.type == "cuda":
         block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size))
-        return min(triton.next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f)), block_f
+        block_t = min(triton.next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f))
+        return _SumTiles(block_t, block_f, 4, 3 if elem_size <= 2 else 1)
     block_f = min(triton.next_power_of_2(n_cols), 1024)
-    return min(triton.next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f
+    return _SumTiles(min(triton.next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f, 4, 1)
 
 
 def segment_sum_torch(x: torch.Tensor, offsets: torch.Tensor, mean: bool) -> torch.Tensor:
@@ -148,24 +188,27 @@ def broadcast_rows_torch(g: torch.Tensor, offsets: torch.Tensor, total: int, mea
 
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
-# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
-@torch.library.custom_op("varlen::segment_sum", mutates_args=())
-def _segment_sum_op(x: Tensor, offsets: Tensor, max_len: int, mean: bool, backend: str) -> Tensor:
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile. Eager
+# calls run the implementations directly (varlen._backend.through_custom_op).
+def _segment_sum(x: Tensor, offsets: Tensor, max_len: int, mean: bool, backend: str) -> Tensor:
     if backend == "triton":
         return segment_sum_triton(x, offsets, max_len, mean)
     return segment_sum_torch(x, offsets, mean)
 
 
-@_segment_sum_op.register_fake
-def _(x, offsets, max_len, mean, backend):
-    return x.new_empty((offsets.shape[0] - 1, x.shape[1]))
-
-
-@torch.library.custom_op("varlen::broadcast_rows", mutates_args=())
-def _broadcast_rows_op(g: Tensor, offsets: Tensor, total: int, max_len: int, mean: bool, backend: str) -> Tensor:
+def _broadcast_rows(g: Tensor, offsets: Tensor, total: int, max_len: int, mean: bool, backend: str) -> Tensor:
     if backend == "triton":
         return broadcast_rows_triton(g, offsets, total, max_len, mean)
     return broadcast_rows_torch(g, offsets, total, mean)
+
+
+_segment_sum_op = torch.library.custom_op("varlen::segment_sum", _segment_sum, mutates_args=())
+_broadcast_rows_op = torch.library.custom_op("varlen::broadcast_rows", _broadcast_rows, mutates_args=())
+
+
+@_segment_sum_op.register_fake
+def _(x, offsets, max_len, mean, backend):
+    return x.new_empty((offsets.shape[0] - 1, x.shape[1]))
 
 
 @_broadcast_rows_op.register_fake
@@ -177,7 +220,8 @@ def _(g, offsets, total, max_len, mean, backend):
 class _SegmentSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, mean, backend):
-        out = _segment_sum_op(as_columns(values, 1), offsets, max_len, mean, backend)
+        segment_sum = _segment_sum_op if through_custom_op() else _segment_sum
+        out = segment_sum(as_columns(values, 1), offsets, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.max_len, ctx.mean, ctx.backend = values.shape[0], max_len, mean, backend
         return out.view(offsets.shape[0] - 1, *values.shape[1:])
@@ -192,7 +236,8 @@ class _SegmentSum(torch.autograd.Function):
 class _BroadcastRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, max_len, mean, backend):
-        out = _broadcast_rows_op(as_columns(g, 1), offsets, total, max_len, mean, backend)
+        broadcast_rows = _broadcast_rows_op if through_custom_op() else _broadcast_rows
+        out = broadcast_rows(as_columns(g, 1), offsets, total, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.max_len, ctx.mean, ctx.backend = max_len, mean, backend
         return out.view(total, *g.shape[1:])

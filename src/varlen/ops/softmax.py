@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import _amp, capabilities
+from .._backend import through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -311,20 +312,23 @@ def softmax_bwd_torch(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) 
 
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
-# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
-@torch.library.custom_op("varlen::ragged_softmax_forward", mutates_args=())
-def _softmax_fwd_op(x: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile. Eager
+# calls run the implementations directly (varlen._backend.through_custom_op).
+def _softmax_fwd(x: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
     return softmax_fwd_triton(x, offsets, max_len) if backend == "triton" else softmax_fwd_torch(x, offsets)
+
+
+def _softmax_bwd(y: Tensor, dy: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+    return softmax_bwd_triton(y, dy, offsets, max_len) if backend == "triton" else softmax_bwd_torch(y, dy, offsets)
+
+
+_softmax_fwd_op = torch.library.custom_op("varlen::ragged_softmax_forward", _softmax_fwd, mutates_args=())
+_softmax_bwd_op = torch.library.custom_op("varlen::ragged_softmax_backward", _softmax_bwd, mutates_args=())
 
 
 @_softmax_fwd_op.register_fake
 def _(x, offsets, max_len, backend):
     return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("varlen::ragged_softmax_backward", mutates_args=())
-def _softmax_bwd_op(y: Tensor, dy: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
-    return softmax_bwd_triton(y, dy, offsets, max_len) if backend == "triton" else softmax_bwd_torch(y, dy, offsets)
 
 
 @_softmax_bwd_op.register_fake
@@ -337,7 +341,7 @@ class _RaggedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, backend):
         x = as_columns(values, 1)
-        y = _softmax_fwd_op(x, offsets, max_len, backend)
+        y = (_softmax_fwd_op if through_custom_op() else _softmax_fwd)(x, offsets, max_len, backend)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(y, offsets)
         ctx.max_len, ctx.backend = max_len, backend
@@ -347,7 +351,8 @@ class _RaggedSoftmax(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         y, offsets = ctx.saved_tensors
-        dx = _softmax_bwd_op(y, as_columns(grad, 1), offsets, ctx.max_len, ctx.backend)
+        bwd = _softmax_bwd_op if through_custom_op() else _softmax_bwd
+        dx = bwd(y, as_columns(grad, 1), offsets, ctx.max_len, ctx.backend)
         return dx.view(grad.shape), None, None, None
 
 

@@ -20,6 +20,7 @@ import collections
 import torch
 
 from ..._triton import tl, triton
+from ..gluon import backward as gluon_backward
 from .configs import DQ_SEPARATE, DQ_TMA, head_bound, splits_tf32
 from .launch import (
     DATA_DEPENDENT,
@@ -377,13 +378,15 @@ def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
 
 
 def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config, need_dbias,
-                    tma=None):
+                    tma=None, gluon=False):
     """(dq, dk, dv, dbias) for the normalized layouts of options.py. No autograd, no syncs.
 
     ``config`` is a ``configs.BackwardConfig``: tiles of the kv kernel, of the dQ kernel when dQ is
     computed separately (deterministic), and how dQ is reduced otherwise. ``dbias`` has the bias's
     shape and dtype (None unless ``need_dbias``). ``tma``: load tiles through TMA descriptors; None
-    decides from the device and alignment.
+    decides from the device and alignment. ``gluon``: run the warp-specialized Hopper kernel
+    (``attn/gluon/backward.py``) instead of these where it applies; off by default until it is faster than
+    them (bench/NOTES.md); its GPU tests and the sweeps turn it on.
     """
     B, H, Hkv, dense = problem.batch, problem.heads, problem.kv_heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
@@ -414,6 +417,11 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_args(seed, opts, problem, lse), F=feats)
+    if gluon and gluon_backward.applies(problem, opts, q, k, v, dout, out, bias, alibi, seed):
+        dq_acc = torch.zeros((*q.shape[:-1], problem.head_dim), device=q.device, dtype=torch.float32)
+        gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, common["mask"], feats,
+                                 opts.scale)
+        return dq_acc.to(q.dtype), dk, dv, None
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.
     dbias, db_mode, bcast, dbias_buf = None, DBIAS_NONE, (False,) * 4, q

@@ -1,0 +1,302 @@
+"""Hopper attention backward in Gluon, warp-specialized: dK, dV and dQ of a key block in one program.
+
+The plain Triton kernel (``triton/backward.py``) leaves the scheduling of its five matmuls to the compiler,
+which on sm_90 keeps them synchronous and spills at 128-key tiles. Here FA3's structure is written out
+(``../shared/attention-backward-notes.md``): one program per (128-key block, kv head, sequence), three
+partitions (``gl.warp_specialize``):
+
+- a loader warp (24 registers): K and V once by TMA, then the (Q, dO) tiles of 64 queries of every head of
+  the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers);
+- two key warpgroups (240 registers each), each owning 64 of the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both
+  operands from shared memory; Pᵀ and dSᵀ stay in registers as the A operand of dV += Pᵀ dO and
+  dK += dSᵀ Q (no transposes); dSᵀ goes to shared memory once for dQ = dS K, computed 64 columns at a time
+  and added into the fp32 dQ accumulator by TMA bulk reduces (``cp.reduce.async.bulk``, which Triton 3.6's
+  Gluon has in its IR builder but not in Python: :func:`_tma_reduce_add`). The warpgroups never wait for
+  each other: each adds the dQ of its own keys. Every matmul is asynchronous, waited where it is used.
+
+Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D), clip every
+load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
+another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
+of K and V (their P is finite, but their dQ term is dS times a zero row, and their dK/dV rows are never
+stored).
+
+Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
+alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
+with Gluon) and the layout (heads packed in a row, TMA-aligned). Not selected automatically: on an H100 it
+runs at 0.64-0.97x the Triton kernel's speed (``bench/NOTES.md``: each warpgroup still runs its tile's
+matmuls, softmax and dQ reduce one after the other, and D128 spills), so ``launch_backward(gluon=True)``
+asks for it (GPU tests, sweeps). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU
+tests cover every variant it accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._backend import interpreter_enabled
+from ..triton.launch import DATA_DEPENDENT, cdiv, ensure_allocator, tma_aligned
+from ..triton.masks import Mask, query_stages
+from ..triton.program import Rows, Seqs, base, batch, prologue, rows
+
+try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothing here runs there
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+BLOCK_N = 128  # keys per program: 64 per warpgroup
+BLOCK_M = 64   # queries per tile of the ring
+NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loader are workers
+# Registers per thread: the kernel's 384 threads (two key warpgroups and the loader's, padded to four warps)
+# share 168 x 384 (the launch's maxnreg); the loader keeps 24, each key warpgroup gets 240 (the default
+# partition receives what the workers leave).
+MAX_REGS = 168
+CONSUMER_REGS = 240
+HEAD_DIMS = (64, 128)
+
+
+if HAVE_GLUON:
+    @builtin
+    def _tma_reduce_add(desc, coord, src, _semantic=None):
+        """``desc[coord:] += src`` (a shared-memory tile) by one TMA bulk reduce, clipped at the descriptor's
+        bounds; asynchronous like a TMA store (``tma.store_wait`` waits for it)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+    @gluon.jit
+    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, n0, hk,
+                    t_lo, n_tiles, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """The producer warp: K and V once, then the (Q, dO) tiles of every head through the two-stage ring,
+        each stage refilled once both warpgroups released it."""
+        dtype: gl.constexpr = k_desc.dtype
+        mbarrier.expect(kv_bar, 2 * BN * D * dtype.primitive_bitwidth // 8)
+        tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [n0, hk * D], kv_bar, v_smem)
+        tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
+        count = 0
+        for g in range(GROUP):
+            col = (hk * GROUP + g) * D
+            for j in range(n_tiles):
+                stage = count % 2
+                mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                mbarrier.expect(ready.index(stage), tile_bytes)
+                tma.async_copy_global_to_shared(q_desc, [t_lo + j * BM, col], ready.index(stage), q_ring.index(stage))
+                tma.async_copy_global_to_shared(do_desc, [t_lo + j * BM, col], ready.index(stage),
+                                                do_ring.index(stage))
+                count += 1
+
+    @gluon.jit
+    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc, dk_desc,
+                       dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, n0, hk, t_lo, n_tiles,
+                       scale, qk_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                       D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, WG: gl.constexpr):
+        """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
+        head of the group: dK and dV in registers, each tile's dQ (from these keys) added by a TMA reduce."""
+        dtype: gl.constexpr = k_smem.dtype
+        KEYS: gl.constexpr = 64
+        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BM, 16])
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        DQC: gl.constexpr = 64 if D > 64 else D
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQC, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
+        k_w = k_smem.slice(WG * KEYS, KEYS)
+        v_w = v_smem.slice(WG * KEYS, KEYS)
+        ds_w = ds_smem.index(WG)
+        keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
+        dk = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
+        dv = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
+        mbarrier.wait(kv_bar, 0)
+        count = 0
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            # This head's row of the lse-shaped buffers (program.lse_row's rule).
+            row = h.to(gl.int64) * total_q + q_start.to(gl.int64) if VARLEN else (b.to(gl.int64) * H + h) * max_q
+            lse2_row = LSE2 + row
+            delta_row = DELTA + row
+            for j in range(n_tiles):
+                stage = count % 2
+                m0 = t_lo + j * BM
+                mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                q_tile = q_ring.index(stage)
+                do_tile = do_ring.index(stage)
+                # (Accumulators made at their use: zeros kept across the loop would hold registers.)
+                st = warpgroup_mma(k_w, q_tile.permute((1, 0)), gl.zeros([KEYS, BM], gl.float32, layout=kq_layout),
+                                   use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), gl.zeros([KEYS, BM], gl.float32, layout=kq_layout),
+                                    use_acc=False, is_async=True)
+                # lse and delta load while the products run, each just before its use: a tile's worth of either
+                # takes 16 registers per thread.
+                queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
+                lse2 = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf"))
+                st = warpgroup_mma_wait(1, deps=(st,))
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if HAS_R or HAS_WL:
+                    rel = keys[:, None] - queries[None, :] - shift  # key position minus query position
+                    ok = keys[:, None] < Lk
+                    if HAS_R:
+                        ok = ok & (rel <= R)
+                    if HAS_WL:
+                        ok = ok & (rel >= -WL)
+                    pt = gl.where(ok, pt, 0.0)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
+                queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (recomputed: not kept live)
+                delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                ds_low = (pt * (dpt - delta[None, :])).to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
+                ds_w.store(ds_low)
+                fence_async_shared()
+                gl.thread_barrier()
+                # dQ of this tile from these keys, 64 columns at a time (a whole D128 tile would need 64 more
+                # registers next to dK and dV), each chunk added by its own TMA reduce.
+                for c in gl.static_range(D // DQC):
+                    dq = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(c * DQC, DQC, dim=1),
+                                       gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
+                    if c == 0:
+                        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
+                        # Done with the stage (release it); the previous tile's reduces have read dq_smem.
+                        tma.store_wait(0)
+                        gl.thread_barrier()
+                        mbarrier.arrive(empty.index(stage))
+                    else:
+                        dq = warpgroup_mma_wait(0, deps=(dq,))
+                    dq_buf = dq_smem.index(WG * (D // DQC) + c)
+                    dq_buf.store(dq * scale)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    _tma_reduce_add(dq_desc, [m0, h * D + c * DQC], dq_buf)
+                count += 1
+        # dK, dV through this warpgroup's rows of K and V in shared memory (no reader left), clipped at Lk.
+        tma.store_wait(0)
+        k_w.store((dk * scale).to(dtype))
+        v_w.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [n0 + WG * KEYS, hk * D], k_w)
+        tma.async_copy_shared_to_global(dv_desc, [n0 + WG * KEYS, hk * D], v_w)
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=DATA_DEPENDENT)
+    def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
+                       seqs: Seqs, total_q, total_k, max_q, max_k, mask: Mask, scale, qk_scale,
+                       F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
+        accumulator, head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax
+        scale; ``qk_scale``: it times log2(e). Partitions: the default one and a worker are the two key
+        warpgroups, a one-warp worker loads."""
+        dtype: gl.constexpr = Q.ptr.dtype.element_ty
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
+        kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, BM], dtype)
+        DQC: gl.constexpr = 64 if D > 64 else D  # dQ columns per reduce
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
+
+        bt = batch(seqs, total_q, total_k, max_q, max_k)
+        block, hk, seq, m = prologue(bt, mask, F, False)
+        n0 = block * BN
+        if n0 >= seq.Lk:
+            return
+        # One descriptor per tensor and sequence, over its rows x (heads x D): boxes clip at the sequence's end.
+        q_desc = tma.make_tensor_descriptor(base(Q, seq.b, seq.q_start, 0), [seq.Lq, H * D], [Q.stride_s, 1],
+                                            [BM, D], q_layout)
+        do_desc = tma.make_tensor_descriptor(base(dO, seq.b, seq.q_start, 0), [seq.Lq, H * D], [dO.stride_s, 1],
+                                             [BM, D], q_layout)
+        dq_desc = tma.make_tensor_descriptor(base(dQ, seq.b, seq.q_start, 0), [seq.Lq, H * D], [dQ.stride_s, 1],
+                                             [BM, DQC], dq_layout)
+        k_desc = tma.make_tensor_descriptor(base(K, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [K.stride_s, 1],
+                                            [BN, D], k_layout)
+        v_desc = tma.make_tensor_descriptor(base(V, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [V.stride_s, 1],
+                                            [BN, D], k_layout)
+        dk_desc = tma.make_tensor_descriptor(base(dK, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [dK.stride_s, 1],
+                                             [BN // 2, D], kw_layout)
+        dv_desc = tma.make_tensor_descriptor(base(dV, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [dV.stride_s, 1],
+                                             [BN // 2, D], kw_layout)
+
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
+        q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
+        do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * (D // DQC), BM, DQC], dq_layout)  # per warpgroup
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
+
+        # The query tiles that see this key block (the band, if any, is applied on every tile).
+        bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
+        t_lo = bounds[0]
+        n_tiles = (bounds[3] - t_lo + BM - 1) // BM
+        # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
+        # into tensors.)
+        gl.warp_specialize([
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc,
+                              dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk,
+                              m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R,
+                              F.HAS_WL, D, H, GROUP, BM, 0)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc,
+                              dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk,
+                              m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R,
+                              F.HAS_WL, D, H, GROUP, BM, 1)),
+            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
+                           n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+
+def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
+    """Whether the kernel computes this call (whatever the machine): fp16/bf16, D = Dv in HEAD_DIMS, no bias,
+    ALiBi, softcap, dropout, prefix, documents or query positions, dQ by atomics (not deterministic)."""
+    if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
+        return False
+    if problem.head_dim not in HEAD_DIMS or opts.deterministic:
+        return False
+    if bias is not None or alibi is not None or seed is not None or opts.softcap > 0:
+        return False
+    return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
+
+
+def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:
+    """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
+    TMA-aligned."""
+    if not HAVE_GLUON or interpreter_enabled() or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if any(t.stride(-2) != problem.head_dim for t in (q, k, v, dout)):
+        return False  # each tensor's descriptor spans a row of packed heads
+    return supports(problem, opts, q.dtype, bias, alibi, seed) and tma_aligned(q, k, v, dout, out)
+
+
+def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mask, feats, scale) -> None:
+    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D)."""
+    ensure_allocator()  # the kernel builds its TMA descriptors on the device
+    dense = problem.dense
+    _bwd_kv_hopper[(cdiv(problem.max_k, BLOCK_N), problem.kv_heads, problem.batch)](
+        rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
+        rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scale, qk_scale=scale * 1.4426950408889634,
+        F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
+        BN=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS,
+    )
+
