@@ -22,6 +22,8 @@ from varlen.attn.triton.forward import launch_forward
 
 # The configs are chosen for a Hopper GPU; these tensors are CPU ones.
 configs.has_tma = lambda device: True
+gluon_backward.applies = (lambda problem, opts, q, k, v, dout, out, bias, alibi, seed:
+                          gluon_backward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
 
 def _problem(D, jagged, group):

@@ -35,8 +35,8 @@ import torch
 
 from ..._backend import interpreter_enabled
 from ..triton.launch import DATA_DEPENDENT, cdiv, ensure_allocator, tma_aligned
-from ..triton.masks import Mask, query_stages
-from ..triton.program import Rows, Seqs, base, batch, prologue, rows
+from ..triton.masks import Mask, in_band, query_stages
+from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
 
 try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothing here runs there
     from triton._C.libtriton import ir
@@ -122,8 +122,7 @@ if HAVE_GLUON:
         count = 0
         for g in range(GROUP):
             h = hk * GROUP + g
-            # This head's row of the lse-shaped buffers (program.lse_row's rule).
-            row = h.to(gl.int64) * total_q + q_start.to(gl.int64) if VARLEN else (b.to(gl.int64) * H + h) * max_q
+            row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
             lse2_row = LSE2 + row
             delta_row = DELTA + row
             for j in range(n_tiles):
@@ -144,12 +143,7 @@ if HAVE_GLUON:
                 st = warpgroup_mma_wait(1, deps=(st,))
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if HAS_R or HAS_WL:
-                    rel = keys[:, None] - queries[None, :] - shift  # key position minus query position
-                    ok = keys[:, None] < Lk
-                    if HAS_R:
-                        ok = ok & (rel <= R)
-                    if HAS_WL:
-                        ok = ok & (rel >= -WL)
+                    ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
                 queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (recomputed: not kept live)
@@ -289,13 +283,14 @@ def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:
     return supports(problem, opts, q.dtype, bias, alibi, seed) and tma_aligned(q, k, v, dout, out)
 
 
-def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mask, feats, scale) -> None:
-    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D)."""
+def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mask, feats, scores) -> None:
+    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``mask``, ``scores``:
+    the call's ``Mask`` and ``Scores`` bundles (their scale and log2-unit scale)."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
     _bwd_kv_hopper[(cdiv(problem.max_k, BLOCK_N), problem.kv_heads, problem.batch)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
-        rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scale, qk_scale=scale * 1.4426950408889634,
+        rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale,
         F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
         BN=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS,
     )

@@ -417,11 +417,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_args(seed, opts, problem, lse), F=feats)
-    if gluon and gluon_backward.applies(problem, opts, q, k, v, dout, out, bias, alibi, seed):
-        dq_acc = torch.zeros((*q.shape[:-1], problem.head_dim), device=q.device, dtype=torch.float32)
-        gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, common["mask"], feats,
-                                 opts.scale)
-        return dq_acc.to(q.dtype), dk, dv, None
+    gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, out, bias, alibi, seed)
+    dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.
     dbias, db_mode, bcast, dbias_buf = None, DBIAS_NONE, (False,) * 4, q
@@ -439,25 +436,29 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
 
     kv = config.kv
     kv_tiles = tiles(problem, kv, q.dtype, tma)
-    if config.dq_mode == DQ_SEPARATE:
+    if dq_mode == DQ_SEPARATE:
         dq = torch.empty_like(q)
         dq_acc = dq  # not touched by the kv kernel
     else:
         # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds.
         dq_acc = torch.zeros((*q.shape[:-1], head_block(problem.head_dim)), device=q.device, dtype=torch.float32)
-        if config.dq_mode == DQ_TMA:
+        if dq_mode == DQ_TMA:
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
-    _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
-        Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
-        dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
-        Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
-        T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=config.dq_mode,
-        SPLIT=remainders is not None,
-        num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
-    )
+    if gluon:
+        gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, common["mask"], feats,
+                                 common["scores"])
+    else:
+        _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
+            Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
+            dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
+            Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
+            T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode,
+            SPLIT=remainders is not None,
+            num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
+        )
     if db_mode == DBIAS_ATOMIC:
         dbias = dbias_buf.to(bias.dtype)
-    if config.dq_mode == DQ_SEPARATE:
+    if dq_mode == DQ_SEPARATE:
         qc = config.q
         _bwd_q_kernel[(cdiv(problem.max_q, qc.block_m), H, B)](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq, dense),

@@ -58,11 +58,7 @@ def seq_mask(mask: Mask, b, Lq, Lk, row_stride, F: tl.constexpr):
 def visible(rows, cols, Lq, Lk, m: SeqMask, F: tl.constexpr):
     """Boolean tile: query ``rows`` (in-sequence positions) sees key ``cols``; shapes broadcast."""
     ok = (rows < Lq) & (cols < Lk)
-    band = ok
-    if F.HAS_R:
-        band = band & (cols <= rows + m.shift + m.R)
-    if F.HAS_WL:
-        band = band & (cols >= rows + m.shift - m.WL)
+    band = in_band(ok, rows, cols, m.shift, m.WL, m.R, F.HAS_R, F.HAS_WL)
     if F.PREFIX:
         band = band | (ok & (cols < m.P))
     if F.DOCS:
@@ -70,6 +66,17 @@ def visible(rows, cols, Lq, Lk, m: SeqMask, F: tl.constexpr):
                                                                                 other=-2)
         band = band & same
     return band
+
+
+@triton.jit
+def in_band(ok, rows, cols, shift, WL, R, HAS_R: tl.constexpr, HAS_WL: tl.constexpr):
+    """``ok`` where key ``cols`` lies in query ``rows``'s band ``[rows + shift - WL, rows + shift + R]`` (a side
+    only when its flag is on)."""
+    if HAS_R:
+        ok = ok & (cols <= rows + shift + R)
+    if HAS_WL:
+        ok = ok & (cols >= rows + shift - WL)
+    return ok
 
 
 @triton.jit

@@ -92,7 +92,13 @@ def base(R: Rows, seq_b, start, h):
 @triton.jit
 def lse_row(ptr, bt: Batch, seq: Seq, h, F: tl.constexpr):
     """Pointer to sequence ``seq``'s first entry, head ``h``, of a contiguous lse-shaped buffer."""
-    if F.VARLEN:
-        return ptr + h.to(tl.int64) * bt.total_q + seq.q_start.to(tl.int64)
+    return ptr + lse_offset(seq.b, seq.q_start, h, bt.heads, bt.total_q, bt.max_q, F.VARLEN)
+
+
+@triton.jit
+def lse_offset(b, q_start, h, heads, total_q, max_q, VARLEN: tl.constexpr):
+    """:func:`lse_row`'s offset from scalars (for kernels that can't pass the bundles on, as Gluon partitions)."""
+    if VARLEN:
+        return h.to(tl.int64) * total_q + q_start.to(tl.int64)
     else:
-        return ptr + (seq.b.to(tl.int64) * bt.heads + h) * bt.max_q
+        return (b.to(tl.int64) * heads + h) * max_q
