@@ -1,13 +1,17 @@
 """Host time per ``varlen.attention`` call, where the GPU work is negligible (B2 S64 H4 D64 bf16, causal),
 next to SDPA's: what small problems and short sequences pay on every call.
 
-    PYTHONPATH=src python3 bench/host_overhead.py
+    PYTHONPATH=src python3 bench/host_overhead.py [--breakdown]
 
 Prints microseconds of host time per call (forward; forward + backward), the mean over 300 calls after a
-warm-up, with the GPU synchronized only at the ends.
+warm-up, with the GPU synchronized only at the ends. ``--breakdown`` also times one forward + backward step
+level by level (each level wrapped in a timer, which adds about a microsecond per wrapped call): the public
+call, the backend's forward and backward, the launchers, and each Triton launch.
 """
 
+import collections
 import json
+import sys
 import time
 
 import torch
@@ -38,6 +42,67 @@ def main():
         "sdpa fwd+bwd": host_us(lambda: F.scaled_dot_product_attention(qt, qt, qt, is_causal=True).sum().backward()),
     }
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host us per call": rows}))
+    if "--breakdown" in sys.argv:
+        print(json.dumps({"host us per fwd+bwd step, by level": breakdown(q)}))
+
+
+def breakdown(q, n: int = 300) -> dict:
+    """Microseconds per forward + backward step spent inside each level (levels nest: a launcher's time
+    includes its Triton launches)."""
+    from triton.runtime import jit
+
+    from varlen.attn import function
+    from varlen.attn.triton import backend
+
+    spent = collections.Counter()
+
+    def timed(label, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter_ns() - t
+        return wrapper
+
+    run = jit.JITFunction.run
+
+    def timed_run(self, *args, **kwargs):
+        return timed("triton launch: " + self.fn.__name__, run)(self, *args, **kwargs)
+
+    patches = [(function, "run_forward", "run_forward (autograd Function's forward)"),
+               (function, "run_backward", "run_backward (autograd Function's backward)"),
+               (backend, "launch_forward", "launch_forward"), (backend, "launch_backward", "launch_backward"),
+               (backend, "use_tma", "use_tma"), (backend.configs, "forward_config", "forward_config"),
+               (backend.configs, "backward_config", "backward_config")]
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, label in patches:
+            setattr(obj, name, timed(label, getattr(obj, name)))
+        jit.JITFunction.run = timed_run
+
+        def step():
+            t = time.perf_counter_ns()
+            out = varlen.attention(q, q, q, causal=True)
+            spent["varlen.attention (forward, with autograd)"] += time.perf_counter_ns() - t
+            t = time.perf_counter_ns()
+            out.sum().backward()
+            spent["sum + backward()"] += time.perf_counter_ns() - t
+
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        spent.clear()
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        total = round((time.perf_counter() - t) / n * 1e6, 1)
+        torch.cuda.synchronize()
+    finally:
+        for obj, name, fn in originals:
+            setattr(obj, name, fn)
+        jit.JITFunction.run = run
+    return {"step": total, **{k: round(v / n / 1e3, 1) for k, v in sorted(spent.items())}}
 
 
 if __name__ == "__main__":
