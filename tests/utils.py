@@ -1,6 +1,5 @@
 """Helpers shared by the tests: tolerances, error measures, random jagged batches."""
 
-
 import torch
 
 import varlen

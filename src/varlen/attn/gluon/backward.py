@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..._backend import interpreter_enabled
+from ..triton.configs import compute_capability
 from ..triton.launch import DATA_DEPENDENT, cdiv, ensure_allocator, tma_aligned
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
@@ -276,7 +277,7 @@ def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:
     TMA-aligned."""
     if not HAVE_GLUON or interpreter_enabled() or q.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if compute_capability(q.device)[0] != 9:
         return False
     if any(t.stride(-2) != problem.head_dim for t in (q, k, v, dout)):
         return False  # each tensor's descriptor spans a row of packed heads

@@ -136,7 +136,7 @@ def tables(device: torch.device) -> Tables:
     """The tables for ``device``'s compute capability (sm_90's off the GPU: tools/compile_check.py targets it)."""
     if device.type != "cuda":
         return SM90
-    capability = _capability(device)
+    capability = compute_capability(device)
     tuned = [c for c in TABLES if c <= capability]
     return TABLES[max(tuned)] if tuned else SM90
 
@@ -146,7 +146,8 @@ def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """``device``'s (major, minor) compute capability, read once per GPU (torch's query costs host time per call)."""
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -190,7 +191,7 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
 
 def has_tma(device: torch.device) -> bool:
     """Whether ``device`` has the Tensor Memory Accelerator (Hopper and newer): descriptor loads, bulk reduce."""
-    return device.type == "cuda" and _capability(device)[0] >= 9
+    return device.type == "cuda" and compute_capability(device)[0] >= 9
 
 
 def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bool, device: torch.device,
