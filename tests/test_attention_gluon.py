@@ -1,11 +1,11 @@
-"""The Hopper Gluon backward (``varlen.attn.gluon.backward``) against the float64 reference, on an sm_90 GPU.
+"""The Hopper Gluon kernels (``varlen.attn.gluon``) against the float64 reference, on an sm_90 GPU.
 
-Gluon doesn't run under the interpreter, so these run on the GPU only. The kernel is not selected
-automatically (see its module docstring); the tests force it through ``launch_backward(gluon=True)`` and
-check that it ran. Every variant it accepts: fp16 and bf16, head dims 64 and 128, dense and jagged (lengths
-0, 1, 17 and 1000 among others), GQA, no mask, causal in both alignments, windows. Flash-attn's rule: each
-gradient's error is at most twice that of the same math in PyTorch at the input precision (plus a float32
-rounding floor).
+Gluon doesn't run under the interpreter, so these run on the GPU only. The tests force each kernel through
+its launcher's ``gluon=True`` and check that it ran. Every variant they accept: fp16 and bf16, head dims 64
+and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
+different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows.
+Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
+precision (plus a float32 rounding floor).
 """
 
 import functools
@@ -17,6 +17,7 @@ import torch
 import varlen
 from conftest import ON_GPU
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backend as triton_backend
 
@@ -27,6 +28,7 @@ MASKS = {
     "window": dict(window=(50, 30)), "causal_window": dict(causal=True, window=(100, 0)),
 }
 LENGTHS = [0, 1, 17, 1000, 300, 129]
+KEY_LENGTHS = [5, 0, 40, 700, 301, 128]  # ("cross": keys of other lengths than the queries)
 
 
 def _hopper() -> bool:
@@ -49,13 +51,70 @@ def forced_gluon(monkeypatch):
     return launches
 
 
+@pytest.fixture(params=["gluon", "triton"])
+def forward_kernel(request, monkeypatch):
+    """Route the Triton backend's forward through one kernel: the Gluon one, or the Triton one (which the
+    Gluon kernel replaces where the tables select it, so these shapes test it here); count the Gluon
+    kernel's launches."""
+    launches = []
+    launch = gluon_forward.launch
+
+    def counting(*args, **kwargs):
+        launches.append(1)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_forward, "launch", counting)
+    monkeypatch.setattr(triton_backend, "launch_forward",
+                        functools.partial(triton_backend.launch_forward, gluon=request.param == "gluon"))
+    return request.param, launches
+
+
 def _inputs(layout, dtype, heads, kv_heads, D, generator):
     def rand(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
 
     if layout == "dense":
         return rand(2, 1000, heads, D), rand(2, 1000, kv_heads, D), rand(2, 1000, kv_heads, D)
-    return tuple(varlen.jagged([rand(L, h, D) for L in LENGTHS]) for h in (heads, kv_heads, kv_heads))
+    key_lengths = KEY_LENGTHS if layout == "cross" else LENGTHS
+    return (varlen.jagged([rand(L, heads, D) for L in LENGTHS]),
+            *(varlen.jagged([rand(L, kv_heads, D) for L in key_lengths]) for _ in range(2)))
+
+
+def _to(t, device, dtype):
+    if isinstance(t, varlen.JaggedTensor):
+        return varlen.JaggedTensor(t.values.to(device, dtype), t.offsets.to(device), t.max_len)
+    return t.to(device, dtype)
+
+
+def _values(t):
+    return t.values if isinstance(t, varlen.JaggedTensor) else t
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("D", gluon_forward.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask):
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask}".encode()))
+    q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
+    opts = MASKS[mask]
+    ref_out, ref_lse = attention_reference(*(_to(t, "cuda", torch.float64) for t in (q, k, v)), **opts)
+    low_out, low_lse = attention_reference(*(_to(t, "cuda", dtype) for t in (q, k, v)), **opts)
+    out, lse = varlen.attention(*(_to(t, "cuda", dtype) for t in (q, k, v)), return_lse=True, **opts)
+    kernel, gluon_launches = forward_kernel
+    assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
+    out, ref_out, low_out = (_values(t).double() for t in (out, ref_out, low_out))
+    err = (out - ref_out).abs().max().item()
+    allowed = 2 * (low_out - ref_out).abs().max().item() + 1e-5 * ref_out.abs().max().item()
+    assert err <= allowed, f"out: error {err:.3e} > {allowed:.3e} (2x PyTorch's at {dtype})"
+    lse, ref_lse, low_lse = (_values(t).double() for t in (lse, ref_lse, low_lse))
+    sees = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), sees), "lse: -inf where a query sees no key, finite elsewhere"
+    err = (lse[sees] - ref_lse[sees]).abs().max().item()
+    allowed = 2 * (low_lse[sees] - ref_lse[sees]).abs().max().item() + 1e-5 * ref_lse[sees].abs().max().item()
+    assert err <= allowed, f"lse: error {err:.3e} > {allowed:.3e} (2x PyTorch's at {dtype})"
 
 
 def _grads(q, k, v, dout, fn, dtype, device):

@@ -15,6 +15,7 @@ import os
 import torch
 
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attn.triton import configs
 from varlen.attn.triton.backward import launch_backward
@@ -24,6 +25,8 @@ from varlen.attn.triton.forward import launch_forward
 configs.has_tma = lambda device: True
 gluon_backward.applies = (lambda problem, opts, q, k, v, dout, out, bias, alibi, seed:
                           gluon_backward.supports(problem, opts, q.dtype, bias, alibi, seed))
+gluon_forward.applies = (lambda problem, opts, q, k, v, bias, alibi, seed:
+                         gluon_forward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
 
 def _problem(D, jagged, group):
@@ -97,6 +100,9 @@ def main():
             out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma)
             launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                             need_dbias=bias is not None, tma=tma, gluon=False)
+            if tma and gluon_forward.supports(problem, opts, dtype, bias, alibi, seed):
+                print(label.replace("case", "gluon forward"), flush=True)
+                launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
                 print(label.replace("case", "gluon"), flush=True)
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,

@@ -52,6 +52,8 @@ def _dump_sass(kernel, folder, name, n):
         f.write(sass)
     with open(path + ".ttgir", "w") as f:
         f.write(kernel.asm["ttgir"])
+    with open(path + ".ptx", "w") as f:
+        f.write(kernel.asm["ptx"])
 
 
 def main():
@@ -59,7 +61,7 @@ def main():
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--smem-limit", type=int, default=232448, help="bytes per block (sm_90: 227 KiB)")
-    ap.add_argument("--sass", default=None, help="folder to write each kernel's cubin, SASS and TTGIR into")
+    ap.add_argument("--sass", default=None, help="folder to write each kernel's cubin, SASS, PTX and TTGIR into")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()

@@ -33,36 +33,26 @@ from __future__ import annotations
 
 import torch
 
-from ..._backend import interpreter_enabled
-from ..triton.configs import compute_capability
-from ..triton.launch import DATA_DEPENDENT, cdiv, ensure_allocator, tma_aligned
+from ..triton.launch import cdiv, ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
-
-try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothing here runs there
-    from triton._C.libtriton import ir
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language._core import builtin
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+from . import common
+from .common import (
+    HAVE_GLUON,
+    builtin,
+    fence_async_shared,
+    gl,
+    gluon,
+    ir,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
 NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loader are workers
-# Registers per thread: the kernel's 384 threads (two key warpgroups and the loader's, padded to four warps)
-# share 168 x 384 (the launch's maxnreg); the loader keeps 24, each key warpgroup gets 240 (the default
-# partition receives what the workers leave).
-MAX_REGS = 168
-CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)
 
 
@@ -184,7 +174,7 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(dv_desc, [n0 + WG * KEYS, hk * D], v_w)
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=DATA_DEPENDENT)
+    @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
@@ -253,7 +243,7 @@ if HAVE_GLUON:
                               F.HAS_WL, D, H, GROUP, BM, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        ], [4, 1], [CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(2):
             mbarrier.invalidate(ready.index(i))
@@ -274,14 +264,9 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
 
 def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
-    TMA-aligned."""
-    if not HAVE_GLUON or interpreter_enabled() or q.device.type != "cuda":
-        return False
-    if compute_capability(q.device)[0] != 9:
-        return False
-    if any(t.stride(-2) != problem.head_dim for t in (q, k, v, dout)):
-        return False  # each tensor's descriptor spans a row of packed heads
-    return supports(problem, opts, q.dtype, bias, alibi, seed) and tma_aligned(q, k, v, dout, out)
+    with its heads packed in a row and TMA-aligned."""
+    return (supports(problem, opts, q.dtype, bias, alibi, seed)
+            and common.hopper_layout(problem.head_dim, q, k, v, dout))
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mask, feats, scores) -> None:
@@ -293,6 +278,6 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mas
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale,
         F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
-        BN=BLOCK_N, CONSUMER_REGS=CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=MAX_REGS,
+        BN=BLOCK_N, CONSUMER_REGS=common.CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

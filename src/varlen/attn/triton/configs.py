@@ -89,6 +89,14 @@ class Tables:
     # ``short`` keys: UNTUNED threshold (measured at S1024 and S4096 only; the crossover between is not known).
     backward_short_causal_64: tuple
     short: int
+    # The warp-specialized Gluon forward (``attn/gluon/forward.py``) where it applies: head dim bound -> the
+    # longest query sequence (max_q) from which it runs instead of the Triton kernel; absent: never. H100,
+    # ``bench/results/forward_kernels_h100.md`` (bf16, B*S = 16k, H*D = 2048, TFLOP/s Gluon vs Triton): at D128
+    # it leads at every length (S1k 442 vs 360, S4k 569 vs 466, S16k 592 vs 508; causal likewise); at D64 only
+    # at S16k (449 vs 422, causal 420 vs 393), behind at S4k (398 vs 408, causal 331 vs 351) and at S1k causal
+    # (174 vs 236; the S1k rows are host-bound and swing between runs). The crossover between 4k and 16k was not
+    # measured, so 16k.
+    gluon_forward: dict
 
 
 SM90 = Tables(
@@ -126,6 +134,7 @@ SM90 = Tables(
     backward_gqa_causal_128=(K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
     backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
     short=2048,
+    gluon_forward={64: 16384, 128: 0},
 )
 # By compute capability. Others use the nearest older table below them (sm_90's for newer GPUs: untuned there);
 # the kernels need TMA-capable GPUs for their tuned tiles anyway (use_tma falls back to pointer loads).
@@ -187,6 +196,14 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     if bias:
         return t.forward_bias[bound]
     return t.forward[bound]
+
+
+def uses_gluon_forward(problem, device: torch.device) -> bool:
+    """Whether the forward should run the Gluon kernel where it applies (``Tables.gluon_forward``)."""
+    if interpreter_enabled() or device.type != "cuda":
+        return False
+    longest = tables(device).gluon_forward.get(head_bound(problem))
+    return longest is not None and problem.max_q >= longest
 
 
 def has_tma(device: torch.device) -> bool:

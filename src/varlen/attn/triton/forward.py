@@ -3,16 +3,20 @@
 Scores live in log2 units (``exp2``), the lse is stored in natural log for the user. Tiles outside a
 block's visible band are skipped; tiles inside it run without mask arithmetic (``masks.py``). Dropout
 drops probabilities after the row sums, so the lse and the normalization are those of the undropped
-softmax, as in the definition.
+softmax, as in the definition. On Hopper, the warp-specialized Gluon kernel (``attn/gluon/forward.py``) takes
+the calls it supports where ``configs.uses_gluon_forward`` says it is faster; this kernel takes the rest.
 """
 
 import torch
 
 from ..._triton import tl, triton
+from ..gluon import forward as gluon_forward
+from . import configs
 from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs
 from .scores import (
+    LN2,
     Dropout,
     HeadDropout,
     HeadScores,
@@ -25,9 +29,6 @@ from .scores import (
     score_tile,
 )
 from .tiles import load_rows, rows_desc, store_rows
-
-# Kernels may read globals only as constexprs.
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -105,16 +106,24 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     tl.store(lse_row(LSE, bt, seq, h, F) + rows_m, lse, mask=rows_m < seq.Lq)
 
 
-def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None):
+def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, gluon=None):
     """Allocate out and lse and run the forward kernel. No autograd, no syncs.
 
-    ``tma``: load tiles through TMA descriptors; None decides from the device and alignment.
+    ``tma``: load tiles through TMA descriptors; None decides from the device and alignment. ``gluon``: run
+    the warp-specialized Hopper kernel (``attn/gluon/forward.py``) instead where it applies; None: where the
+    tables say it is faster (``configs.uses_gluon_forward``); False: never (the tests of this kernel).
     """
     B, H, DV, dense = problem.batch, problem.heads, problem.head_dim_v, problem.dense
     out = q.new_empty((*q.shape[:-1], DV))
     lse = torch.empty((B, H, problem.max_q) if dense else (H, q.shape[0]), device=q.device, dtype=torch.float32)
     grid = (cdiv(problem.max_q, config.block_m), H, B)
     if 0 in grid:  # no query: nothing to write
+        return out, lse
+    if gluon is None:
+        gluon = configs.uses_gluon_forward(problem, q.device)
+    if gluon and gluon_forward.applies(problem, opts, q, k, v, bias, alibi, seed):
+        gluon_forward.launch(q, k, v, out, lse, problem, seqs(problem, q, k, lse), mask_args(problem, opts, lse),
+                             features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q))
         return out, lse
     tma = (config.tma and use_tma(q, k, v)) if tma is None else tma
     _attn_fwd_kernel[grid](

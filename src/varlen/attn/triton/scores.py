@@ -25,6 +25,7 @@ from ..dropout import dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 # Runtime values (host bundles); placeholders where a modifier is off. Strides are fields of their own, not a
 # nested tuple: Triton 3.6 loses the value of a stride specialized to 1 two tuples deep.

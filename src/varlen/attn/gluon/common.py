@@ -1,0 +1,46 @@
+"""What the Gluon kernels share: the Gluon imports, the register budget of their partitions, and where they
+apply (an sm_90 GPU, heads packed in a row, TMA-aligned tensors)."""
+
+from __future__ import annotations
+
+from ..._backend import interpreter_enabled
+from ..triton.configs import compute_capability
+from ..triton.launch import DATA_DEPENDENT, tma_aligned
+
+try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothing here runs there
+    from triton._C.libtriton import ir
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False  # (the kernels are defined only when it is True; these names stay unused)
+    ir = gluon = gl = builtin = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+
+__all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "builtin", "fence_async_shared", "gl", "gluon", "ir", "mbarrier", "tma",
+           "warpgroup_mma", "warpgroup_mma_wait", "hopper_layout"]
+
+# Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
+# four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
+# warpgroup gets CONSUMER_REGS (the default partition receives what the workers leave).
+MAX_REGS = 168
+CONSUMER_REGS = 240
+LOADER_REGS = 24
+
+
+def hopper_layout(head_dim: int, *tensors) -> bool:
+    """Whether a Gluon kernel can take these CUDA tensors here: Gluon present, not the interpreter, an sm_90
+    GPU, each tensor's heads packed in a row (its descriptor spans rows x (heads x D)) and TMA-aligned."""
+    q = tensors[0]
+    if not HAVE_GLUON or interpreter_enabled() or q.device.type != "cuda":
+        return False
+    if compute_capability(q.device)[0] != 9:
+        return False
+    return all(t.stride(-2) == head_dim for t in tensors) and tma_aligned(*tensors)
