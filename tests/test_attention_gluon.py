@@ -17,6 +17,7 @@ import torch
 import varlen
 from conftest import ON_GPU
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backend as triton_backend
@@ -35,20 +36,25 @@ def _hopper() -> bool:
     return ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_backward.HAVE_GLUON
 
 
-@pytest.fixture
-def forced_gluon(monkeypatch):
-    """Route the Triton backend's backward through the Gluon kernel; count its launches."""
+def _route(monkeypatch, kernel_module, kernel_launch, launcher, gluon):
+    """Make the Triton backend's ``launcher`` run with ``gluon``; returns the list that counts the launches of
+    ``kernel_module.kernel_launch`` (the Gluon kernel's)."""
     launches = []
-    launch_kv = gluon_backward.launch_kv
+    launch = getattr(kernel_module, kernel_launch)
 
     def counting(*args, **kwargs):
         launches.append(1)
-        return launch_kv(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    monkeypatch.setattr(gluon_backward, "launch_kv", counting)
-    monkeypatch.setattr(triton_backend, "launch_backward",
-                        functools.partial(triton_backend.launch_backward, gluon=True))
+    monkeypatch.setattr(kernel_module, kernel_launch, counting)
+    monkeypatch.setattr(triton_backend, launcher, functools.partial(getattr(triton_backend, launcher), gluon=gluon))
     return launches
+
+
+@pytest.fixture
+def forced_gluon(monkeypatch):
+    """Route the Triton backend's backward through the Gluon kernel; count its launches."""
+    return _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
 
 
 @pytest.fixture(params=["gluon", "triton"])
@@ -56,17 +62,7 @@ def forward_kernel(request, monkeypatch):
     """Route the Triton backend's forward through one kernel: the Gluon one, or the Triton one (which the
     Gluon kernel replaces where the tables select it, so these shapes test it here); count the Gluon
     kernel's launches."""
-    launches = []
-    launch = gluon_forward.launch
-
-    def counting(*args, **kwargs):
-        launches.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(gluon_forward, "launch", counting)
-    monkeypatch.setattr(triton_backend, "launch_forward",
-                        functools.partial(triton_backend.launch_forward, gluon=request.param == "gluon"))
-    return request.param, launches
+    return request.param, _route(monkeypatch, gluon_forward, "launch", "launch_forward", request.param == "gluon")
 
 
 def _inputs(layout, dtype, heads, kv_heads, D, generator):
@@ -94,7 +90,7 @@ def _values(t):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-@pytest.mark.parametrize("D", gluon_forward.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask}".encode()))
@@ -134,7 +130,7 @@ def _grads(q, k, v, dout, fn, dtype, device):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
-@pytest.mark.parametrize("D", gluon_backward.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_backward_matches_reference(forced_gluon, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask}".encode()))

@@ -97,7 +97,7 @@ def main():
                                          tma=tma)
             bwd = configs.backward_config(problem, dtype, opts.masked, opts.deterministic, q.device,
                                           bias=bias is not None, dropout=seed is not None, tma=tma)
-            out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma)
+            out, lse = launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=False)
             launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                             need_dbias=bias is not None, tma=tma, gluon=False)
             if tma and gluon_forward.supports(problem, opts, dtype, bias, alibi, seed):

@@ -31,8 +31,6 @@ tests cover every variant it accepts.
 
 from __future__ import annotations
 
-import torch
-
 from ..triton.launch import cdiv, ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
@@ -53,7 +51,6 @@ from .common import (
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
 NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loader are workers
-HEAD_DIMS = (64, 128)
 
 
 if HAVE_GLUON:
@@ -251,15 +248,9 @@ if HAVE_GLUON:
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
-    """Whether the kernel computes this call (whatever the machine): fp16/bf16, D = Dv in HEAD_DIMS, no bias,
-    ALiBi, softcap, dropout, prefix, documents or query positions, dQ by atomics (not deterministic)."""
-    if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
-        return False
-    if problem.head_dim not in HEAD_DIMS or opts.deterministic:
-        return False
-    if bias is not None or alibi is not None or seed is not None or opts.softcap > 0:
-        return False
-    return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
+    """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
+    D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) with dQ by atomics (not deterministic)."""
+    return common.plain_call(problem, opts, dtype, bias, alibi, seed) and not opts.deterministic
 
 
 def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:

@@ -3,6 +3,8 @@ apply (an sm_90 GPU, heads packed in a row, TMA-aligned tensors)."""
 
 from __future__ import annotations
 
+import torch
+
 from ..._backend import interpreter_enabled
 from ..triton.configs import compute_capability
 from ..triton.launch import DATA_DEPENDENT, tma_aligned
@@ -25,7 +27,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     ir = gluon = gl = builtin = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
 
 __all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "builtin", "fence_async_shared", "gl", "gluon", "ir", "mbarrier", "tma",
-           "warpgroup_mma", "warpgroup_mma_wait", "hopper_layout"]
+           "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call", "hopper_layout"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -33,6 +35,21 @@ __all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "builtin", "fence_async_shared", "gl"
 MAX_REGS = 168
 CONSUMER_REGS = 240
 LOADER_REGS = 24
+
+
+HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are written for (D = Dv)
+
+
+def plain_call(problem, opts, dtype, bias, alibi, seed) -> bool:
+    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv in
+    :data:`HEAD_DIMS`, no bias, ALiBi, softcap, dropout, prefix, documents or query positions."""
+    if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
+        return False
+    if problem.head_dim not in HEAD_DIMS:
+        return False
+    if bias is not None or alibi is not None or seed is not None or opts.softcap > 0:
+        return False
+    return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
 
 
 def hopper_layout(head_dim: int, *tensors) -> bool:

@@ -28,9 +28,7 @@ variant it accepts.
 
 from __future__ import annotations
 
-import torch
-
-from ..triton.launch import cdiv, ensure_allocator
+from ..triton.launch import cdiv, ensure_allocator, raw_scores
 from ..triton.masks import Mask, in_band, key_stages
 from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
 from ..triton.scores import LN2
@@ -47,12 +45,8 @@ from .common import (
 )
 
 BLOCK_M = 128  # queries per program: 64 per warpgroup
-HEAD_DIMS = (64, 128)
-
-
-def block_n(head_dim: int) -> int:
-    """Keys per tile: 128 (at D128 the S tiles of this and the next tile, O and P fit in 240 registers)."""
-    return 128
+# Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
+BLOCK_N = 128
 
 
 if HAVE_GLUON:
@@ -226,15 +220,10 @@ if HAVE_GLUON:
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
-    """Whether the kernel computes this call (whatever the machine): fp16/bf16, D = Dv in HEAD_DIMS, no bias,
-    ALiBi, softcap, dropout, prefix, documents or query positions, a non-negative scale (raw scores)."""
-    if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
-        return False
-    if problem.head_dim not in HEAD_DIMS or opts.scale < 0:
-        return False
-    if bias is not None or alibi is not None or seed is not None or opts.softcap > 0:
-        return False
-    return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
+    """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
+    D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) whose scores stay raw q.k
+    (``launch.raw_scores``: a non-negative scale)."""
+    return common.plain_call(problem, opts, dtype, bias, alibi, seed) and raw_scores(opts, bias, alibi)
 
 
 def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
@@ -252,6 +241,6 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
     _attn_fwd_hopper[(cdiv(problem.max_q, BLOCK_M), problem.heads, problem.batch)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, mask=mask,
         scale=scores.scale, qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads,
-        HKV=problem.kv_heads, GROUP=problem.group, BN=block_n(problem.head_dim), num_warps=4,
+        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, num_warps=4,
         maxnreg=common.MAX_REGS,
     )

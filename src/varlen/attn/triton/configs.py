@@ -199,9 +199,8 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
 
 
 def uses_gluon_forward(problem, device: torch.device) -> bool:
-    """Whether the forward should run the Gluon kernel where it applies (``Tables.gluon_forward``)."""
-    if interpreter_enabled() or device.type != "cuda":
-        return False
+    """Whether the forward should run the Gluon kernel where it applies (``Tables.gluon_forward``; whether it
+    applies, the machine included, is the kernel's ``applies``)."""
     longest = tables(device).gluon_forward.get(head_bound(problem))
     return longest is not None and problem.max_q >= longest
 
