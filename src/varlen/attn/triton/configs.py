@@ -92,10 +92,9 @@ class Tables:
     # The warp-specialized Gluon forward (``attn/gluon/forward.py``) where it applies: head dim bound -> the
     # longest query sequence (max_q) from which it runs instead of the Triton kernel; absent: never. H100,
     # ``bench/results/forward_kernels_h100.md`` (bf16, B*S = 16k, H*D = 2048, TFLOP/s Gluon vs Triton): at D128
-    # it leads at every length (S1k 442 vs 360, S4k 569 vs 466, S16k 592 vs 508; causal likewise); at D64 only
-    # at S16k (449 vs 422, causal 420 vs 393), behind at S4k (398 vs 408, causal 331 vs 351) and at S1k causal
-    # (174 vs 236; the S1k rows are host-bound and swing between runs). The crossover between 4k and 16k was not
-    # measured, so 16k.
+    # it leads or ties at every length (S1k 438 vs 359, causal 243 vs 242; S4k 568 vs 468; S16k 629 vs 500); at
+    # D64 only at S16k (456 vs 421, causal 428 vs 406), behind at S4k (399 vs 410, causal 331 vs 352) and S1k
+    # (277 vs 340, causal 175 vs 235). The crossover between 4k and 16k was not measured, so 16k.
     gluon_forward: dict
 
 
