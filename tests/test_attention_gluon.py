@@ -19,6 +19,7 @@ from conftest import ON_GPU
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
+from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backend as triton_backend
 
@@ -94,13 +95,16 @@ def _values(t):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask}".encode()))
-    q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
-    opts = MASKS[mask]
+    kernel, gluon_launches = forward_kernel
+    _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype)
+    assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
+
+
+def _check_forward(q, k, v, opts, dtype):
+    """varlen.attention's output and lse against the float64 reference, by flash-attn's rule."""
     ref_out, ref_lse = attention_reference(*(_to(t, "cuda", torch.float64) for t in (q, k, v)), **opts)
     low_out, low_lse = attention_reference(*(_to(t, "cuda", dtype) for t in (q, k, v)), **opts)
     out, lse = varlen.attention(*(_to(t, "cuda", dtype) for t in (q, k, v)), return_lse=True, **opts)
-    kernel, gluon_launches = forward_kernel
-    assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
     out, ref_out, low_out = (_values(t).double() for t in (out, ref_out, low_out))
     err = (out - ref_out).abs().max().item()
     allowed = 2 * (low_out - ref_out).abs().max().item() + 1e-5 * ref_out.abs().max().item()
@@ -111,6 +115,31 @@ def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads
     err = (lse[sees] - ref_lse[sees]).abs().max().item()
     allowed = 2 * (low_lse[sees] - ref_lse[sees]).abs().max().item() + 1e-5 * ref_lse[sees].abs().max().item()
     assert err <= allowed, f"lse: error {err:.3e} > {allowed:.3e} (2x PyTorch's at {dtype})"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs):
+    """The persistent schedule with few programs, each walking many work items (ring positions, the Q block
+    and the output staging carried across items; items past a sequence's end and items that see no key in
+    between): as the float64 reference. At the sizes of the test above most programs take one item."""
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
+    g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16)
+    assert launches, "the Gluon kernel did not run"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+def test_gluon_forward_declines_gapped_batches():
+    """Dense tensors whose sequences don't follow one another in memory (a slice along the sequence axis) are
+    not the Gluon forward's: its descriptors span all rows."""
+    q, k, v = (torch.randn(2, 1100, 4, 64, device="cuda", dtype=torch.bfloat16)[:, :1000] for _ in range(3))
+    problem, opts = Problem(2, 4, 4, 64, 64, 1000, 1000, True), AttentionOptions(scale=0.125)
+    assert not gluon_forward.applies(problem, opts, q, k, v, None, None, None)
+    assert gluon_forward.applies(problem, opts, *(t.contiguous() for t in (q, k, v)), None, None, None)
 
 
 def _grads(q, k, v, dout, fn, dtype, device):

@@ -1,36 +1,48 @@
-"""Hopper attention forward in Gluon, warp-specialized: 128 queries of one head per program.
+"""Hopper attention forward in Gluon, warp-specialized and persistent: blocks of 128 queries of one head.
 
 The plain Triton forward (``triton/forward.py``) waits for each tile's Q·Kᵀ before its softmax, and its
 softmax before the next tile's product, so the tensor cores idle while the exponentials run. Here FA3's
 forward structure is written out (``../shared/attention-backward-notes.md``), three partitions
 (``gl.warp_specialize``):
 
-- a loader warp (24 registers): the two 64-row halves of the Q block once by TMA, then the K and V tiles of
-  the visible key range through two-stage rings (``ready`` / ``empty`` mbarriers; K and V apart, so a K
-  slot frees as soon as its product is done while V is still read);
+- a loader warp (24 registers): the two 64-row halves of the Q block by TMA, then the K and V tiles of the
+  visible key range through two-stage rings (``ready`` / ``empty`` mbarriers; K and V apart, so a K slot
+  frees as soon as its product is done while V is still read);
 - two query warpgroups (240 registers each), each owning 64 of the queries: S = Q Kᵀ from shared memory,
   the online softmax in registers, P as the register A operand of O += P V. Each issues a tile's S = Q Kᵀ
   together with the previous tile's O += P V, so the softmax of this tile runs under the second product;
   the two warpgroups drift apart, so one's softmax also runs under the other's products.
 
-Sequences and heads as in the Gluon backward: per-sequence TMA descriptors made on the device over
-rows x (heads x D) clip loads at the sequence's end (zero rows) and the output store there too. Keys past
-the end are masked on the (masked) last tile; query rows past the end compute on zero rows and are never
-stored. Scores stay raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel
-with ``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
+One program per SM (168 x 384 registers leave room for one) walks work items (``_work_item``: two query
+blocks of a head, the heaviest and the lightest under a causal mask, so that items weigh the same). The
+rings, the Q block and the output's staging tiles carry on from block to block: the loader fetches the next
+block's Q as soon as both warpgroups have issued their last product with this one's, and its first K and V
+tiles as ring slots free, so the next block starts under this one's last products and its output's TMA
+store. (With one program per block, every program's prologue and epilogue idled the tensor cores: 0.69-0.98x
+this speed at D128, ``bench/NOTES.md``.)
+
+Tiles load through one TMA descriptor per tensor over all its rows (rows x (heads x D)), made once per
+program. A tile past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys
+there are masked out of the scores (the last tile is always a masked one), queries there are computed and
+never stored; their P is exactly 0, so their V rows add nothing unless they hold inf or NaN (which would
+turn the row NaN; the Triton kernel's per-sequence descriptors read zeros there). The output goes through a
+TMA store where a warpgroup's 64 rows lie in the sequence, by masked stores at its last rows. Scores stay
+raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
+``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal
 (either alignment) or windows, GQA; no bias, ALiBi, softcap, dropout, prefix, documents or query
 positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
-TMA-aligned). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
-variant it accepts.
+TMA-aligned; dense sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
+interpreter); the GPU tests cover every variant it accepts.
 """
 
 from __future__ import annotations
 
+from ...tiling import sm_count
 from ..triton.launch import cdiv, ensure_allocator, raw_scores
-from ..triton.masks import Mask, in_band, key_stages
-from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
+from ..triton.masks import Mask, band_keys, in_band, tile_stages
+from ..triton.program import Rows, Seqs, bounds, lse_offset, rows
 from ..triton.scores import LN2
 from . import common
 from .common import (
@@ -51,26 +63,75 @@ BLOCK_N = 128
 
 if HAVE_GLUON:
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty,
-                    m0, h, hk, t_lo, n_tiles, D: gl.constexpr, BN: gl.constexpr):
-        """The producer warp: the Q block once, then K and V tile by tile, each slot refilled once both
-        warpgroups released it."""
+    def _work_item(t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H: gl.constexpr,
+                   VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                   BN: gl.constexpr):
+        """Half ``half`` (0 or 1) of work item ``t``, as every partition decodes it: ``(live, b, h, m0, q_row, k_row,
+        Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles)``. ``live``: the half is a block of queries of its sequence;
+        ``q_row``/``k_row``: the sequence's first row in the descriptors' rows; its key tiles: masked
+        ``[t_lo, u_lo)``, unmasked ``[u_lo, u_hi)``, masked to ``t_lo + n_tiles BN``.
+
+        Item ``t`` of a (sequence, head) pair holds its blocks ``n_blocks - 1 - k`` and ``k``: under a causal mask
+        the heaviest and the lightest, so items weigh the same and the programs, taking every grid-th item,
+        finish together. Items of a pair are consecutive: a pair's blocks run together and share its K and V
+        in L2."""
+        n_half = (n_blocks + 1) // 2
+        k = t % n_half
+        pair = t // n_half
+        h = pair % H
+        b = pair // H
+        block = gl.where(half == 0, n_blocks - 1 - k, k)
+        q_row, Lq = bounds(cu_q, b, total_q, max_q, VARLEN)
+        k_row, Lk = bounds(cu_k, b, total_k, max_k, VARLEN)
+        if not VARLEN:  # dense: sequences of max_q / max_k rows one after another (applies() checks the strides)
+            q_row += b * max_q
+            k_row += b * max_k
+        shift = Lk - Lq if BOTTOM_RIGHT else Lk * 0
+        m0 = block * 128  # (BLOCK_M: a module global isn't visible in a kernel)
+        lo, hi, full_lo, full_hi = band_keys(m0, gl.minimum(m0 + 128, Lq) - 1, Lk, shift, WL, R, HAS_R, HAS_WL)
+        t_lo, u_lo, u_hi, t_hi = tile_stages(lo, hi, full_lo, full_hi, BN)
+        live = (m0 < Lq) & ((half == 0) | (block != n_blocks - 1 - k))  # (an odd count's middle block once)
+        n_tiles = gl.where(live, (t_hi - t_lo + BN - 1) // BN, 0)
+        return live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles
+
+    @gluon.jit
+    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                    v_empty, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+                    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
+        """The producer warp: per work item, the Q block once both warpgroups are done with the last one's,
+        then its K and V tiles, each ring slot refilled once both warpgroups released it. Ring positions count
+        on across work items, so the next item's first tiles load under this one's last products."""
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
-        mbarrier.expect(q_bar, 2 * half_bytes)
-        tma.async_copy_global_to_shared(q_desc, [m0, h * D], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [m0 + 64, h * D], q_bar, q_smem.index(1))
         tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
-        for j in range(n_tiles):
-            stage = j % 2
-            phase = ((j // 2) & 1) ^ 1  # (a fresh barrier passes)
-            row = t_lo + j * BN
-            mbarrier.wait(k_empty.index(stage), phase)
-            mbarrier.expect(k_ready.index(stage), tile_bytes)
-            tma.async_copy_global_to_shared(k_desc, [row, hk * D], k_ready.index(stage), k_ring.index(stage))
-            mbarrier.wait(v_empty.index(stage), phase)
-            mbarrier.expect(v_ready.index(stage), tile_bytes)
-            tma.async_copy_global_to_shared(v_desc, [row, hk * D], v_ready.index(stage), v_ring.index(stage))
+        kv = 0  # key tiles loaded so far (ring position)
+        qi = 0  # Q blocks loaded so far
+        for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            for half in range(2):
+                live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
+                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
+                    HAS_R, HAS_WL, BN)
+                if n_tiles > 0:
+                    mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
+                    mbarrier.expect(q_ready, 2 * half_bytes)
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0, h * D], q_ready, q_smem.index(0))
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0 + 64, h * D], q_ready, q_smem.index(1))
+                    qi += 1
+                    hk = h // GROUP
+                    for j in range(n_tiles):
+                        stage = kv % 2
+                        phase = ((kv // 2) & 1) ^ 1
+                        row = k_row + t_lo + j * BN
+                        mbarrier.wait(k_empty.index(stage), phase)
+                        mbarrier.expect(k_ready.index(stage), tile_bytes)
+                        tma.async_copy_global_to_shared(k_desc, [row, hk * D], k_ready.index(stage),
+                                                        k_ring.index(stage))
+                        mbarrier.wait(v_empty.index(stage), phase)
+                        mbarrier.expect(v_ready.index(stage), tile_bytes)
+                        tma.async_copy_global_to_shared(v_desc, [row, hk * D], v_ready.index(stage),
+                                                        v_ring.index(stage))
+                        kv += 1
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows, n0, u_lo, u_hi, Lk, shift, WL, R, qk_scale, HAS_R: gl.constexpr,
@@ -89,11 +150,14 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _query_warpgroup(q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE, total_q,
-                         max_q, b, q_start, Lq, Lk, shift, WL, R, m0, h, t_lo, u_lo, u_hi, n_tiles, scale, qk_scale,
-                         VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr,
-                         H: gl.constexpr, BN: gl.constexpr, WG: gl.constexpr):
-        """One consumer warpgroup: queries ``m0 + 64 WG ..`` (+64) against every visible key tile."""
+    def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
+                         O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+                         scale, qk_scale, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr,
+                         HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
+                         WG: gl.constexpr):
+        """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
+        tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
+        last partial block) and the lse."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
@@ -103,115 +167,146 @@ if HAVE_GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         q_w = q_smem.index(WG)
-        rows = m0 + WG * 64 + gl.arange(0, 64, layout=row_s)
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.zeros([64], gl.float32, layout=row_s)
-        o = gl.zeros([64, D], gl.float32, layout=o_layout)
-        mbarrier.wait(q_bar, 0)
-        if n_tiles > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            s = warpgroup_mma(q_w, k_ring.index(0).permute((1, 0)), gl.zeros([64, BN], gl.float32, layout=s_layout),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            mbarrier.arrive(k_empty.index(0))
-            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R, qk_scale,
-                                               HAS_R, HAS_WL, BN, s_layout)
-            p = gl.convert_layout(p.to(dtype), p_layout)
-            # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs while
-            # the second product does. Every product is waited for within its iteration (a product in flight
-            # across the loop's back edge makes ptxas serialize every wgmma of the kernel).
-            for j in range(1, n_tiles):
-                stage = j % 2
-                prev = (j - 1) % 2
-                mbarrier.wait(k_ready.index(stage), (j // 2) & 1)
-                s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
-                                  gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // 2) & 1)
-                o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                mbarrier.arrive(k_empty.index(stage))
-                p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk, shift, WL,
-                                                        R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
-                o, p = warpgroup_mma_wait(0, deps=(o, p))
-                mbarrier.arrive(v_empty.index(prev))
-                o = o * gl.convert_layout(alpha, row_o)[:, None]
-                p = gl.convert_layout(p_next.to(dtype), p_layout)
-            last = (n_tiles - 1) % 2
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // 2) & 1)
-            o = warpgroup_mma(p, v_ring.index(last), o, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o,))
-        # Rows that saw no key: output 0 and lse -inf.
-        seen = l_i > 0
-        l_safe = gl.where(seen, l_i, 1.0)
-        o = o / gl.convert_layout(l_safe, row_o)[:, None]
-        # The output through this warpgroup's Q tile in shared memory (no reader left), clipped at Lq.
-        q_w.store(o.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(o_desc, [m0 + WG * 64, h * D], q_w)
-        lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
-        gl.store(LSE + lse_offset(b, q_start, h, H, total_q, max_q, VARLEN) + rows, lse, mask=rows < Lq)
+        o_w = o_smem.index(WG)
+        kv = 0  # key tiles consumed so far (ring position)
+        qi = 0  # Q blocks consumed so far
+        for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            for half in range(2):
+                live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
+                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
+                    HAS_R, HAS_WL, BN)
+                r0 = m0 + WG * 64
+                if live:  # (both warpgroups take every tile of a block: the ring's slots need both releases)
+                    rows = r0 + gl.arange(0, 64, layout=row_s)
+                    m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+                    l_i = gl.zeros([64], gl.float32, layout=row_s)
+                    o = gl.zeros([64, D], gl.float32, layout=o_layout)
+                    if n_tiles > 0:
+                        mbarrier.wait(q_ready, qi & 1)
+                        stage = kv % 2
+                        mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
+                        s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                          gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                        s = warpgroup_mma_wait(0, deps=(s,))
+                        mbarrier.arrive(k_empty.index(stage))
+                        if n_tiles == 1:
+                            mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
+                        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
+                                                           qk_scale, HAS_R, HAS_WL, BN, s_layout)
+                        p = gl.convert_layout(p.to(dtype), p_layout)
+                        # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
+                        # while the second product does. Every product is waited for within its iteration (a
+                        # product in flight across the loop's back edge makes ptxas serialize every wgmma).
+                        for j in range(1, n_tiles):
+                            i = kv + j
+                            stage = i % 2
+                            prev = (i - 1) % 2
+                            mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
+                            s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                              gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
+                                              is_async=True)
+                            mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
+                            o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
+                            s = warpgroup_mma_wait(1, deps=(s,))
+                            mbarrier.arrive(k_empty.index(stage))
+                            if j == n_tiles - 1:
+                                mbarrier.arrive(q_empty)
+                            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
+                                                                    shift, WL, R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
+                            o, p = warpgroup_mma_wait(0, deps=(o, p))
+                            mbarrier.arrive(v_empty.index(prev))
+                            o = o * gl.convert_layout(alpha, row_o)[:, None]
+                            p = gl.convert_layout(p_next.to(dtype), p_layout)
+                        last = kv + n_tiles - 1
+                        mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
+                        o = warpgroup_mma(p, v_ring.index(last % 2), o, is_async=True)
+                        o = warpgroup_mma_wait(0, deps=(o,))
+                        mbarrier.arrive(v_empty.index(last % 2))
+                        kv += n_tiles
+                        qi += 1
+                    # Rows that saw no key: output 0 and lse -inf.
+                    seen = l_i > 0
+                    l_safe = gl.where(seen, l_i, 1.0)
+                    o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
+                    if r0 + 64 <= Lq:
+                        tma.store_wait(0)  # the previous item's store has left the staging tile
+                        gl.thread_barrier()
+                        o_w.store(o)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        tma.async_copy_shared_to_global(o_desc, [q_row + r0, h * D], o_w)
+                    else:  # the sequence's last rows (or none): a TMA box would write into the next sequence's
+                        rows_o = r0 + gl.arange(0, 64, layout=row_o)
+                        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+                        ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * D + cols[None, :]
+                        gl.store(ptrs, o, mask=(rows_o < Lq)[:, None])
+                    lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
+                    gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, VARLEN) + rows, lse, mask=rows < Lq)
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
+    @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
-                         mask: Mask, scale, qk_scale, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
+                         n_seqs, mask: Mask, scale, qk_scale, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
                          HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
-        """Grid ``(cdiv(max_q, 128), H, B)``; tensors as ``triton.forward._attn_fwd_kernel``'s, each with its
-        heads packed in a row (stride_h = D). ``scale``: the softmax scale; ``qk_scale``: it times log2(e)."""
+        """Persistent: a grid of at most one program per SM, program ``p`` taking work items ``p, p + grid, ..``
+        of ``cdiv(cdiv(max_q, 128), 2) x H x n_seqs``, each two blocks of 128 queries (``_work_item``). Tensors
+        as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = D) and, dense,
+        its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
+        times log2(e)."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
-
-        bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, h, seq, m = prologue(bt, mask, F, F.HAS_R)
-        m0 = block * 128
-        if m0 >= seq.Lq:
-            return
-        hk = h // GROUP
-        q_desc = tma.make_tensor_descriptor(base(Q, seq.b, seq.q_start, 0), [seq.Lq, H * D], [Q.stride_s, 1],
-                                            [64, D], q_layout)
-        o_desc = tma.make_tensor_descriptor(base(O, seq.b, seq.q_start, 0), [seq.Lq, H * D], [O.stride_s, 1],
-                                            [64, D], q_layout)
-        k_desc = tma.make_tensor_descriptor(base(K, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [K.stride_s, 1],
-                                            [BN, D], k_layout)
-        v_desc = tma.make_tensor_descriptor(base(V, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [V.stride_s, 1],
-                                            [BN, D], k_layout)
+        # One descriptor per tensor over all its rows (clipped only at the buffer's end: a tile past a
+        # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring).
+        if F.VARLEN:
+            q_rows = total_q
+            k_rows = total_k
+        else:
+            q_rows = n_seqs * max_q
+            k_rows = n_seqs * max_k
+        q_desc = tma.make_tensor_descriptor(Q.ptr, [q_rows, H * D], [Q.stride_s, 1], [64, D], q_layout)
+        o_desc = tma.make_tensor_descriptor(O.ptr, [q_rows, H * D], [O.stride_s, 1], [64, D], q_layout)
+        k_desc = tma.make_tensor_descriptor(K.ptr, [k_rows, HKV * D], [K.stride_s, 1], [BN, D], k_layout)
+        v_desc = tma.make_tensor_descriptor(V.ptr, [k_rows, HKV * D], [V.stride_s, 1], [BN, D], k_layout)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_layout)
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # one arrival per query warpgroup
         for i in gl.static_range(2):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per query warpgroup
+            mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
 
-        # The key tiles this block sees: masked [t_lo, u_lo), unmasked [u_lo, u_hi), masked [u_hi, t_hi).
-        bounds = key_stages(m0, seq.Lq, seq.Lk, m, F, 128, BN)
-        t_lo = bounds[0]
-        n_tiles = (bounds[3] - t_lo + BN - 1) // BN
+        n_blocks = (max_q + 127) // 128  # BLOCK_M
+        n_items = (n_blocks + 1) // 2 * H * n_seqs  # (see _work_item)
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
-            (_query_warpgroup, (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
-                                total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R, m0, h, t_lo,
-                                bounds[1], bounds[2], n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H,
-                                BN, 0)),
-            (_query_warpgroup, (q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready, v_empty, o_desc, LSE,
-                                total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R, m0, h, t_lo,
-                                bounds[1], bounds[2], n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H,
-                                BN, 1)),
-            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_bar, k_ready, k_empty, v_ready,
-                           v_empty, m0, h, hk, t_lo, n_tiles, D, BN)),
+            (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k,
+                                n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, F.VARLEN,
+                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, 0)),
+            (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                                o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k,
+                                n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, F.VARLEN,
+                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, 1)),
+            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                           mask.window_left, mask.right, F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H,
+                           GROUP, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
-        mbarrier.invalidate(q_bar)
+        mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(q_empty)
         for i in gl.static_range(2):
             mbarrier.invalidate(k_ready.index(i))
             mbarrier.invalidate(k_empty.index(i))
@@ -228,9 +323,11 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
 
 def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
-    with its heads packed in a row and TMA-aligned."""
-    return (supports(problem, opts, q.dtype, bias, alibi, seed)
-            and common.hopper_layout(problem.head_dim, q, k, v))
+    with its heads packed in a row and TMA-aligned, and (dense) its sequences one after another in memory (the
+    kernel's descriptors span all rows)."""
+    if not (supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(problem.head_dim, q, k, v)):
+        return False
+    return not problem.dense or all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v))
 
 
 def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
@@ -238,9 +335,9 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
     ``Mask`` and ``Scores`` bundles (their scale and log2-unit scale)."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
-    _attn_fwd_hopper[(cdiv(problem.max_q, BLOCK_M), problem.heads, problem.batch)](
-        rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, mask=mask,
-        scale=scores.scale, qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads,
-        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, num_warps=4,
-        maxnreg=common.MAX_REGS,
+    items = cdiv(cdiv(problem.max_q, BLOCK_M), 2) * problem.heads * problem.batch  # (two blocks each)
+    _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
+        rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
+        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads,
+        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, num_warps=4, maxnreg=common.MAX_REGS,
     )

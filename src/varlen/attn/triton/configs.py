@@ -91,10 +91,8 @@ class Tables:
     short: int
     # The warp-specialized Gluon forward (``attn/gluon/forward.py``) where it applies: head dim bound -> the
     # longest query sequence (max_q) from which it runs instead of the Triton kernel; absent: never. H100,
-    # ``bench/results/forward_kernels_h100.md`` (bf16, B*S = 16k, H*D = 2048, TFLOP/s Gluon vs Triton): at D128
-    # it leads or ties at every length (S1k 438 vs 359, causal 243 vs 242; S4k 568 vs 468; S16k 629 vs 500); at
-    # D64 only at S16k (456 vs 421, causal 428 vs 406), behind at S4k (399 vs 410, causal 331 vs 352) and S1k
-    # (277 vs 340, causal 175 vs 235). The crossover between 4k and 16k was not measured, so 16k.
+    # ``bench/results/forward_kernels_h100.md`` (bf16, B*S = 16k, H*D = 2048): since it became persistent it
+    # leads the Triton kernel at every measured length, causal or not, at D64 and D128 (TFLOP/s in the results).
     gluon_forward: dict
 
 
@@ -133,7 +131,7 @@ SM90 = Tables(
     backward_gqa_causal_128=(K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
     backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
     short=2048,
-    gluon_forward={64: 16384, 128: 0},
+    gluon_forward={64: 0, 128: 0},
 )
 # By compute capability. Others use the nearest older table below them (sm_90's for newer GPUs: untuned there);
 # the kernels need TMA-capable GPUs for their tuned tiles anyway (use_tma falls back to pointer loads).

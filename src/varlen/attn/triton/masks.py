@@ -110,20 +110,28 @@ def _within_documents(lo, hi, full_lo, full_hi, m: SeqMask, first, last):
 
 
 @triton.jit
-def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key tiles a block of queries [m0, m0 + BLOCK_M) must visit (see ``tile_stages``)."""
-    i_first = m0
-    i_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+def band_keys(i_first, i_last, Lk, shift, WL, R, HAS_R: tl.constexpr, HAS_WL: tl.constexpr):
+    """The keys queries ``i_first..i_last`` see under the key-padding and band masks: ``(lo, hi, full_lo,
+    full_hi)``, the visible range ``[lo, hi)`` and the range every one of them sees ``[full_lo, full_hi)``."""
     lo = i_first * 0
     hi = Lk
     full_lo = lo
     full_hi = Lk
-    if F.HAS_WL:
-        lo = i_first + m.shift - m.WL
-        full_lo = i_last + m.shift - m.WL
-    if F.HAS_R:
-        hi = tl.minimum(Lk, i_last + m.shift + m.R + 1)
-        full_hi = tl.minimum(Lk, i_first + m.shift + m.R + 1)
+    if HAS_WL:
+        lo = i_first + shift - WL
+        full_lo = i_last + shift - WL
+    if HAS_R:
+        hi = tl.minimum(Lk, i_last + shift + R + 1)
+        full_hi = tl.minimum(Lk, i_first + shift + R + 1)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tiles a block of queries [m0, m0 + BLOCK_M) must visit (see ``tile_stages``)."""
+    i_first = m0
+    i_last = tl.minimum(m0 + BLOCK_M, Lq) - 1
+    lo, hi, full_lo, full_hi = band_keys(i_first, i_last, Lk, m.shift, m.WL, m.R, F.HAS_R, F.HAS_WL)
     if F.PREFIX:
         # Keys [0, P) are seen by every query. The fully visible range must stay one interval: it takes the
         # prefix when the band's starts at or before it (no window, or a wide one), else the band's alone.

@@ -53,7 +53,7 @@ def batch(s: Seqs, total_q, total_k, max_q, max_k):
 
 
 @triton.jit
-def _bounds(cu, b, total, longest, VARLEN: tl.constexpr):
+def bounds(cu, b, total, longest, VARLEN: tl.constexpr):
     """(first row, length) of sequence b, clamped into ``[0, total)`` and to at most ``longest`` rows."""
     if VARLEN:
         start = tl.minimum(tl.maximum(tl.load(cu + b), 0), total)
@@ -66,8 +66,8 @@ def _bounds(cu, b, total, longest, VARLEN: tl.constexpr):
 @triton.jit
 def sequence(bt: Batch, b, F: tl.constexpr):
     """Sequence b's bounds (clamped: see the module docstring)."""
-    q_start, Lq = _bounds(bt.cu_q, b, bt.total_q, bt.max_q, F.VARLEN)
-    k_start, Lk = _bounds(bt.cu_k, b, bt.total_k, bt.max_k, F.VARLEN)
+    q_start, Lq = bounds(bt.cu_q, b, bt.total_q, bt.max_q, F.VARLEN)
+    k_start, Lk = bounds(bt.cu_k, b, bt.total_k, bt.max_k, F.VARLEN)
     return Seq(b, q_start, Lq, k_start, Lk)
 
 
