@@ -11,15 +11,19 @@ forward structure is written out (``../shared/attention-backward-notes.md``), th
 - two query warpgroups (240 registers each), each owning 64 of the queries: S = Q Kᵀ from shared memory,
   the online softmax in registers, P as the register A operand of O += P V. Each issues a tile's S = Q Kᵀ
   together with the previous tile's O += P V, so the softmax of this tile runs under the second product;
-  the two warpgroups drift apart, so one's softmax also runs under the other's products.
+  the two warpgroups drift apart, so one's softmax also runs under the other's products (at D64 without a
+  causal-like mask they take turns to issue them, :func:`pingpong`).
 
-One program per SM (168 x 384 registers leave room for one) walks work items (``_work_item``: two query
-blocks of a head, the heaviest and the lightest under a causal mask, so that items weigh the same). The
-rings, the Q block and the output's staging tiles carry on from block to block: the loader fetches the next
-block's Q as soon as both warpgroups have issued their last product with this one's, and its first K and V
-tiles as ring slots free, so the next block starts under this one's last products and its output's TMA
-store. (With one program per block, every program's prologue and epilogue idled the tensor cores: 0.69-0.98x
-this speed at D128, ``bench/NOTES.md``.)
+One program per SM (168 x 384 registers leave room for one) walks work items (``_work_item``: two query blocks
+of a head, the heaviest and the lightest under a causal mask). Each program's first item is its id; then its
+loader takes the next unclaimed one from a counter (an atomic ticket) and hands it to the query warpgroups
+through shared memory, skipping items past their sequence's end: the programs finish together however the items
+weigh (a static every-grid-th-item schedule left the busiest program 1.4-1.5x the mean on mixed-length batches,
+and ran a train_llm-like batch at 244 TFLOP/s against 330 this way). The rings, the Q block and the output's
+staging tiles carry on from block to block: the loader fetches the next block's Q as soon as both warpgroups
+have issued their last product with this one's, and its first K and V tiles as ring slots free, so the next
+block starts under this one's last products and its output's TMA store. (With one program per block, every
+program's prologue and epilogue idled the tensor cores: 0.69-0.98x this speed at D128, ``bench/NOTES.md``.)
 
 Tiles load through one TMA descriptor per tensor over all its rows (rows x (heads x D)), made once per
 program. A tile past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys
@@ -39,6 +43,8 @@ interpreter); the GPU tests cover every variant it accepts.
 
 from __future__ import annotations
 
+import torch
+
 from ...tiling import sm_count
 from ..triton.launch import cdiv, ensure_allocator, raw_scores
 from ..triton.masks import Mask, band_keys, in_band, tile_stages
@@ -56,9 +62,18 @@ from .common import (
     warpgroup_mma_wait,
 )
 
-BLOCK_M = 128  # queries per program: 64 per warpgroup
+BLOCK_M = 128  # queries per block: 64 per warpgroup
 # Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
 BLOCK_N = 128
+
+
+def pingpong(head_dim: int, causal_like: bool) -> bool:
+    """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the
+    other's products). H100, bench/NOTES.md: +3-4% at D64 without a right band (a causal or two-sided window
+    mask), where a tile's softmax takes as long as its products; -1 to -11% under causal masks (not
+    profiled; a guess: the two warpgroups' diagonal tiles differ in work, and strict turns make one wait); at
+    D128 within noise (-2 to +2%), -9% causal at S16k."""
+    return head_dim == 64 and not causal_like
 
 
 if HAVE_GLUON:
@@ -72,9 +87,8 @@ if HAVE_GLUON:
         ``[t_lo, u_lo)``, unmasked ``[u_lo, u_hi)``, masked to ``t_lo + n_tiles BN``.
 
         Item ``t`` of a (sequence, head) pair holds its blocks ``n_blocks - 1 - k`` and ``k``: under a causal mask
-        the heaviest and the lightest, so items weigh the same and the programs, taking every grid-th item,
-        finish together. Items of a pair are consecutive: a pair's blocks run together and share its K and V
-        in L2."""
+        the heaviest and the lightest, so a dense batch's items weigh the same. Items of a pair are consecutive:
+        handed out in order (:func:`_claim`), a pair's blocks run together and share its K and V in L2."""
         n_half = (n_blocks + 1) // 2
         k = t % n_half
         pair = t // n_half
@@ -95,8 +109,45 @@ if HAVE_GLUON:
         return live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles
 
     @gluon.jit
+    def _claim(t, n_items, n_blocks, counter, cu_q, total_q, max_q, H: gl.constexpr, VARLEN: gl.constexpr):
+        """The first item from ``t`` on with a block of queries (the shorter sequences' items past their end
+        have none): ``t`` if it has one, else the next claimed from ``counter``, a ticket per item (items after
+        each program's first, which is its program id, are handed out in order as programs ask)."""
+        n_half = (n_blocks + 1) // 2
+        b = gl.minimum(t, n_items - 1) // n_half // H  # (in range: no offset past the batch is read)
+        q_row, Lq = bounds(cu_q, b, total_q, max_q, VARLEN)
+        empty = (t < n_items) & ((t % n_half) * 128 >= Lq)  # block k, the item's first, is past the end
+        while empty:
+            t = gl.num_programs(0) + gl.atomic_add(counter, 1)
+            b = gl.minimum(t, n_items - 1) // n_half // H
+            q_row, Lq = bounds(cu_q, b, total_q, max_q, VARLEN)
+            empty = (t < n_items) & ((t % n_half) * 128 >= Lq)
+        return t
+
+    @gluon.jit
+    def _publish(t, it, item, item_ready, item_free):
+        """The loader tells the query warpgroups its ``it``-th item (``t >= n_items``: the end) through a
+        two-slot ring in shared memory."""
+        slot = it % 2
+        mbarrier.wait(item_free.index(slot), ((it // 2) & 1) ^ 1)  # (a fresh barrier passes)
+        item.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+        gl.thread_barrier()
+        mbarrier.arrive(item_ready.index(slot))
+
+    @gluon.jit
+    def _receive(it, item, item_ready, item_free):
+        """A query warpgroup's ``it``-th item, as the loader published it."""
+        slot = it % 2
+        mbarrier.wait(item_ready.index(slot), (it // 2) & 1)
+        t = gl.max(item.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+        gl.thread_barrier()  # every thread has read the slot before it is released
+        mbarrier.arrive(item_free.index(slot))
+        return t
+
+    @gluon.jit
     def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+                    v_empty, item, item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k,
+                    n_items, n_blocks, WL, R,
                     VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                     D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
         """The producer warp: per work item, the Q block once both warpgroups are done with the last one's,
@@ -107,7 +158,11 @@ if HAVE_GLUON:
         tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
         kv = 0  # key tiles loaded so far (ring position)
         qi = 0  # Q blocks loaded so far
-        for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        it = 0  # items published so far
+        t = _claim(gl.program_id(0), n_items, n_blocks, counter, cu_q, total_q, max_q, H, VARLEN)
+        while t < n_items:
+            _publish(t, it, item, item_ready, item_free)
+            it += 1
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
@@ -132,6 +187,9 @@ if HAVE_GLUON:
                         tma.async_copy_global_to_shared(v_desc, [row, hk * D], v_ready.index(stage),
                                                         v_ring.index(stage))
                         kv += 1
+            t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
+                       max_q, H, VARLEN)
+        _publish(t, it, item, item_ready, item_free)  # the end
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, rows, n0, u_lo, u_hi, Lk, shift, WL, R, qk_scale, HAS_R: gl.constexpr,
@@ -150,11 +208,25 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, o_desc,
-                         O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+    def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Ping-pong: wait until the other warpgroup has issued its products of turn ``n - 1`` (warpgroup 0)
+        or ``n`` (warpgroup 1), so that the two issue their products in alternation and one's softmax runs
+        under the other's products."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (n & 1) ^ (1 - WG))  # (warpgroup 0's first wait: a fresh barrier passes)
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+
+    @gluon.jit
+    def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
+                         item, item_ready, item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q,
+                         max_k, n_items, n_blocks, WL, R,
                          scale, qk_scale, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr,
                          HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-                         WG: gl.constexpr):
+                         PINGPONG: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
         last partial block) and the lse."""
@@ -170,7 +242,11 @@ if HAVE_GLUON:
         o_w = o_smem.index(WG)
         kv = 0  # key tiles consumed so far (ring position)
         qi = 0  # Q blocks consumed so far
-        for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        n = 0  # products issued so far (ping-pong turns)
+        it = 0  # items received so far
+        t = _receive(it, item, item_ready, item_free)
+        while t < n_items:
+            it += 1
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
@@ -185,8 +261,11 @@ if HAVE_GLUON:
                         mbarrier.wait(q_ready, qi & 1)
                         stage = kv % 2
                         mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
+                        _take_turn(turn, n, WG, PINGPONG)
                         s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
                                           gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                        _pass_turn(turn, WG, PINGPONG)
+                        n += 1
                         s = warpgroup_mma_wait(0, deps=(s,))
                         mbarrier.arrive(k_empty.index(stage))
                         if n_tiles == 1:
@@ -202,11 +281,14 @@ if HAVE_GLUON:
                             stage = i % 2
                             prev = (i - 1) % 2
                             mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
+                            mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
+                            _take_turn(turn, n, WG, PINGPONG)
                             s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
                                               gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
                                               is_async=True)
-                            mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
                             o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
+                            _pass_turn(turn, WG, PINGPONG)
+                            n += 1
                             s = warpgroup_mma_wait(1, deps=(s,))
                             mbarrier.arrive(k_empty.index(stage))
                             if j == n_tiles - 1:
@@ -219,7 +301,10 @@ if HAVE_GLUON:
                             p = gl.convert_layout(p_next.to(dtype), p_layout)
                         last = kv + n_tiles - 1
                         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
+                        _take_turn(turn, n, WG, PINGPONG)
                         o = warpgroup_mma(p, v_ring.index(last % 2), o, is_async=True)
+                        _pass_turn(turn, WG, PINGPONG)
+                        n += 1
                         o = warpgroup_mma_wait(0, deps=(o,))
                         mbarrier.arrive(v_empty.index(last % 2))
                         kv += n_tiles
@@ -242,14 +327,17 @@ if HAVE_GLUON:
                         gl.store(ptrs, o, mask=(rows_o < Lq)[:, None])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
                     gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, VARLEN) + rows, lse, mask=rows < Lq)
+            t = _receive(it, item, item_ready, item_free)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
-                         n_seqs, mask: Mask, scale, qk_scale, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
-                         HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
-        """Persistent: a grid of at most one program per SM, program ``p`` taking work items ``p, p + grid, ..``
-        of ``cdiv(cdiv(max_q, 128), 2) x H x n_seqs``, each two blocks of 128 queries (``_work_item``). Tensors
+                         n_seqs, counter, mask: Mask, scale, qk_scale, F: gl.constexpr, D: gl.constexpr,
+                         H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
+                         PINGPONG: gl.constexpr):
+        """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 128), 2) x H x n_seqs``
+        work items, each two blocks of 128 queries (``_work_item``); ``counter``: a zeroed int32, the tickets
+        of the items after the programs' first (``_claim``). Tensors
         as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = D) and, dense,
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
         times log2(e)."""
@@ -279,6 +367,10 @@ if HAVE_GLUON:
         k_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)  # one arrival per query warpgroup
         for i in gl.static_range(2):
@@ -286,6 +378,9 @@ if HAVE_GLUON:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(turn.index(i), count=1)
+            mbarrier.init(item_ready.index(i), count=1)
+            mbarrier.init(item_free.index(i), count=2)
 
         n_blocks = (max_q + 127) // 128  # BLOCK_M
         n_items = (n_blocks + 1) // 2 * H * n_seqs  # (see _work_item)
@@ -293,15 +388,18 @@ if HAVE_GLUON:
         # into tensors.)
         gl.warp_specialize([
             (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k,
-                                n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, F.VARLEN,
-                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, 0)),
+                                turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
+                                seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
+                                mask.right, scale, qk_scale, F.VARLEN,
+                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, PINGPONG, 0)),
             (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k,
-                                n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, F.VARLEN,
-                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, 1)),
+                                turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
+                                seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
+                                mask.right, scale, qk_scale, F.VARLEN,
+                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, PINGPONG, 1)),
             (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                           v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
+                           total_k, max_q, max_k, n_items, n_blocks,
                            mask.window_left, mask.right, F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H,
                            GROUP, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -312,6 +410,9 @@ if HAVE_GLUON:
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_ready.index(i))
             mbarrier.invalidate(v_empty.index(i))
+            mbarrier.invalidate(turn.index(i))
+            mbarrier.invalidate(item_ready.index(i))
+            mbarrier.invalidate(item_free.index(i))
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
@@ -338,6 +439,8 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
     items = cdiv(cdiv(problem.max_q, BLOCK_M), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
+        counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads,
-        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, num_warps=4, maxnreg=common.MAX_REGS,
+        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, PINGPONG=pingpong(problem.head_dim, feats.HAS_R),
+        num_warps=4, maxnreg=common.MAX_REGS,
     )
