@@ -1,6 +1,6 @@
 """Forward TFLOP/s of varlen's two Hopper forward kernels side by side (the Triton kernel and the
 warp-specialized Gluon kernel), with SDPA's cuDNN and flash kernels in the same run: the source of
-``configs.Tables.gluon_forward`` (which kernel a forward runs, by head dim and length).
+the rule that the Gluon kernel runs wherever it applies (``launch_forward(gluon=True)``).
 
     PYTHONPATH=src python3 bench/forward_kernels.py --out bench/results/forward_kernels_h100.md
 
@@ -19,6 +19,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.triton import configs
 from varlen.attn.triton.forward import launch_forward
@@ -57,7 +58,7 @@ def main():
                     with sdpa_kernel(backend):
                         peers.append(tflops(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal),
                                             flops))
-                gluon = configs.uses_gluon_forward(problem, q.device)
+                gluon = gluon_forward.applies(problem, opts, q, k, v, None, None, None)
                 chosen = gluon_k if gluon else triton_k
                 lines.append(f"| {D} | {S} | {causal} | {triton_k:.0f} | {gluon_k:.0f} | {gluon_k / triton_k:.2f} | "
                              f"{peers[0]:.0f} | {peers[1]:.0f} | {chosen / peers[0]:.2f} | "

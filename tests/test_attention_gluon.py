@@ -61,7 +61,7 @@ def forced_gluon(monkeypatch):
 @pytest.fixture(params=["gluon", "triton"])
 def forward_kernel(request, monkeypatch):
     """Route the Triton backend's forward through one kernel: the Gluon one, or the Triton one (which the
-    Gluon kernel replaces where the tables select it, so these shapes test it here); count the Gluon
+    Gluon kernel replaces wherever it applies, so these shapes test it here); count the Gluon
     kernel's launches."""
     return request.param, _route(monkeypatch, gluon_forward, "launch", "launch_forward", request.param == "gluon")
 

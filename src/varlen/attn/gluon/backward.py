@@ -175,7 +175,7 @@ if HAVE_GLUON:
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
         accumulator, head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax
         scale; ``qk_scale``: it times log2(e). Partitions: the default one and a worker are the two key
@@ -240,7 +240,7 @@ if HAVE_GLUON:
                               F.HAS_WL, D, H, GROUP, BM, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
-        ], [4, 1], [CONSUMER_REGS, common.LOADER_REGS])
+        ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(2):
             mbarrier.invalidate(ready.index(i))
@@ -253,7 +253,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     return common.plain_call(problem, opts, dtype, bias, alibi, seed) and not opts.deterministic
 
 
-def applies(problem, opts, q, k, v, dout, out, bias, alibi, seed) -> bool:
+def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
     with its heads packed in a row and TMA-aligned."""
     return (supports(problem, opts, q.dtype, bias, alibi, seed)
@@ -269,6 +269,6 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mas
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale,
         F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
-        BN=BLOCK_N, CONSUMER_REGS=common.CONSUMER_REGS, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        BN=BLOCK_N, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -417,7 +417,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_args(seed, opts, problem, lse), F=feats)
-    gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, out, bias, alibi, seed)
+    gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.

@@ -89,11 +89,6 @@ class Tables:
     # ``short`` keys: UNTUNED threshold (measured at S1024 and S4096 only; the crossover between is not known).
     backward_short_causal_64: tuple
     short: int
-    # The warp-specialized Gluon forward (``attn/gluon/forward.py``) where it applies: head dim bound -> the
-    # longest query sequence (max_q) from which it runs instead of the Triton kernel; absent: never. H100,
-    # ``bench/results/forward_kernels_h100.md`` (bf16, B*S = 16k, H*D = 2048): since it became persistent it
-    # leads the Triton kernel at every measured length, causal or not, at D64 and D128 (TFLOP/s in the results).
-    gluon_forward: dict
 
 
 SM90 = Tables(
@@ -131,7 +126,6 @@ SM90 = Tables(
     backward_gqa_causal_128=(K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
     backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
     short=2048,
-    gluon_forward={64: 0, 128: 0},
 )
 # By compute capability. Others use the nearest older table below them (sm_90's for newer GPUs: untuned there);
 # the kernels need TMA-capable GPUs for their tuned tiles anyway (use_tma falls back to pointer loads).
@@ -193,13 +187,6 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     if bias:
         return t.forward_bias[bound]
     return t.forward[bound]
-
-
-def uses_gluon_forward(problem, device: torch.device) -> bool:
-    """Whether the forward should run the Gluon kernel where it applies (``Tables.gluon_forward``; whether it
-    applies, the machine included, is the kernel's ``applies``)."""
-    longest = tables(device).gluon_forward.get(head_bound(problem))
-    return longest is not None and problem.max_q >= longest
 
 
 def has_tma(device: torch.device) -> bool:

@@ -4,14 +4,14 @@ Scores live in log2 units (``exp2``), the lse is stored in natural log for the u
 block's visible band are skipped; tiles inside it run without mask arithmetic (``masks.py``). Dropout
 drops probabilities after the row sums, so the lse and the normalization are those of the undropped
 softmax, as in the definition. On Hopper, the warp-specialized Gluon kernel (``attn/gluon/forward.py``) takes
-the calls it supports where ``configs.uses_gluon_forward`` says it is faster; this kernel takes the rest.
+the calls it applies to (it leads this kernel at every measured shape: bench/results/forward_kernels_h100.md);
+this kernel takes the rest.
 """
 
 import torch
 
 from ..._triton import tl, triton
 from ..gluon import forward as gluon_forward
-from . import configs
 from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs
@@ -106,12 +106,12 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     tl.store(lse_row(LSE, bt, seq, h, F) + rows_m, lse, mask=rows_m < seq.Lq)
 
 
-def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, gluon=None):
+def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, gluon=True):
     """Allocate out and lse and run the forward kernel. No autograd, no syncs.
 
     ``tma``: load tiles through TMA descriptors; None decides from the device and alignment. ``gluon``: run
-    the warp-specialized Hopper kernel (``attn/gluon/forward.py``) instead where it applies; None: where the
-    tables say it is faster (``configs.uses_gluon_forward``); False: never (the tests of this kernel).
+    the warp-specialized Hopper kernel (``attn/gluon/forward.py``) instead where it applies; False: never (the
+    tests and sweeps of this kernel).
     """
     B, H, DV, dense = problem.batch, problem.heads, problem.head_dim_v, problem.dense
     out = q.new_empty((*q.shape[:-1], DV))
@@ -119,8 +119,6 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, 
     grid = (cdiv(problem.max_q, config.block_m), H, B)
     if 0 in grid:  # no query: nothing to write
         return out, lse
-    if gluon is None:
-        gluon = configs.uses_gluon_forward(problem, q.device)
     if gluon and gluon_forward.applies(problem, opts, q, k, v, bias, alibi, seed):
         gluon_forward.launch(q, k, v, out, lse, problem, seqs(problem, q, k, lse), mask_args(problem, opts, lse),
                              features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q))
