@@ -16,8 +16,10 @@ from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
+from varlen.attn.options import Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton.backward import split_tf32, tf32_lo
+from varlen.attn.triton.program import longest_first
 
 # The lse is float32 by contract (float64 for float64 inputs).
 LSE_FLOOR = 1e-6
@@ -356,3 +358,16 @@ def test_half_lse_accuracy(backend, dtype, jagged, device):
     ulp = torch.finfo(torch.float32).eps * ref.abs().max().item()
     err, allowed = (lse.double() - ref).abs().max().item(), 2 * (f32.double() - ref).abs().max().item() + ulp
     assert err <= allowed, f"lse error {err:.3g} > {allowed:.3g}"
+
+
+def test_jagged_programs_take_the_longest_sequences_first():
+    # Work Lq x Lk: 15, 0, 0, 21, 9 (cross) and Lq^2: 9, 0, 289, 1, 81 (self); ties keep their order.
+    cu_q = torch.tensor([0, 3, 3, 20, 21, 30], dtype=torch.int32, device=KERNEL_DEVICE)
+    cu_k = torch.tensor([0, 5, 9, 9, 30, 31], dtype=torch.int32, device=KERNEL_DEVICE)
+    shape = dict(batch=5, heads=2, kv_heads=1, head_dim=16, head_dim_v=16, max_q=17, max_k=21)
+    cross = Problem(**shape, dense=False, cu_q=cu_q, cu_k=cu_k)
+    assert longest_first(cross, None).tolist() == [3, 0, 4, 1, 2]
+    self_attention = Problem(**shape, dense=False, cu_q=cu_q, cu_k=cu_q)
+    assert longest_first(self_attention, None).tolist() == [2, 4, 0, 3, 1]
+    placeholder = torch.empty(1)
+    assert longest_first(Problem(**shape, dense=True), placeholder) is placeholder

@@ -173,7 +173,7 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
-                       seqs: Seqs, total_q, total_k, max_q, max_k, mask: Mask, scale, qk_scale,
+                       seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
@@ -189,7 +189,7 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, hk, seq, m = prologue(bt, mask, F, False)
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
         n0 = block * BN
         if n0 >= seq.Lk:
             return
@@ -260,15 +260,16 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
             and common.hopper_layout(problem.head_dim, q, k, v, dout))
 
 
-def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, mask, feats, scores) -> None:
-    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``mask``, ``scores``:
-    the call's ``Mask`` and ``Scores`` bundles (their scale and log2-unit scale)."""
+def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
+    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``order``: the
+    sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
+    ``Scores`` bundles (their scale and log2-unit scale)."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
     _bwd_kv_hopper[(cdiv(problem.max_k, BLOCK_N), problem.kv_heads, problem.batch)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
-        rows(dv, dense), lse2, delta, **seq_args, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale,
-        F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
-        BN=BLOCK_N, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
+        qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads,
+        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -13,6 +13,8 @@
    its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
    counted); a broadcast bias then gets its gradient from ``_bwd_dbias_kernel``, one program per
    bias-gradient tile looping over the broadcast batches, heads, queries and keys in a fixed order.
+
+Jagged batches: the kv and dQ kernels take the sequences longest first (``program.longest_first``).
 """
 
 import collections
@@ -34,7 +36,7 @@ from .launch import (
     use_tma,
 )
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
-from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs, sequence
+from .program import Rows, Seq, Seqs, base, batch, longest_first, lse_row, prologue, rows, seqs, sequence
 from .scores import (
     LOG2E,
     Dropout,
@@ -206,7 +208,7 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
-                   total_q, total_k, max_q, max_k, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
+                   total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
                    dBias: DBias, Q_LO: Rows, K_LO: Rows, V_LO: Rows, dO_LO: Rows, F: tl.constexpr, T: tl.constexpr,
                    DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr):
     """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``: program
@@ -221,7 +223,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     rows there before it writes them); otherwise they are Q, K, V, dO again and unread.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
-    block, hk, seq, m = prologue(bt, mask, F, False)
+    block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
     n0 = block * T.BLOCK_N
     if n0 >= seq.Lk:
         return
@@ -272,7 +274,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, seqs: Seqs, total_q, total_k, max_q,
-                  max_k, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, F: tl.constexpr,
+                  max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, F: tl.constexpr,
                   T: tl.constexpr):
     """dQ without atomics (deterministic). Grid ``(cdiv(max_q, BLOCK_M), H, B)``: program ``(i, h, b)`` owns
     query rows ``[i * BLOCK_M, +BLOCK_M)`` of head h of sequence b and walks the key tiles they see.
@@ -280,7 +282,7 @@ def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, se
     Q, K, V, dO, LSE2, DELTA as ``_bwd_kv_kernel``'s; dQ ``(B, Sq, H, D)`` | ``(Tq, H, D)`` (written).
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
-    block, h, seq, m = prologue(bt, mask, F, F.HAS_R)
+    block, h, seq, m = prologue(bt, mask, ORDER, F, F.HAS_R, F.VARLEN)
     m0 = block * T.BLOCK_M
     if m0 >= seq.Lq:
         return
@@ -417,6 +419,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_args(seed, opts, problem, lse), F=feats)
+    order = longest_first(problem, lse)
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
@@ -445,15 +448,15 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         if dq_mode == DQ_TMA:
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
     if gluon:
-        gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, common["mask"], feats,
-                                 common["scores"])
+        gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
+                                 feats, common["scores"])
     else:
         _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
             Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
             T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode,
-            SPLIT=remainders is not None,
+            SPLIT=remainders is not None, ORDER=order,
             num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
         )
     if db_mode == DBIAS_ATOMIC:
@@ -462,7 +465,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         qc = config.q
         _bwd_q_kernel[(cdiv(problem.max_q, qc.block_m), H, B)](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq, dense),
-            LSE2=lse2, DELTA=delta, T=tiles(problem, qc, q.dtype, tma),
+            LSE2=lse2, DELTA=delta, ORDER=order, T=tiles(problem, qc, q.dtype, tma),
             num_warps=qc.num_warps, num_stages=qc.num_stages, **common,
         )
     else:
