@@ -145,12 +145,12 @@ def run(variant, timing=False):
         out, lse = launch_forward(q, k, v, bias, None, prob, opts, seed, fwd_cfg)
         if kind == "fwd":
             def fn():
-                # (the Triton kernel's tiles are swept: not the Gluon kernel the tables pick at some shapes)
+                # (the Triton kernel's tiles are swept, not the Gluon kernel that runs where it applies)
                 return launch_forward(q, k, v, bias, None, prob, opts, seed, cfg, tma=tma, gluon=False)
         else:
             def fn():
                 return launch_backward(do, None, q, k, v, out, lse, bias, None, prob, opts, seed, cfg,
-                                       bias is not None, tma=tma)
+                                       bias is not None, tma=tma, gluon=False)
         fn()
         torch.cuda.synchronize()
         if not timing:

@@ -1,7 +1,8 @@
 """The Hopper Gluon kernels (``varlen.attn.gluon``) against the float64 reference, on an sm_90 GPU.
 
-Gluon doesn't run under the interpreter, so these run on the GPU only. The tests force each kernel through
-its launcher's ``gluon=True`` and check that it ran. Every variant they accept: fp16 and bf16, head dims 64
+Gluon doesn't run under the interpreter, so these run on the GPU only. The tests route each computation
+through the Gluon kernel and through the Triton kernel it replaces (the launchers' ``gluon=True`` / ``False``)
+and check which ran. Every variant they accept: fp16 and bf16, head dims 64
 and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
 different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
@@ -52,10 +53,11 @@ def _route(monkeypatch, kernel_module, kernel_launch, launcher, gluon):
     return launches
 
 
-@pytest.fixture
-def forced_gluon(monkeypatch):
-    """Route the Triton backend's backward through the Gluon kernel; count its launches."""
-    return _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+@pytest.fixture(params=["gluon", "triton"])
+def backward_kernel(request, monkeypatch):
+    """Route the Triton backend's backward through one kernel: the Gluon one, or the Triton one (which the
+    Gluon kernel replaces at head dim 64, so these shapes test it here); count the Gluon kernel's launches."""
+    return request.param, _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", request.param == "gluon")
 
 
 @pytest.fixture(params=["gluon", "triton"])
@@ -161,7 +163,7 @@ def _grads(q, k, v, dout, fn, dtype, device):
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gluon_backward_matches_reference(forced_gluon, dtype, D, layout, heads, kv_heads, mask):
+def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
@@ -170,7 +172,8 @@ def test_gluon_backward_matches_reference(forced_gluon, dtype, D, layout, heads,
     ref = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **opts)[0], torch.float64, "cuda")
     low = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **opts)[0], dtype, "cuda")
     got = _grads(q, k, v, dout, lambda a, b, c: varlen.attention(a, b, c, **opts), dtype, "cuda")
-    assert forced_gluon, "the Gluon kernel did not run"
+    kernel, gluon_launches = backward_kernel
+    assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
     for name, x, lo, r in zip(("dq", "dk", "dv"), got, low, ref, strict=True):
         err = (x.double() - r).abs().max().item()
         allowed = 2 * (lo.double() - r).abs().max().item() + 1e-5 * r.abs().max().item()

@@ -9,10 +9,13 @@ partitions (``gl.warp_specialize``):
   the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers);
 - two key warpgroups (240 registers each), each owning 64 of the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both
   operands from shared memory; Pᵀ and dSᵀ stay in registers as the A operand of dV += Pᵀ dO and
-  dK += dSᵀ Q (no transposes); dSᵀ goes to shared memory once for dQ = dS K, computed 64 columns at a time
-  and added into the fp32 dQ accumulator by TMA bulk reduces (``cp.reduce.async.bulk``, which Triton 3.6's
-  Gluon has in its IR builder but not in Python: :func:`_tma_reduce_add`). The warpgroups never wait for
-  each other: each adds the dQ of its own keys. Every matmul is asynchronous, waited where it is used.
+  dK += dSᵀ Q (no transposes); each writes its dSᵀ into its half of a shared (double-buffered) tile, and the
+  warpgroups take turns, tile by tile, computing dQ = dS K over all 128 keys (in 64-column halves at D128)
+  and adding it into the fp32 dQ accumulator by TMA bulk reduces (``cp.reduce.async.bulk``, which Triton
+  3.6's Gluon has in its IR builder but not in Python: :func:`_tma_reduce_add`): one reduce of a tile's dQ
+  per key block, where each warpgroup adding its own keys' part made two (``ds_ready`` / ``ds_free``
+  mbarriers hand the tile over). The band mask is applied on the tiles that cross it only. Every matmul is
+  asynchronous, waited where it is used.
 
 Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D), clip every
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
@@ -22,11 +25,12 @@ stored).
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
-with Gluon) and the layout (heads packed in a row, TMA-aligned). Not selected automatically: on an H100 it
-runs at 0.64-0.97x the Triton kernel's speed (``bench/NOTES.md``: each warpgroup still runs its tile's
-matmuls, softmax and dQ reduce one after the other, and D128 spills), so ``launch_backward(gluon=True)``
-asks for it (GPU tests, sweeps). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU
-tests cover every variant it accepts.
+with Gluon) and the layout (heads packed in a row, TMA-aligned). Selected (:func:`preferred`) at head dim 64,
+where it leads the Triton kernel on an H100 (1.00-1.11x on dense shapes, 1.15x on train_llm-like jagged
+batches: ``bench/NOTES.md``); at 128 it runs at 0.69-0.98x (each warpgroup runs its tile's matmuls, softmax
+and dQ one after the other, and the 64x128 fp32 dK and dV accumulators leave it spilling), so there
+``launch_backward(gluon=True)`` asks for it (GPU tests, sweeps). It needs an sm_90 GPU (Gluon doesn't run in
+the interpreter); the GPU tests cover every variant it accepts.
 """
 
 from __future__ import annotations
@@ -62,6 +66,15 @@ if HAVE_GLUON:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
     @gluon.jit
+    def _add_dq(dq, dq_buf, dq_desc, m0, col):
+        """``dq`` (fp32, scaled) added into the accumulator at rows ``m0..``, column ``col``, through ``dq_buf``
+        in shared memory (free: the caller waited for its last reduce) and one TMA bulk reduce."""
+        dq_buf.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_reduce_add(dq_desc, [m0, col], dq_buf)
+
+    @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, n0, hk,
                     t_lo, n_tiles, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
         """The producer warp: K and V once, then the (Q, dO) tiles of every head through the two-stage ring,
@@ -84,12 +97,14 @@ if HAVE_GLUON:
                 count += 1
 
     @gluon.jit
-    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc, dk_desc,
-                       dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, n0, hk, t_lo, n_tiles,
-                       scale, qk_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                       D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, WG: gl.constexpr):
+    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
+                       dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, n0, hk,
+                       t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr,
+                       HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                       WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
-        head of the group: dK and dV in registers, each tile's dQ (from these keys) added by a TMA reduce."""
+        head of the group: dK and dV in registers; every other tile's dQ (over the block's 128 keys) added by
+        TMA reduces. Tiles in ``[u_lo, u_hi)`` lie wholly inside the band."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -102,7 +117,6 @@ if HAVE_GLUON:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
         k_w = k_smem.slice(WG * KEYS, KEYS)
         v_w = v_smem.slice(WG * KEYS, KEYS)
-        ds_w = ds_smem.index(WG)
         keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
         dk = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
         dv = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
@@ -130,7 +144,7 @@ if HAVE_GLUON:
                 lse2 = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf"))
                 st = warpgroup_mma_wait(1, deps=(st,))
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
-                if HAS_R or HAS_WL:
+                if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
                     ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
@@ -139,29 +153,53 @@ if HAVE_GLUON:
                 dpt = warpgroup_mma_wait(1, deps=(dpt,))
                 ds_low = (pt * (dpt - delta[None, :])).to(dtype)
                 dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
-                ds_w.store(ds_low)
+                # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
+                # used the buffer before has read it.
+                buf = count % 2
+                ds_tile = ds_smem.index(buf)
+                mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                ds_tile.slice(WG * KEYS, KEYS).store(ds_low)
                 fence_async_shared()
                 gl.thread_barrier()
-                # dQ of this tile from these keys, 64 columns at a time (a whole D128 tile would need 64 more
-                # registers next to dK and dV), each chunk added by its own TMA reduce.
-                for c in gl.static_range(D // DQC):
-                    dq = warpgroup_mma(ds_w.permute((1, 0)), k_w.slice(c * DQC, DQC, dim=1),
-                                       gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False, is_async=True)
-                    if c == 0:
-                        dq, dk, dv = warpgroup_mma_wait(0, deps=(dq, dk, dv))
-                        # Done with the stage (release it); the previous tile's reduces have read dq_smem.
-                        tma.store_wait(0)
-                        gl.thread_barrier()
-                        mbarrier.arrive(empty.index(stage))
-                    else:
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
-                    dq_buf = dq_smem.index(WG * (D // DQC) + c)
-                    dq_buf.store(dq * scale)
-                    fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf))
+                # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
+                # turn the asynchronous accumulators into plain tensors.)
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                mbarrier.arrive(empty.index(stage))
+                if count % 2 == WG:
+                    # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ), in
+                    # 64-column halves at D128, each added by its own TMA reduce. One reduce of the block's dQ per
+                    # tile, where each warpgroup adding its own keys' part made two.
+                    mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
+                    tma.store_wait(0)  # this warpgroup's last reduces have read dq_smem
                     gl.thread_barrier()
-                    _tma_reduce_add(dq_desc, [m0, h * D + c * DQC], dq_buf)
+                    if D == DQC:
+                        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem,
+                                           gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
+                                           is_async=True)
+                        dq = warpgroup_mma_wait(0, deps=(dq,))
+                        mbarrier.arrive(ds_free.index(buf))
+                        _add_dq(dq * scale, dq_smem.index(WG), dq_desc, m0, h * D)
+                    else:
+                        # Both halves in flight at once: the first goes out while the second is computed.
+                        dq0 = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(0, DQC, dim=1),
+                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
+                                            is_async=True)
+                        dq1 = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(DQC, DQC, dim=1),
+                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
+                                            is_async=True)
+                        dq0 = warpgroup_mma_wait(1, deps=(dq0,))
+                        _add_dq(dq0 * scale, dq_smem.index(2 * WG), dq_desc, m0, h * D)
+                        dq1 = warpgroup_mma_wait(0, deps=(dq1,))
+                        mbarrier.arrive(ds_free.index(buf))
+                        _add_dq(dq1 * scale, dq_smem.index(2 * WG + 1), dq_desc, m0, h * D + DQC)
                 count += 1
-        # dK, dV through this warpgroup's rows of K and V in shared memory (no reader left), clipped at Lk.
+        # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
+        # the dQ of the last two tiles (one per warpgroup) reads all of K.
+        if count > 0:
+            mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+        if count > 1:
+            mbarrier.wait(ds_free.index(count % 2), ((count - 2) // 2) & 1)
         tma.store_wait(0)
         k_w.store((dk * scale).to(dtype))
         v_w.store(dv.to(dtype))
@@ -184,7 +222,7 @@ if HAVE_GLUON:
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
         kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, BM], dtype)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
         DQC: gl.constexpr = 64 if D > 64 else D  # dQ columns per reduce
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
@@ -213,15 +251,19 @@ if HAVE_GLUON:
         v_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
         q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BN // 2, BM], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)  # dSᵀ of a tile, double-buffered
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * (D // DQC), BM, DQC], dq_layout)  # per warpgroup
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
+            mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
+            mbarrier.init(ds_free.index(i), count=1)  # read by the dQ of the warpgroup whose turn it was
 
         # The query tiles that see this key block (the band, if any, is applied on every tile).
         bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
@@ -230,14 +272,14 @@ if HAVE_GLUON:
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc,
-                              dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk,
-                              m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R,
-                              F.HAS_WL, D, H, GROUP, BM, 0)),
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, dq_desc,
-                              dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk,
-                              m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, scale, qk_scale, F.VARLEN, F.HAS_R,
-                              F.HAS_WL, D, H, GROUP, BM, 1)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
+                              ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
+                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, 0)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
+                              ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
+                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -245,12 +287,19 @@ if HAVE_GLUON:
         for i in gl.static_range(2):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(ds_ready.index(i))
+            mbarrier.invalidate(ds_free.index(i))
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) with dQ by atomics (not deterministic)."""
     return common.plain_call(problem, opts, dtype, bias, alibi, seed) and not opts.deterministic
+
+
+def preferred(problem) -> bool:
+    """Whether the kernel, where it applies, runs by default: at head dim 64 (module docstring)."""
+    return problem.head_dim == 64
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
