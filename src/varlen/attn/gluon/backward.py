@@ -265,7 +265,7 @@ if HAVE_GLUON:
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
             mbarrier.init(ds_free.index(i), count=1)  # read by the dQ of the warpgroup whose turn it was
 
-        # The query tiles that see this key block (the band, if any, is applied on every tile).
+        # The query tiles that see this key block; the band, if any, is applied on those outside [u_lo, u_hi).
         bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
         t_lo = bounds[0]
         n_tiles = (bounds[3] - t_lo + BM - 1) // BM
