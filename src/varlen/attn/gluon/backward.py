@@ -27,7 +27,7 @@ Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jag
 alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
 with Gluon) and the layout (heads packed in a row, TMA-aligned). Selected (:func:`preferred`) at head dim 64,
 where it leads the Triton kernel on an H100 (1.00-1.11x on dense shapes, 1.15x on train_llm-like jagged
-batches: ``bench/NOTES.md``); at 128 it runs at 0.69-0.98x (each warpgroup runs its tile's matmuls, softmax
+batches: ``bench/NOTES.md``); at 128 it runs at 0.90-0.98x (each warpgroup runs its tile's matmuls, softmax
 and dQ one after the other, and the 64x128 fp32 dK and dV accumulators leave it spilling), so there
 ``launch_backward(gluon=True)`` asks for it (GPU tests, sweeps). It needs an sm_90 GPU (Gluon doesn't run in
 the interpreter); the GPU tests cover every variant it accepts.
