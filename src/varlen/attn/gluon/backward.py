@@ -9,13 +9,16 @@ partitions (``gl.warp_specialize``):
   the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers);
 - two key warpgroups (240 registers each), each owning 64 of the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both
   operands from shared memory; Pᵀ and dSᵀ stay in registers as the A operand of dV += Pᵀ dO and
-  dK += dSᵀ Q (no transposes); each writes its dSᵀ into its half of a shared (double-buffered) tile, and the
-  warpgroups take turns, tile by tile, computing dQ = dS K over all 128 keys (in 64-column halves at D128)
-  and adding it into the fp32 dQ accumulator by TMA bulk reduces (``cp.reduce.async.bulk``, which Triton
-  3.6's Gluon has in its IR builder but not in Python: :func:`_tma_reduce_add`): one reduce of a tile's dQ
-  per key block, where each warpgroup adding its own keys' part made two (``ds_ready`` / ``ds_free``
-  mbarriers hand the tile over). The band mask is applied on the tiles that cross it only. Every matmul is
-  asynchronous, waited where it is used.
+  dK += dSᵀ Q (no transposes); each writes its dSᵀ into its half of a shared (double-buffered) tile
+  (``ds_ready`` / ``ds_free`` mbarriers hand it over), from which dQ = dS K over all 128 keys is computed and
+  added into the fp32 dQ accumulator by TMA bulk reduces (``cp.reduce.async.bulk``, which Triton 3.6's Gluon
+  has in its IR builder but not in Python: :func:`_tma_reduce_add`): one reduce of a tile's dQ per key
+  block, where each warpgroup adding its own keys' part made two. At D64 the warpgroups take turns, tile by
+  tile, computing all of it; at D128 (``LEAN``) each computes half its columns every tile, and its Sᵀ and
+  dPᵀ products start from -lse and -delta: registers are short there (64x128 fp32 dK and dV accumulators),
+  and with both the kernel went from spilling ~200 bytes to ~30-100 and from 0.90-0.98x the Triton kernel
+  to 1.06-1.26x. The band mask is applied on the tiles that cross it only. Every matmul is asynchronous,
+  waited where it is used.
 
 Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D), clip every
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
@@ -25,12 +28,10 @@ stored).
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
-with Gluon) and the layout (heads packed in a row, TMA-aligned). Selected (:func:`preferred`) at head dim 64,
-where it leads the Triton kernel on an H100 (1.00-1.11x on dense shapes, 1.15x on train_llm-like jagged
-batches: ``bench/NOTES.md``); at 128 it runs at 0.90-0.98x (each warpgroup runs its tile's matmuls, softmax
-and dQ one after the other, and the 64x128 fp32 dK and dV accumulators leave it spilling), so there
-``launch_backward(gluon=True)`` asks for it (GPU tests, sweeps). It needs an sm_90 GPU (Gluon doesn't run in
-the interpreter); the GPU tests cover every variant it accepts.
+with Gluon) and the layout (heads packed in a row, TMA-aligned). It runs wherever it applies: on an H100 it
+leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x; ``bench/NOTES.md``). It needs an
+sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every variant it accepts, and run the
+Triton kernel on the same variants.
 """
 
 from __future__ import annotations
@@ -101,17 +102,18 @@ if HAVE_GLUON:
                        dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, n0, hk,
                        t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr,
                        HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       WG: gl.constexpr):
+                       LEAN: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
-        head of the group: dK and dV in registers; every other tile's dQ (over the block's 128 keys) added by
-        TMA reduces. Tiles in ``[u_lo, u_hi)`` lie wholly inside the band."""
+        head of the group: dK and dV in registers; dQ over the block's 128 keys added by TMA reduces: all of it
+        every other tile, or (LEAN) half its columns every tile. Tiles in ``[u_lo, u_hi)`` lie wholly inside the
+        band."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BM, 16])
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D, 16])
-        DQC: gl.constexpr = 64 if D > 64 else D
+        DQC: gl.constexpr = D // 2 if LEAN else D  # dQ columns per product
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
@@ -120,6 +122,11 @@ if HAVE_GLUON:
         keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
         dk = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
         dv = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
+        inv_qk_scale = 1.0 / qk_scale
+        # Zeros the compiler can't fold (x * 0 is NaN for an infinite x): with them each row of a product's
+        # starting value is a value of its own. Equal values would become register copies made after the
+        # products' fence, and ptxas then waits for the product in flight before the next one.
+        row_zeros = keys.to(gl.float32) * 0.0
         mbarrier.wait(kv_bar, 0)
         count = 0
         for g in range(GROUP):
@@ -130,28 +137,51 @@ if HAVE_GLUON:
             for j in range(n_tiles):
                 stage = count % 2
                 m0 = t_lo + j * BM
-                mbarrier.wait(ready.index(stage), (count // 2) & 1)
-                q_tile = q_ring.index(stage)
-                do_tile = do_ring.index(stage)
-                # (Accumulators made at their use: zeros kept across the loop would hold registers.)
-                st = warpgroup_mma(k_w, q_tile.permute((1, 0)), gl.zeros([KEYS, BM], gl.float32, layout=kq_layout),
-                                   use_acc=False, is_async=True)
-                dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), gl.zeros([KEYS, BM], gl.float32, layout=kq_layout),
-                                    use_acc=False, is_async=True)
-                # lse and delta load while the products run, each just before its use: a tile's worth of either
-                # takes 16 registers per thread.
-                queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                lse2 = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf"))
-                st = warpgroup_mma_wait(1, deps=(st,))
-                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if LEAN:
+                    # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
+                    # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
+                    # keeps the D128 tile from spilling.
+                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
+                    lse = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf")) * inv_qk_scale
+                    delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                    st = row_zeros[:, None] - lse[None, :]
+                    dpt = row_zeros[:, None] - delta[None, :]
+                    mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                    q_tile = q_ring.index(stage)
+                    do_tile = do_ring.index(stage)
+                    st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
+                    dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
+                    st = warpgroup_mma_wait(1, deps=(st,))
+                    pt = gl.exp2(st * qk_scale)
+                else:
+                    # (At D64 loading lse and delta while the products run is faster.)
+                    mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                    q_tile = q_ring.index(stage)
+                    do_tile = do_ring.index(stage)
+                    # (Accumulators made at their use: zeros kept across the loop would hold registers.)
+                    st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
+                                       gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
+                                       is_async=True)
+                    dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
+                                        gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
+                                        is_async=True)
+                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
+                    lse2 = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf"))
+                    st = warpgroup_mma_wait(1, deps=(st,))
+                    pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
+                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
                     ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
-                queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (recomputed: not kept live)
-                delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
-                dpt = warpgroup_mma_wait(1, deps=(dpt,))
-                ds_low = (pt * (dpt - delta[None, :])).to(dtype)
+                if LEAN:
+                    dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                    ds_low = (pt * dpt).to(dtype)
+                else:
+                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
+                    delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                    dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                    ds_low = (pt * (dpt - delta[None, :])).to(dtype)
                 dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
                 # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
                 # used the buffer before has read it.
@@ -162,40 +192,41 @@ if HAVE_GLUON:
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(ds_ready.index(buf))
-                # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
-                # turn the asynchronous accumulators into plain tensors.)
-                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                mbarrier.arrive(empty.index(stage))
-                if count % 2 == WG:
-                    # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ), in
-                    # 64-column halves at D128, each added by its own TMA reduce. One reduce of the block's dQ per
-                    # tile, where each warpgroup adding its own keys' part made two.
+                if LEAN:
+                    # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
+                    # block's keys, issued before dK and dV are waited: 32 accumulator registers, where a whole
+                    # 64x128 dQ every other tile takes 64.
                     mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
-                    tma.store_wait(0)  # this warpgroup's last reduces have read dq_smem
+                    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(WG * DQC, DQC, dim=1),
+                                       gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
+                                       is_async=True)
+                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                    mbarrier.arrive(empty.index(stage))
+                    mbarrier.arrive(ds_free.index(buf))
+                    tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
                     gl.thread_barrier()
-                    if D == DQC:
+                    _add_dq(dq * scale, dq_smem.index(WG), dq_desc, m0, h * D + WG * DQC)
+                else:
+                    # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
+                    # turn the asynchronous accumulators into plain tensors.)
+                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                    mbarrier.arrive(empty.index(stage))
+                    if count % 2 == WG:
+                        # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ).
+                        # One reduce of the block's dQ per tile, where each warpgroup adding its own keys' part
+                        # made two.
+                        mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
+                        tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
+                        gl.thread_barrier()
                         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem,
                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
                                            is_async=True)
                         dq = warpgroup_mma_wait(0, deps=(dq,))
                         mbarrier.arrive(ds_free.index(buf))
                         _add_dq(dq * scale, dq_smem.index(WG), dq_desc, m0, h * D)
-                    else:
-                        # Both halves in flight at once: the first goes out while the second is computed.
-                        dq0 = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(0, DQC, dim=1),
-                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
-                                            is_async=True)
-                        dq1 = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(DQC, DQC, dim=1),
-                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
-                                            is_async=True)
-                        dq0 = warpgroup_mma_wait(1, deps=(dq0,))
-                        _add_dq(dq0 * scale, dq_smem.index(2 * WG), dq_desc, m0, h * D)
-                        dq1 = warpgroup_mma_wait(0, deps=(dq1,))
-                        mbarrier.arrive(ds_free.index(buf))
-                        _add_dq(dq1 * scale, dq_smem.index(2 * WG + 1), dq_desc, m0, h * D + DQC)
                 count += 1
         # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
-        # the dQ of the last two tiles (one per warpgroup) reads all of K.
+        # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
         if count > 0:
             mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
         if count > 1:
@@ -213,17 +244,18 @@ if HAVE_GLUON:
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
         accumulator, head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax
-        scale; ``qk_scale``: it times log2(e). Partitions: the default one and a worker are the two key
+        scale; ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see
+        ``_key_warpgroup``). Partitions: the default one and a worker are the two key
         warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
         kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
-        DQC: gl.constexpr = 64 if D > 64 else D  # dQ columns per reduce
+        DQC: gl.constexpr = D // 2 if LEAN else D  # dQ columns per reduce
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -252,7 +284,7 @@ if HAVE_GLUON:
         q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)  # dSᵀ of a tile, double-buffered
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * (D // DQC), BM, DQC], dq_layout)  # per warpgroup
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, DQC], dq_layout)  # one per warpgroup
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -263,7 +295,7 @@ if HAVE_GLUON:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
-            mbarrier.init(ds_free.index(i), count=1)  # read by the dQ of the warpgroup whose turn it was
+            mbarrier.init(ds_free.index(i), count=2 if LEAN else 1)  # read by each dQ computing warpgroup
 
         # The query tiles that see this key block; the band, if any, is applied on those outside [u_lo, u_hi).
         bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
@@ -275,11 +307,11 @@ if HAVE_GLUON:
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
-                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, 0)),
+                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
-                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, 1)),
+                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -295,11 +327,6 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) with dQ by atomics (not deterministic)."""
     return common.plain_call(problem, opts, dtype, bias, alibi, seed) and not opts.deterministic
-
-
-def preferred(problem) -> bool:
-    """Whether the kernel, where it applies, runs by default: at head dim 64 (module docstring)."""
-    return problem.head_dim == 64
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
@@ -319,6 +346,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads,
-        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, LEAN=problem.head_dim > 64, num_warps=NUM_WARPS,
+        maxnreg=common.MAX_REGS,
     )
 

@@ -380,15 +380,15 @@ def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
 
 
 def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config, need_dbias,
-                    tma=None, gluon=None):
+                    tma=None, gluon=True):
     """(dq, dk, dv, dbias) for the normalized layouts of options.py. No autograd, no syncs.
 
     ``config`` is a ``configs.BackwardConfig``: tiles of the kv kernel, of the dQ kernel when dQ is
     computed separately (deterministic), and how dQ is reduced otherwise. ``dbias`` has the bias's
     shape and dtype (None unless ``need_dbias``). ``tma``: load tiles through TMA descriptors; None
     decides from the device and alignment. ``gluon``: run the warp-specialized Hopper kernel
-    (``attn/gluon/backward.py``) instead of these where it applies; None: where it applies and is the faster
-    (``gluon_backward.preferred``); False: never (the tests and sweeps of these kernels).
+    (``attn/gluon/backward.py``) instead of these where it applies; False: never (the tests and sweeps of these
+    kernels).
     """
     B, H, Hkv, dense = problem.batch, problem.heads, problem.kv_heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
@@ -420,8 +420,6 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_args(seed, opts, problem, lse), F=feats)
     order = longest_first(problem, lse)
-    if gluon is None:
-        gluon = gluon_backward.preferred(problem)
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
