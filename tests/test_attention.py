@@ -16,9 +16,11 @@ from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
-from varlen.attn.options import Problem
+from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton.backward import split_tf32, tf32_lo
+from varlen.attn.triton.launch import features
 from varlen.attn.triton.program import longest_first
 
 # The lse is float32 by contract (float64 for float64 inputs).
@@ -371,3 +373,21 @@ def test_jagged_programs_take_the_longest_sequences_first():
     assert longest_first(self_attention, None).tolist() == [2, 4, 0, 3, 1]
     placeholder = torch.empty(1)
     assert longest_first(Problem(**shape, dense=True), placeholder) is placeholder
+
+
+@pytest.mark.parametrize("mask,dense,blocks,expected", [
+    ("causal", True, 131, True), ("causal", True, 132, False), ("causal_bottom_right", True, 8, True),
+    ("none", True, 8, False), ("causal_window", True, 8, False), ("causal", False, 8, False),
+])
+def test_gluon_backward_starts_heavy_blocks_first_only_where_programs_are_few(monkeypatch, mask, dense, blocks,
+                                                                              expected):
+    # A dense causal call's first key blocks see the most queries: with few programs (below PROGRAMS_PER_SM per
+    # SM: 8 x 132 = 1056 here, 8 per key block) they all start first. Not for windows (blocks alike),
+    # non-causal or jagged calls.
+    monkeypatch.setattr(gluon_backward, "sm_count", lambda device: 132)
+    opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
+            "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
+    offsets = None if dense else torch.tensor([0, 5, 9])
+    problem = Problem(2, 4, 4, 64, 64, blocks * 128, blocks * 128, dense, offsets, offsets)
+    feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
+    assert gluon_backward.heavy_blocks_first(problem, feats, blocks, None) == expected

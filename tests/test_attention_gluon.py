@@ -165,6 +165,26 @@ def _grads(q, k, v, dout, fn, dtype, device):
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
+    _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("programs_per_sm", [0, 10**6])
+@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+def test_backward_program_orders(monkeypatch, programs_per_sm, mask, D):
+    # Dense causal programs start heaviest first when they are few (gluon_backward.heavy_blocks_first): both
+    # orders, whatever the GPU.
+    monkeypatch.setattr(gluon_backward, "PROGRAMS_PER_SM", programs_per_sm)
+    orders = []
+    rule = gluon_backward.heavy_blocks_first
+    monkeypatch.setattr(gluon_backward, "heavy_blocks_first", lambda *args: orders.append(rule(*args)) or orders[-1])
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), torch.bfloat16, D, "dense", 8, 2, mask)
+    assert orders == [programs_per_sm > 0], orders
+
+
+def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape

@@ -24,7 +24,8 @@ Sequences and heads: per-sequence TMA descriptors made on the device, over rows 
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
 another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
 of K and V (their P is finite, but their dQ term is dS times a zero row, and their dK/dV rows are never
-stored).
+stored). Order: jagged sequences longest first; dense calls under a causal mask with few programs start every
+(head, sequence)'s first key block, the heaviest, before any second one (:func:`heavy_blocks_first`).
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
@@ -36,9 +37,10 @@ Triton kernel on the same variants.
 
 from __future__ import annotations
 
+from ...tiling import sm_count
 from ..triton.launch import cdiv, ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
-from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows
+from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows, sequence_and_mask
 from . import common
 from .common import (
     HAVE_GLUON,
@@ -56,6 +58,7 @@ from .common import (
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
 NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loader are workers
+PROGRAMS_PER_SM = 8  # below this many per SM, causal programs start heaviest first (heavy_blocks_first)
 
 
 if HAVE_GLUON:
@@ -244,7 +247,7 @@ if HAVE_GLUON:
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
         accumulator, head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax
         scale; ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see
@@ -259,7 +262,14 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
+        if HEAVY_FIRST:
+            # Grid (kv heads x B, blocks): every (head, sequence)'s first key block, the heaviest under a
+            # causal mask, starts before any second one.
+            pair = gl.program_id(0)
+            block, hk = gl.program_id(1), pair % HKV
+            seq, m = sequence_and_mask(bt, mask, pair // HKV, F)
+        else:
+            block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
         n0 = block * BN
         if n0 >= seq.Lk:
             return
@@ -336,17 +346,33 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
             and common.hopper_layout(problem.head_dim, q, k, v, dout))
 
 
+def heavy_blocks_first(problem, feats, blocks: int, device) -> bool:
+    """Whether the programs start heaviest first (all first key blocks, then all second ones...) rather than a
+    (head, sequence)'s blocks together: on dense calls under a causal mask (the first key blocks see the most
+    queries) with few programs (under PROGRAMS_PER_SM per SM), where a heavy block starting last would leave
+    the GPU idle around it. With many programs the tail is short, and concurrent programs reading one head's
+    queries share them in L2 (starting heaviest first lost 3-12% at 2048 programs: ``bench/NOTES.md``)."""
+    causal_like = bool(feats.HAS_R) and not bool(feats.HAS_WL)
+    if not (problem.dense and causal_like):
+        return False
+    return blocks * problem.kv_heads * problem.batch < PROGRAMS_PER_SM * sm_count(device)
+
+
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale)."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
-    _bwd_kv_hopper[(cdiv(problem.max_k, BLOCK_N), problem.kv_heads, problem.batch)](
+    blocks = cdiv(problem.max_k, BLOCK_N)
+    heavy_first = heavy_blocks_first(problem, feats, blocks, q.device)
+    grid = (problem.kv_heads * problem.batch, blocks) if heavy_first else (blocks, problem.kv_heads, problem.batch)
+    _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads,
-        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, LEAN=problem.head_dim > 64, num_warps=NUM_WARPS,
+        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, LEAN=problem.head_dim > 64, HEAVY_FIRST=heavy_first,
+        num_warps=NUM_WARPS,
         maxnreg=common.MAX_REGS,
     )
 
