@@ -17,8 +17,8 @@ partitions (``gl.warp_specialize``):
   tile, computing all of it; at D128 (``LEAN``) each computes half its columns every tile, and its Sᵀ and
   dPᵀ products start from -lse and -delta: registers are short there (64x128 fp32 dK and dV accumulators),
   and with both the kernel went from spilling ~200 bytes to ~30-100 and from 0.90-0.98x the Triton kernel
-  to 1.06-1.26x. The band mask is applied on the tiles that cross it only. Every matmul is asynchronous,
-  waited where it is used.
+  to 1.04-1.29x (H100, ``bench/NOTES.md``). The band mask is applied on the tiles that cross it only. Every
+  matmul is asynchronous, waited where it is used.
 
 Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D), clip every
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
@@ -248,11 +248,11 @@ if HAVE_GLUON:
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
-        """Grid ``(cdiv(max_k, BN), Hkv, B)``; tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32
-        accumulator, head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax
-        scale; ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see
-        ``_key_warpgroup``). Partitions: the default one and a worker are the two key
-        warpgroups, a one-warp worker loads."""
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv x B, cdiv(max_k, BN))`` with HEAVY_FIRST (dense only:
+        :func:`heavy_blocks_first`); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
+        head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
+        ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``).
+        Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
@@ -372,7 +372,6 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads,
         GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, LEAN=problem.head_dim > 64, HEAVY_FIRST=heavy_first,
-        num_warps=NUM_WARPS,
-        maxnreg=common.MAX_REGS,
+        num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 
