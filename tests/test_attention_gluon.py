@@ -178,7 +178,12 @@ def test_backward_program_orders(monkeypatch, programs_per_sm, mask, D):
     monkeypatch.setattr(gluon_backward, "PROGRAMS_PER_SM", programs_per_sm)
     orders = []
     rule = gluon_backward.heavy_blocks_first
-    monkeypatch.setattr(gluon_backward, "heavy_blocks_first", lambda *args: orders.append(rule(*args)) or orders[-1])
+
+    def recorded(*args):
+        orders.append(rule(*args))
+        return orders[-1]
+
+    monkeypatch.setattr(gluon_backward, "heavy_blocks_first", recorded)
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     _check_backward(("gluon", launches), torch.bfloat16, D, "dense", 8, 2, mask)
     assert orders == [programs_per_sm > 0], orders

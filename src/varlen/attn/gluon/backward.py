@@ -352,8 +352,8 @@ def heavy_blocks_first(problem, feats, blocks: int, device) -> bool:
     queries) with few programs (under PROGRAMS_PER_SM per SM), where a heavy block starting last would leave
     the GPU idle around it. With many programs the tail is short, and concurrent programs reading one head's
     queries share them in L2 (starting heaviest first lost 3-12% at 2048 programs: ``bench/NOTES.md``)."""
-    causal_like = bool(feats.HAS_R) and not bool(feats.HAS_WL)
-    if not (problem.dense and causal_like):
+    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)  # (a left window makes blocks alike)
+    if not (problem.dense and first_blocks_heaviest):
         return False
     return blocks * problem.kv_heads * problem.batch < PROGRAMS_PER_SM * sm_count(device)
 
