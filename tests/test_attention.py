@@ -19,6 +19,8 @@ from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
+from varlen.attn.triton import backward as triton_backward
+from varlen.attn.triton import program
 from varlen.attn.triton.backward import split_tf32, tf32_lo
 from varlen.attn.triton.launch import features
 from varlen.attn.triton.program import longest_first
@@ -379,15 +381,73 @@ def test_jagged_programs_take_the_longest_sequences_first():
     ("causal", True, 131, True), ("causal", True, 132, False), ("causal_bottom_right", True, 8, True),
     ("none", True, 8, False), ("causal_window", True, 8, False), ("causal", False, 8, False),
 ])
-def test_gluon_backward_starts_heavy_blocks_first_only_where_programs_are_few(monkeypatch, mask, dense, blocks,
-                                                                              expected):
-    # A dense causal call's first key blocks see the most queries: with few programs (below PROGRAMS_PER_SM per
+def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(monkeypatch, mask, dense, blocks,
+                                                                               expected):
+    # A dense causal call's first key blocks see the most queries: with few programs (below a kernel's bound per
     # SM: 8 x 132 = 1056 here, 8 per key block) they all start first. Not for windows (blocks alike),
     # non-causal or jagged calls.
-    monkeypatch.setattr(gluon_backward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(program, "sm_count", lambda device: 132)
     opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
             "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
     offsets = None if dense else torch.tensor([0, 5, 9])
     problem = Problem(2, 4, 4, 64, 64, blocks * 128, blocks * 128, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
-    assert gluon_backward.heavy_blocks_first(problem, feats, blocks, None) == expected
+    assert program.blocks_last(problem, feats, blocks, None, 8) == expected
+    grid, last = program.key_block_grid(problem, feats, blocks, None, 8)
+    assert (last, grid) == (expected, (4, 2, blocks) if expected else (blocks, 4, 2))
+
+
+GRID_ORDER_CASES = [
+    AttnCase(False, (130, 130), None, 4, 2, 16, 16, causal=True),
+    AttnCase(False, (40, 40, 40), (130, 130, 130), 2, 2, 16, 8, causal=True, align="bottom_right"),
+]
+
+
+@pytest.mark.parametrize("programs_per_sm", [0, 10**6])
+@pytest.mark.parametrize("case", GRID_ORDER_CASES, ids=lambda c: c.id)
+def test_key_block_kernel_in_either_grid_order(case, programs_per_sm, device, monkeypatch):
+    # The Triton kv kernel (head dim 16: not the Gluon kernel's) in both grids of program.key_block_grid, whatever
+    # the machine, against the reference.
+    monkeypatch.setattr(triton_backward, "KV_PROGRAMS_PER_SM", programs_per_sm)
+    orders = []
+    rule = program.blocks_last
+
+    def recorded(*args):
+        orders.append(rule(*args))
+        return orders[-1]
+
+    monkeypatch.setattr(program, "blocks_last", recorded)
+    dtype = main_dtype("triton")
+    inputs = case.make(dtype, device)
+    out, lse, grads = run_attention(case, inputs, "triton")
+    _check_against_reference(case, inputs, out, lse, grads, dtype)
+    assert orders == [programs_per_sm > 0], orders
+
+
+@pytest.mark.skipif(not gluon_backward.HAVE_GLUON, reason="the installed Triton has no Gluon")
+@pytest.mark.parametrize("case,made", [
+    ("whole tiles", True), ("cross", True), ("batch 1 slice", True), ("queries not whole tiles", False),
+    ("keys not whole blocks", False), ("sequences apart", False), ("jagged", False),
+])
+def test_gluon_backward_makes_descriptors_on_the_host_only_where_no_tile_crosses_a_sequence(case, made):
+    # Descriptors over all B x S rows are exact only where every query tile (64) and key block (128) lies in one
+    # sequence and the sequences follow one another in memory; elsewhere the programs make per-sequence ones.
+    Lq, Lk = {"cross": (64, 256), "queries not whole tiles": (1000, 1024), "keys not whole blocks": (1024, 960)}.get(
+        case, (512, 512))
+    B, H, D = (1, 4, 64) if case == "batch 1 slice" else (2, 4, 64)
+
+    def rows(L, width):
+        if case == "sequences apart" or case == "batch 1 slice":
+            return torch.zeros(B, L + 64, H, width)[:, :L]  # (rows of other sequences between them)
+        return torch.zeros(B, L, H, width)
+
+    q, dout, dq_acc = rows(Lq, D), rows(Lq, D), rows(Lq, D)
+    k, v, dk, dv = (rows(Lk, D) for _ in range(4))
+    offsets = torch.tensor([0, Lq, 2 * Lq]) if case == "jagged" else None
+    problem = Problem(B, H, H, D, D, Lq, Lk, case != "jagged", offsets, offsets)
+    descs = gluon_backward.host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
+    assert (descs is not None) == made
+    if made:
+        assert [list(d.shape) for d in descs] == [[B * Lq, H * D]] * 3 + [[B * Lk, H * D]] * 4
+        assert [d.strides[0] for d in descs] == [t.stride(1) for t in (q, dout, dq_acc, k, v, dk, dv)]
+        assert [list(d.block_shape) for d in descs] == [[64, D]] * 3 + [[128, D]] * 2 + [[64, D]] * 2

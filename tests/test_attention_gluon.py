@@ -23,6 +23,8 @@ from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backend as triton_backend
+from varlen.attn.triton import backward as triton_backward
+from varlen.attn.triton import program
 
 pytestmark = pytest.mark.gpu_only
 
@@ -75,6 +77,8 @@ def _inputs(layout, dtype, heads, kv_heads, D, generator):
 
     if layout == "dense":
         return rand(2, 1000, heads, D), rand(2, 1000, kv_heads, D), rand(2, 1000, kv_heads, D)
+    if layout == "dense_tiles":  # whole tiles, fewer queries than keys: the backward's descriptors made on the host
+        return rand(2, 512, heads, D), rand(2, 1024, kv_heads, D), rand(2, 1024, kv_heads, D)
     key_lengths = KEY_LENGTHS if layout == "cross" else LENGTHS
     return (varlen.jagged([rand(L, heads, D) for L in LENGTHS]),
             *(varlen.jagged([rand(L, kv_heads, D) for L in key_lengths]) for _ in range(2)))
@@ -161,7 +165,7 @@ def _grads(q, k, v, dout, fn, dtype, device):
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("layout", ["dense", "jagged"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
@@ -171,22 +175,33 @@ def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, hea
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("programs_per_sm", [0, 10**6])
 @pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles"])
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
-def test_backward_program_orders(monkeypatch, programs_per_sm, mask, D):
-    # Dense causal programs start heaviest first when they are few (gluon_backward.heavy_blocks_first): both
-    # orders, whatever the GPU.
+def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout, D, monkeypatch):
+    # Dense causal programs start heaviest first when they are few (program.blocks_last): both orders, whatever
+    # the GPU, for both kernels; the Gluon kernel's descriptors made by its programs (dense) or on the host
+    # (dense_tiles).
     monkeypatch.setattr(gluon_backward, "PROGRAMS_PER_SM", programs_per_sm)
-    orders = []
-    rule = gluon_backward.heavy_blocks_first
+    monkeypatch.setattr(triton_backward, "KV_PROGRAMS_PER_SM", programs_per_sm)
+    orders = _recorded(monkeypatch, program, "blocks_last")
+    host_descriptors = _recorded(monkeypatch, gluon_backward, "host_descriptors")
+    _check_backward(backward_kernel, torch.bfloat16, D, layout, 8, 2, mask)
+    assert orders == [programs_per_sm > 0], orders
+    made_on_host = [d is not None for d in host_descriptors]
+    assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
+
+
+def _recorded(monkeypatch, module, name):
+    """The results of every call of ``module.<name>`` from now on, in a list."""
+    results = []
+    rule = getattr(module, name)
 
     def recorded(*args):
-        orders.append(rule(*args))
-        return orders[-1]
+        results.append(rule(*args))
+        return results[-1]
 
-    monkeypatch.setattr(gluon_backward, "heavy_blocks_first", recorded)
-    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
-    _check_backward(("gluon", launches), torch.bfloat16, D, "dense", 8, 2, mask)
-    assert orders == [programs_per_sm > 0], orders
+    monkeypatch.setattr(module, name, recorded)
+    return results
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask):

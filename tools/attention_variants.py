@@ -29,8 +29,8 @@ gluon_forward.applies = (lambda problem, opts, q, k, v, bias, alibi, seed:
                          gluon_forward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
 
-def _problem(D, jagged, group):
-    B, S, H = 2, 256, 4
+def _problem(D, jagged, group, S=256):
+    B, H = 2, 4
     cu = torch.tensor([0, 100, 256], dtype=torch.int32) if jagged else None
     return Problem(B, H, H // group, D, D, S, S, not jagged, cu, cu)
 
@@ -107,6 +107,14 @@ def main():
                 print(label.replace("case", "gluon"), flush=True)
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                                 need_dbias=bias is not None, tma=tma, gluon=True)
+                if problem.dense:
+                    # Lengths that are no whole number of tiles: each program makes its descriptors
+                    # (gluon_backward.host_descriptors).
+                    ragged = _problem(D, jagged, group, S=200)
+                    q, k, v, do = _tensors(ragged, dtype)
+                    out, lse = launch_forward(q, k, v, bias, alibi, ragged, opts, seed, fwd, tma=tma, gluon=False)
+                    launch_backward(do, None, q, k, v, out, lse, bias, alibi, ragged, opts, seed, bwd,
+                                    need_dbias=bias is not None, tma=tma, gluon=True)
 
 
 if __name__ == "__main__":

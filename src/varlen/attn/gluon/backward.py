@@ -24,8 +24,12 @@ Sequences and heads: per-sequence TMA descriptors made on the device, over rows 
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
 another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
 of K and V (their P is finite, but their dQ term is dS times a zero row, and their dK/dV rows are never
-stored). Order: jagged sequences longest first; dense calls under a causal mask with few programs start every
-(head, sequence)'s first key block, the heaviest, before any second one (:func:`heavy_blocks_first`).
+stored). Dense calls whose lengths are whole numbers of tiles take descriptors made once on the host over all
+rows instead (:func:`host_descriptors`): making seven descriptors, each behind a GPU-scope fence, delayed every
+program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; ``bench/NOTES.md``).
+
+Order: jagged sequences longest first; dense calls under a causal mask with few programs start every (head,
+sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``).
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
@@ -37,13 +41,13 @@ Triton kernel on the same variants.
 
 from __future__ import annotations
 
-from ...tiling import sm_count
 from ..triton.launch import cdiv, ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
-from ..triton.program import Rows, Seqs, base, batch, lse_offset, prologue, rows, sequence_and_mask
+from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
 from . import common
 from .common import (
     HAVE_GLUON,
+    TensorDescriptor,
     builtin,
     fence_async_shared,
     gl,
@@ -58,7 +62,9 @@ from .common import (
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
 NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loader are workers
-PROGRAMS_PER_SM = 8  # below this many per SM, causal programs start heaviest first (heavy_blocks_first)
+# Dense causal calls with fewer programs per SM start every first key block first (program.blocks_last): +10-17%
+# at 512-1024 programs; at 2048, 3-12% lost (bench/NOTES.md).
+PROGRAMS_PER_SM = 8
 
 
 if HAVE_GLUON:
@@ -79,14 +85,16 @@ if HAVE_GLUON:
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
 
     @gluon.jit
-    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, n0, hk,
-                    t_lo, n_tiles, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, q_row,
+                    k_row, n0, hk, t_lo, n_tiles, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr):
         """The producer warp: K and V once, then the (Q, dO) tiles of every head through the two-stage ring,
-        each stage refilled once both warpgroups released it."""
+        each stage refilled once both warpgroups released it. ``q_row``, ``k_row``: the sequence's first rows in
+        the descriptors."""
         dtype: gl.constexpr = k_desc.dtype
         mbarrier.expect(kv_bar, 2 * BN * D * dtype.primitive_bitwidth // 8)
-        tma.async_copy_global_to_shared(k_desc, [n0, hk * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [n0, hk * D], kv_bar, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar, v_smem)
         tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
         count = 0
         for g in range(GROUP):
@@ -95,21 +103,21 @@ if HAVE_GLUON:
                 stage = count % 2
                 mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
                 mbarrier.expect(ready.index(stage), tile_bytes)
-                tma.async_copy_global_to_shared(q_desc, [t_lo + j * BM, col], ready.index(stage), q_ring.index(stage))
-                tma.async_copy_global_to_shared(do_desc, [t_lo + j * BM, col], ready.index(stage),
-                                                do_ring.index(stage))
+                row = q_row + t_lo + j * BM
+                tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(stage), q_ring.index(stage))
+                tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(stage), do_ring.index(stage))
                 count += 1
 
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                       dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, n0, hk,
-                       t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr,
-                       HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       LEAN: gl.constexpr, WG: gl.constexpr):
+                       dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row,
+                       k_row, n0, hk, t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr,
+                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
+                       BM: gl.constexpr, LEAN: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
         head of the group: dK and dV in registers; dQ over the block's 128 keys added by TMA reduces: all of it
         every other tile, or (LEAN) half its columns every tile. Tiles in ``[u_lo, u_hi)`` lie wholly inside the
-        band."""
+        band. ``q_row``, ``k_row``: the sequence's first rows in the descriptors."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -208,7 +216,7 @@ if HAVE_GLUON:
                     mbarrier.arrive(ds_free.index(buf))
                     tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
                     gl.thread_barrier()
-                    _add_dq(dq * scale, dq_smem.index(WG), dq_desc, m0, h * D + WG * DQC)
+                    _add_dq(dq * scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
                 else:
                     # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
                     # turn the asynchronous accumulators into plain tensors.)
@@ -226,7 +234,7 @@ if HAVE_GLUON:
                                            is_async=True)
                         dq = warpgroup_mma_wait(0, deps=(dq,))
                         mbarrier.arrive(ds_free.index(buf))
-                        _add_dq(dq * scale, dq_smem.index(WG), dq_desc, m0, h * D)
+                        _add_dq(dq * scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
                 count += 1
         # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
         # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
@@ -239,19 +247,24 @@ if HAVE_GLUON:
         v_w.store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(dk_desc, [n0 + WG * KEYS, hk * D], k_w)
-        tma.async_copy_shared_to_global(dv_desc, [n0 + WG * KEYS, hk * D], v_w)
+        tma.async_copy_shared_to_global(dk_desc, [k_row + n0 + WG * KEYS, hk * D], k_w)
+        tma.async_copy_shared_to_global(dv_desc, [k_row + n0 + WG * KEYS, hk * D], v_w)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
-                       seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
+                       seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, dQD,
+                       KD, VD, dKD, dVD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, HEAVY_FIRST: gl.constexpr):
-        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv x B, cdiv(max_k, BN))`` with HEAVY_FIRST (dense only:
-        :func:`heavy_blocks_first`); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
+                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, BLOCKS_LAST: gl.constexpr,
+                       HOST_DESCS: gl.constexpr):
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` with BLOCKS_LAST (dense only:
+        ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
         head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``).
+        HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, dQ, K, V, dK and dV, made on the host
+        (:func:`host_descriptors`; top-level arguments: Triton 3.6's launcher encodes no descriptor inside a
+        tuple); otherwise (all None) each program makes its sequence's.
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
@@ -262,32 +275,33 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        if HEAVY_FIRST:
-            # Grid (kv heads x B, blocks): every (head, sequence)'s first key block, the heaviest under a
-            # causal mask, starts before any second one.
-            pair = gl.program_id(0)
-            block, hk = gl.program_id(1), pair % HKV
-            seq, m = sequence_and_mask(bt, mask, pair // HKV, F)
-        else:
-            block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, BLOCKS_LAST)
         n0 = block * BN
         if n0 >= seq.Lk:
             return
-        # One descriptor per tensor and sequence, over its rows x (heads x D): boxes clip at the sequence's end.
-        q_desc = tma.make_tensor_descriptor(base(Q, seq.b, seq.q_start, 0), [seq.Lq, H * D], [Q.stride_s, 1],
-                                            [BM, D], q_layout)
-        do_desc = tma.make_tensor_descriptor(base(dO, seq.b, seq.q_start, 0), [seq.Lq, H * D], [dO.stride_s, 1],
-                                             [BM, D], q_layout)
-        dq_desc = tma.make_tensor_descriptor(base(dQ, seq.b, seq.q_start, 0), [seq.Lq, H * D], [dQ.stride_s, 1],
-                                             [BM, DQC], dq_layout)
-        k_desc = tma.make_tensor_descriptor(base(K, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [K.stride_s, 1],
-                                            [BN, D], k_layout)
-        v_desc = tma.make_tensor_descriptor(base(V, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [V.stride_s, 1],
-                                            [BN, D], k_layout)
-        dk_desc = tma.make_tensor_descriptor(base(dK, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [dK.stride_s, 1],
-                                             [BN // 2, D], kw_layout)
-        dv_desc = tma.make_tensor_descriptor(base(dV, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [dV.stride_s, 1],
-                                             [BN // 2, D], kw_layout)
+        if HOST_DESCS:
+            # Over all B x S rows; no tile crosses a sequence (host_descriptors).
+            q_desc, do_desc, dq_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, dQD, KD, VD, dKD, dVD
+            q_row = seq.b * max_q
+            k_row = seq.b * max_k
+        else:
+            # One descriptor per tensor and sequence, over its rows x (heads x D): boxes clip at the sequence's end.
+            q_desc = tma.make_tensor_descriptor(base(Q, seq.b, seq.q_start, 0), [seq.Lq, H * D], [Q.stride_s, 1],
+                                                [BM, D], q_layout)
+            do_desc = tma.make_tensor_descriptor(base(dO, seq.b, seq.q_start, 0), [seq.Lq, H * D],
+                                                 [dO.stride_s, 1], [BM, D], q_layout)
+            dq_desc = tma.make_tensor_descriptor(base(dQ, seq.b, seq.q_start, 0), [seq.Lq, H * D],
+                                                 [dQ.stride_s, 1], [BM, DQC], dq_layout)
+            k_desc = tma.make_tensor_descriptor(base(K, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [K.stride_s, 1],
+                                                [BN, D], k_layout)
+            v_desc = tma.make_tensor_descriptor(base(V, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [V.stride_s, 1],
+                                                [BN, D], k_layout)
+            dk_desc = tma.make_tensor_descriptor(base(dK, seq.b, seq.k_start, 0), [seq.Lk, HKV * D],
+                                                 [dK.stride_s, 1], [BN // 2, D], kw_layout)
+            dv_desc = tma.make_tensor_descriptor(base(dV, seq.b, seq.k_start, 0), [seq.Lk, HKV * D],
+                                                 [dV.stride_s, 1], [BN // 2, D], kw_layout)
+            q_row = 0
+            k_row = 0
 
         k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
@@ -316,14 +330,14 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
-                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 0)),
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
+                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, n0, hk, t_lo, n_tiles, bounds[1], bounds[2], scale,
-                              qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 1)),
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
+                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
-                           n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
+                           q_row, k_row, n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(2):
@@ -346,32 +360,47 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
             and common.hopper_layout(problem.head_dim, q, k, v, dout))
 
 
-def heavy_blocks_first(problem, feats, blocks: int, device) -> bool:
-    """Whether the programs start heaviest first (all first key blocks, then all second ones...) rather than a
-    (head, sequence)'s blocks together: on dense calls under a causal mask (the first key blocks see the most
-    queries) with few programs (under PROGRAMS_PER_SM per SM), where a heavy block starting last would leave
-    the GPU idle around it. With many programs the tail is short, and concurrent programs reading one head's
-    queries share them in L2 (starting heaviest first lost 3-12% at 2048 programs: ``bench/NOTES.md``)."""
-    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)  # (a left window makes blocks alike)
-    if not (problem.dense and first_blocks_heaviest):
-        return False
-    return blocks * problem.kv_heads * problem.batch < PROGRAMS_PER_SM * sm_count(device)
+def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
+    """The kernel's TMA descriptors (q, dO, dQ, K, V, dK, dV) made once on the host, each over all B x S rows of
+    its tensor, where no tile crosses a sequence: dense calls whose query and key lengths are whole numbers of
+    query tiles (BLOCK_M) and key blocks (BLOCK_N), with each tensor's sequences one after another in memory.
+    Otherwise None: each program makes its own sequence's descriptors, which clip at the sequence's end, and
+    the seven makings, each fenced, delay the start of every program's loads."""
+    tensors = (q, dout, dq_acc, k, v, dk, dv)
+    if not problem.dense or problem.max_q % BLOCK_M or problem.max_k % BLOCK_N:
+        return None
+    if not all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in tensors):
+        return None
+    D = problem.head_dim
+    dqc = D // 2 if lean(D) else D
+    blocks = ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dqc], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
+              [BLOCK_N // 2, D])
+    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1], block,
+                                  common.shared_layout(tuple(block), t.dtype))
+                 for t, block in zip(tensors, blocks, strict=True))
+
+
+def lean(head_dim: int) -> bool:
+    """Whether the kernel takes its lean form (``LEAN``: registers are short at D128)."""
+    return head_dim > 64
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale)."""
-    ensure_allocator()  # the kernel builds its TMA descriptors on the device
+    descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
+    if descs is None:
+        ensure_allocator()  # the kernel builds its TMA descriptors on the device
+    QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
-    blocks = cdiv(problem.max_k, BLOCK_N)
-    heavy_first = heavy_blocks_first(problem, feats, blocks, q.device)
-    grid = (problem.kv_heads * problem.batch, blocks) if heavy_first else (blocks, problem.kv_heads, problem.batch)
+    grid, last = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
-        qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads,
-        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, LEAN=problem.head_dim > 64, HEAVY_FIRST=heavy_first,
-        num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        qk_scale=scores.qk_scale, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
+        D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
+        LEAN=lean(problem.head_dim), BLOCKS_LAST=last,
+        HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

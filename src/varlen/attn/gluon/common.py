@@ -3,6 +3,8 @@ apply (an sm_90 GPU, heads packed in a row, TMA-aligned tensors)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..._backend import interpreter_enabled
@@ -21,13 +23,16 @@ try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothi
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False  # (the kernels are defined only when it is True; these names stay unused)
     ir = gluon = gl = builtin = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
+    TensorDescriptor = None
 
-__all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "builtin", "fence_async_shared", "gl", "gluon", "ir", "mbarrier", "tma",
-           "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call", "hopper_layout"]
+__all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl", "gluon", "ir",
+           "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call", "hopper_layout",
+           "shared_layout"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -61,3 +66,11 @@ def hopper_layout(head_dim: int, *tensors) -> bool:
     if compute_capability(q.device)[0] != 9:
         return False
     return all(t.stride(-2) == head_dim for t in tensors) and tma_aligned(*tensors)
+
+
+@functools.cache
+def shared_layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout a kernel gives a ``block`` tile of ``dtype`` (``NVMMASharedLayout``'s default),
+    for descriptors made on the host, whose layout must match the kernel's."""
+    gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)

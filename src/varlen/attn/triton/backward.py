@@ -36,7 +36,20 @@ from .launch import (
     use_tma,
 )
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
-from .program import Rows, Seq, Seqs, base, batch, longest_first, lse_row, prologue, rows, seqs, sequence
+from .program import (
+    Rows,
+    Seq,
+    Seqs,
+    base,
+    batch,
+    key_block_grid,
+    longest_first,
+    lse_row,
+    prologue,
+    rows,
+    seqs,
+    sequence,
+)
 from .scores import (
     LOG2E,
     Dropout,
@@ -61,6 +74,11 @@ from .tiles import load_rows, rows_desc, store_rows
 DBias = collections.namedtuple("DBias", "ptr sb sh sq sk")
 DBiasMode = collections.namedtuple("DBiasMode", "MODE BQ BK")
 DBIAS_NONE, DBIAS_STORE, DBIAS_ATOMIC = 0, 1, 2
+
+# Dense causal calls with fewer kv programs per SM start every first key block first (program.blocks_last):
+# H100, kernel level, every measured shape gained, up to 2048 programs (15.5 per SM; +4-29% bf16, dropout, fp32;
+# bench/NOTES.md); larger counts were not measured.
+KV_PROGRAMS_PER_SM = 16
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
@@ -210,9 +228,10 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
                    dBias: DBias, Q_LO: Rows, K_LO: Rows, V_LO: Rows, dO_LO: Rows, F: tl.constexpr, T: tl.constexpr,
-                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr):
-    """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``: program
-    ``(j, hk, b)`` owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
+                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_LAST: tl.constexpr):
+    """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``, or with BLOCKS_LAST
+    ``(Hkv, B, cdiv(max_k, BLOCK_N))`` (``program.blocks_last``): the program of key block j, kv head hk and
+    sequence b owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
     tiles that see them, for each of the GROUP query heads of hk.
 
     Q, dO ``(B, Sq, H, D|DV)`` | ``(Tq, H, D|DV)``; K, V and dK, dV (written) ``(B, Sk, Hkv, D|DV)`` |
@@ -223,7 +242,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     rows there before it writes them); otherwise they are Q, K, V, dO again and unread.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
-    block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN)
+    block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, BLOCKS_LAST)
     n0 = block * T.BLOCK_N
     if n0 >= seq.Lk:
         return
@@ -390,7 +409,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     (``attn/gluon/backward.py``) instead of these where it applies; False: never (the tests and sweeps of these
     kernels).
     """
-    B, H, Hkv, dense = problem.batch, problem.heads, problem.kv_heads, problem.dense
+    B, H, dense = problem.batch, problem.heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
         # No query or no key: every gradient is zero (an empty tensor, or zeros for the other side).
         dbias = torch.zeros_like(bias) if need_dbias else None
@@ -451,12 +470,13 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                  feats, common["scores"])
     else:
-        _bwd_kv_kernel[(cdiv(problem.max_k, kv.block_n), Hkv, B)](
+        grid, last = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device, KV_PROGRAMS_PER_SM)
+        _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
             Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
             T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode,
-            SPLIT=remainders is not None, ORDER=order,
+            SPLIT=remainders is not None, BLOCKS_LAST=last, ORDER=order,
             num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
         )
     if db_mode == DBIAS_ATOMIC:

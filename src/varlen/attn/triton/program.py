@@ -26,6 +26,7 @@ import collections
 import torch
 
 from ..._triton import tl, triton
+from ...tiling import sm_count
 from .masks import Mask, seq_mask
 
 Rows = collections.namedtuple("Rows", "ptr stride_b stride_s stride_h")
@@ -66,6 +67,29 @@ def longest_first(problem, placeholder) -> torch.Tensor:
     return torch.argsort(len_q.to(torch.int64) * len_k, descending=True, stable=True)
 
 
+def blocks_last(problem, feats, blocks: int, device, programs_per_sm: int) -> bool:
+    """Whether a key-block kernel (one program per key block, kv head and sequence) takes the ``(heads, B,
+    blocks)`` grid, which starts every (head, sequence)'s first key block before any second one, rather than
+    ``(blocks, heads, B)``: on dense calls under a causal mask (the first key blocks see the most queries, and a
+    heavy block starting last leaves the GPU idle around it) with fewer than ``programs_per_sm`` programs per SM
+    (each kernel's own measured bound: with many programs the tail is short, and concurrent programs reading one
+    head's queries share them in L2). Not with a left window (its blocks are alike) or jagged batches (ordered
+    longest first instead)."""
+    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)
+    if not (problem.dense and first_blocks_heaviest):
+        return False
+    return blocks * problem.kv_heads * problem.batch < programs_per_sm * sm_count(device)
+
+
+def key_block_grid(problem, feats, blocks: int, device, programs_per_sm: int) -> tuple[tuple[int, int, int], bool]:
+    """The grid of a key-block kernel with ``blocks`` key blocks per sequence, and whether it is the
+    blocks-last one (``prologue``'s ``BLOCKS_LAST``; :func:`blocks_last`). (It is taken with few programs only,
+    so B and the block count stay far below the 65535 a grid's second and third axes allow.)"""
+    if blocks_last(problem, feats, blocks, device, programs_per_sm):
+        return (problem.kv_heads, problem.batch, blocks), True
+    return (blocks, problem.kv_heads, problem.batch), False
+
+
 @triton.jit
 def batch(s: Seqs, total_q, total_k, max_q, max_k):
     return Batch(s.cu_q, s.cu_k, s.heads, total_q, total_k, max_q, max_k)
@@ -91,18 +115,26 @@ def sequence(bt: Batch, b, F: tl.constexpr):
 
 
 @triton.jit
-def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.constexpr, ORDERED: tl.constexpr):
-    """``(block, head, seq, masks)`` of a program of a ``(blocks, heads, B)`` grid. ``HEAVY_FIRST``: under a
-    causal-like mask later query blocks see more keys, so they start first (block order reversed).
-    ``ORDERED``: grid axis 2 walks the sequences in ``ORDER`` (:func:`longest_first`)."""
-    block = tl.program_id(0)
-    if HEAVY_FIRST:
-        block = tl.num_programs(0) - 1 - block
-    b = tl.program_id(2)
+def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.constexpr, ORDERED: tl.constexpr,
+             BLOCKS_LAST: tl.constexpr = False):
+    """``(block, head, seq, masks)`` of a program of a ``(blocks, heads, B)`` grid, or with ``BLOCKS_LAST`` of a
+    ``(heads, B, blocks)`` one (:func:`blocks_last`). ``HEAVY_FIRST``: under a causal-like mask later query
+    blocks see more keys, so they start first (block order reversed). ``ORDERED``: the sequence axis walks the
+    sequences in ``ORDER`` (:func:`longest_first`)."""
+    if BLOCKS_LAST:
+        block = tl.program_id(2)
+        b = tl.program_id(1)
+        head = tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+        if HEAVY_FIRST:
+            block = tl.num_programs(0) - 1 - block
+        b = tl.program_id(2)
+        head = tl.program_id(1)
     if ORDERED:
         b = tl.load(ORDER + b).to(tl.int32)
     seq, masks = sequence_and_mask(bt, mask, b, F)
-    return block, tl.program_id(1), seq, masks
+    return block, head, seq, masks
 
 
 @triton.jit
