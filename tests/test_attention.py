@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import varlen
 from attention_cases import AttnCase, backend_params, case_params, main_dtype, run_attention, run_reference
-from utils import KERNEL_DEVICE, REL_TOL, assert_close
+from utils import KERNEL_DEVICE, REL_TOL, assert_close, record_calls
 from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
@@ -409,14 +409,7 @@ def test_key_block_kernel_in_either_grid_order(case, programs_per_sm, device, mo
     # The Triton kv kernel (head dim 16: not the Gluon kernel's) in both grids of program.key_block_grid, whatever
     # the machine, against the reference.
     monkeypatch.setattr(triton_backward, "KV_PROGRAMS_PER_SM", programs_per_sm)
-    orders = []
-    rule = program.blocks_last
-
-    def recorded(*args):
-        orders.append(rule(*args))
-        return orders[-1]
-
-    monkeypatch.setattr(program, "blocks_last", recorded)
+    orders = record_calls(monkeypatch, program, "blocks_last")
     dtype = main_dtype("triton")
     inputs = case.make(dtype, device)
     out, lse, grads = run_attention(case, inputs, "triton")

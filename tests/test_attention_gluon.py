@@ -17,6 +17,7 @@ import torch
 
 import varlen
 from conftest import ON_GPU
+from utils import record_calls
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -41,16 +42,9 @@ def _hopper() -> bool:
 
 
 def _route(monkeypatch, kernel_module, kernel_launch, launcher, gluon):
-    """Make the Triton backend's ``launcher`` run with ``gluon``; returns the list that counts the launches of
-    ``kernel_module.kernel_launch`` (the Gluon kernel's)."""
-    launches = []
-    launch = getattr(kernel_module, kernel_launch)
-
-    def counting(*args, **kwargs):
-        launches.append(1)
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(kernel_module, kernel_launch, counting)
+    """Make the Triton backend's ``launcher`` run with ``gluon``; returns the list that records the launches of
+    ``kernel_module.kernel_launch`` (the Gluon kernel's), one entry per launch."""
+    launches = record_calls(monkeypatch, kernel_module, kernel_launch)
     monkeypatch.setattr(triton_backend, launcher, functools.partial(getattr(triton_backend, launcher), gluon=gluon))
     return launches
 
@@ -183,25 +177,12 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
     # (dense_tiles).
     monkeypatch.setattr(gluon_backward, "PROGRAMS_PER_SM", programs_per_sm)
     monkeypatch.setattr(triton_backward, "KV_PROGRAMS_PER_SM", programs_per_sm)
-    orders = _recorded(monkeypatch, program, "blocks_last")
-    host_descriptors = _recorded(monkeypatch, gluon_backward, "host_descriptors")
+    orders = record_calls(monkeypatch, program, "blocks_last")
+    host_descriptors = record_calls(monkeypatch, gluon_backward, "host_descriptors")
     _check_backward(backward_kernel, torch.bfloat16, D, layout, 8, 2, mask)
     assert orders == [programs_per_sm > 0], orders
     made_on_host = [d is not None for d in host_descriptors]
     assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
-
-
-def _recorded(monkeypatch, module, name):
-    """The results of every call of ``module.<name>`` from now on, in a list."""
-    results = []
-    rule = getattr(module, name)
-
-    def recorded(*args):
-        results.append(rule(*args))
-        return results[-1]
-
-    monkeypatch.setattr(module, name, recorded)
-    return results
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask):

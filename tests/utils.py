@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: tolerances, error measures, random jagged batches."""
+"""Helpers shared by the tests: tolerances, error measures, random jagged batches, a call recorder."""
 
 import torch
 
@@ -77,3 +77,16 @@ def random_jagged(lengths, inner=(), *, dtype=torch.float32, device=DEVICE, requ
     if requires_grad:
         x.values.requires_grad_(True)
     return x
+
+
+def record_calls(monkeypatch, module, name: str) -> list:
+    """The results of every call of ``module.<name>`` from now on (it keeps working), in a list."""
+    results = []
+    function = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        results.append(function(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(module, name, recorded)
+    return results

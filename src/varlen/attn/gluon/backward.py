@@ -369,7 +369,7 @@ def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
     tensors = (q, dout, dq_acc, k, v, dk, dv)
     if not problem.dense or problem.max_q % BLOCK_M or problem.max_k % BLOCK_N:
         return None
-    if not all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in tensors):
+    if not common.sequences_adjacent(*tensors):
         return None
     D = problem.head_dim
     dqc = D // 2 if lean(D) else D

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl", "gluon", "ir",
            "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call", "hopper_layout",
-           "shared_layout"]
+           "sequences_adjacent", "shared_layout"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -66,6 +66,12 @@ def hopper_layout(head_dim: int, *tensors) -> bool:
     if compute_capability(q.device)[0] != 9:
         return False
     return all(t.stride(-2) == head_dim for t in tensors) and tma_aligned(*tensors)
+
+
+def sequences_adjacent(*tensors) -> bool:
+    """Whether each dense ``(B, S, ...)`` tensor's sequences lie one after another in memory, so that one
+    descriptor spans all its B x S rows."""
+    return all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in tensors)
 
 
 @functools.cache

@@ -428,7 +428,7 @@ def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
     kernel's descriptors span all rows)."""
     if not (supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(problem.head_dim, q, k, v)):
         return False
-    return not problem.dense or all(t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (q, k, v))
+    return not problem.dense or common.sequences_adjacent(q, k, v)
 
 
 def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
