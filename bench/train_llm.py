@@ -324,14 +324,17 @@ def synchronize(device: torch.device) -> None:
 
 
 def count_host_syncs(step, batch: Batch) -> int:
-    """Synchronizing CUDA calls made by one step, as reported by the sync debug mode."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    """Synchronizing CUDA calls made by one step, as reported by the sync debug mode. (Switching the mode on
+    warns once by itself, the first time in a process: not the step's, so not recorded.)"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         torch.cuda.set_sync_debug_mode("warn")
-        try:
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             step(batch)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return sum("synchroniz" in str(w.message) for w in caught)
 
@@ -520,7 +523,9 @@ def kernel_records(events, device: torch.device) -> list[tuple[str, float, str, 
             linked[name][0] += us
             linked[name][1] += 1
         for event in events:
-            if event.device_type == torch.autograd.DeviceType.CUDA:
+            # The GPU's copies of the label ranges (and any other user annotation) span kernels; they aren't any.
+            annotation = getattr(event, "is_user_annotation", False) or event.name.startswith(LABEL_PREFIX)
+            if event.device_type == torch.autograd.DeviceType.CUDA and not annotation:
                 launched[event.name][0] += event.time_range.elapsed_us()
                 launched[event.name][1] += 1
         records += [(name, us - linked[name][0], category(name, None), calls - linked[name][1])

@@ -51,13 +51,18 @@ def test_ragged_softmax_matches_reference(backend, dtype, inner, device, poison_
     assert_close(x.values.grad, ref_dx, dtype, name="dx")
 
 
-# Forced plans: the split path with chunks, row loops and column edges inside a tile.
+# Forced plans: the split path with chunks, row loops and column edges inside a tile; the cooperative path
+# with one tile per sequence (the interpreter runs it: nobody waits) and, on the GPU, with many.
 PLANS = [softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=64),
          softmax_ops.SoftmaxPlan(block_t=4, block_f=4, chunk_rows=8),
-         softmax_ops.SoftmaxPlan(block_t=512, block_f=1, chunk_rows=None)]
+         softmax_ops.SoftmaxPlan(block_t=512, block_f=1, chunk_rows=None),
+         softmax_ops.SoftmaxPlan(block_t=512, block_f=2, chunk_rows=512, cooperative=True),
+         pytest.param(softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=16, cooperative=True),
+                      marks=pytest.mark.gpu_only)]
+PLAN_IDS = ["split-64", "split-8", "single-narrow", "cooperative-one-tile", "cooperative-16"]
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=["split-64", "split-8", "single-narrow"])
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_plans_match_reference(plan, device, poison_empty):
     lengths = [0, 1, 17, 300, 40, 0] if plan.block_t > 4 else [0, 1, 17, 30, 0]
     x = random_jagged(lengths, (3,), dtype=torch.float64, device=device)
@@ -72,11 +77,31 @@ def test_plans_match_reference(plan, device, poison_empty):
 
 
 def test_automatic_plan_choice(device):
-    # Interpreter / small: one tile per sequence. Too long for one tile: split (chunks on a GPU).
+    # Interpreter / small: one tile per sequence. Too long for one tile: cooperative on a GPU while a sequence
+    # has at most half as many tiles as there are SMs, else split (chunks on a GPU).
     plan = softmax_ops.softmax_plan(8, 1000, 10, 4, device)
     assert plan.chunk_rows is None and plan.block_t >= 1000
     plan = softmax_ops.softmax_plan(2, 300_000, 1024, 2, device)
-    assert plan.chunk_rows is not None and plan.chunk_rows % plan.block_t == 0
+    assert plan.chunk_rows is not None and plan.chunk_rows % plan.block_t == 0 and not plan.cooperative
+    for elem_size, inputs in ((4, 1), (4, 2), (2, 2)):  # float32 forward and backward, 16-bit backward
+        plan = softmax_ops.softmax_plan(64, 4096, 1024, elem_size, device, inputs=inputs)
+        assert plan.cooperative == ON_GPU
+        if ON_GPU:
+            assert plan.block_t * plan.block_f * elem_size * inputs == softmax_ops.COOPERATIVE_TILE_BYTES
+            assert plan.chunk_rows == plan.block_t
+            assert -(-4096 // plan.block_t) <= softmax_ops.cooperative_max_chunks(device)
+    assert not softmax_ops.softmax_plan(64, 4096, 1024, 2, device).cooperative  # 16-bit forward: split is faster
+
+
+def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
+    """Its tiles wait for each other: under the interpreter, which runs one program at a time, a sequence of two
+    tiles would never finish, so the launcher refuses rather than hang (and the automatic plan never picks it)."""
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: True)
+    x = random_jagged([3, 20], (2,), dtype=torch.float64, device=device)
+    assert not softmax_ops.softmax_plan(64, 4096, 1024, 4, device).cooperative
+    plan = softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=16, cooperative=True)
+    with pytest.raises(ValueError, match="plan: the cooperative path's 2 tiles per sequence would wait"):
+        softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, plan)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -196,10 +221,12 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [4096, 12000], [1, 70000]], ids=str)
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [0, 1, 17, 1000, 4096, 0], [4096, 12000], [1, 70000]],
+                         ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
-    """Single tile, split across many programs (a few long sequences), and one very long sequence."""
+    """Single tile, cooperative (float32, and 16-bit backward: up to 8K-16K rows), split across many programs
+    (a few long sequences), and one very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)

@@ -15,6 +15,15 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
   The input is read twice, so this path can reach at most 2/3 (forward) or 3/5 (backward) of copy
   bandwidth; the second kernel runs its programs in reverse order so its first reads hit the chunks
   still in L2. Chunks are sized so that a few long sequences still fill every SM.
+* ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` tiles): one program
+  per (sequence, tile of rows, column block) keeps its tile in registers, publishes the tile's statistics,
+  waits until every tile of its (sequence, column block) has published, combines them in tile order and
+  writes its tile: each input read once, as ``single`` (float32 forward and every backward; the 16-bit
+  forward ran slower this way than split, see :func:`_cooperative_plan`). Programs take their
+  tiles in the order they start (a claim counter), a sequence's tiles one after another, so the tiles a
+  program waits for are held by programs already running or about to start; it never waits for one that
+  can't start while the GPU holds at least as many programs as a sequence has tiles (the bound). The
+  interpreter runs programs one at a time, where a wait never ends: it takes ``split`` instead.
 
 Over an inner dim, each row of ``values`` is independent: ``torch.softmax`` on ``values``, with its
 own fused backward.
@@ -28,12 +37,12 @@ import torch
 from torch import Tensor
 
 from .. import _amp, capabilities
-from .._backend import through_custom_op
+from .._backend import interpreter_enabled, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
-from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows
+from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows, sm_count
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -126,6 +135,85 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
                  mask=mask)
 
 
+@triton.jit
+def _claim_tile(tickets, offsets, total, n_chunks, n_col_tiles, BLOCK_T: tl.constexpr):
+    """The tile a cooperative program takes, in the order programs start: the sequence b, the column tile, the
+    group (b, column tile) whose tiles wait for each other, the tile's index in it, the sequence's first row
+    and length, and the number of tiles holding rows (at most ``n_chunks``: a sequence longer than the host's
+    max_len, from wrong offsets, has no tiles past it)."""
+    item = tl.atomic_add(tickets, 1)
+    chunk = item % n_chunks
+    group = item // n_chunks
+    b = group // n_col_tiles
+    start, length = sequence_rows(offsets, b, total)
+    n_live = tl.minimum(tl.cdiv(length, BLOCK_T), n_chunks).to(tl.int32)
+    return b, group % n_col_tiles, group, chunk, start, length, n_live
+
+
+@triton.jit
+def _wait_for_group(tickets, group, n_live):
+    """Count this tile's statistics as published (after every thread's stores: the barrier), then wait until
+    all ``n_live`` tiles of the group have published theirs."""
+    tl.debug_barrier()
+    done = tl.atomic_add(tickets + 1 + group, 1) + 1
+    while done < n_live:
+        done = tl.atomic_add(tickets + 1 + group, 0)
+
+
+@triton.jit
+def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC: tl.constexpr,
+                   BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
+    """The max and sum of exponentials per column of a (sequence, column block) from its ``n_live`` tiles'
+    partials, combined in tile order (so every tile gets the same), ``SLICE`` tiles' partials loaded at once:
+    one load after another per tile would wait out L2's latency ``n_live`` times. Read from L2 (.cg): the
+    other tiles' partials were written by other SMs."""
+    m = tl.full([BLOCK_F], float("-inf"), ACC)
+    s = tl.zeros([BLOCK_F], ACC)
+    for c0 in range(0, n_live, SLICE):
+        c = c0 + tl.arange(0, SLICE)
+        idx = (first + c)[:, None] * n_cols + cols[None, :]
+        ok = (c < n_live)[:, None] & col_ok[None, :]
+        m_c = tl.load(part_max + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        s_c = tl.load(part_sum + idx, mask=ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(m_c, 0))
+        # A column with no finite max yet shifts by 0 so exp never sees -inf - -inf.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - shift) + tl.sum(s_c * tl.exp(m_c - shift[None, :]), 0)
+        m = m_new
+    return m, s
+
+
+@triton.jit(do_not_specialize=["total", "n_chunks"])
+def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
+                                stride_xr, stride_xc, stride_yr,
+                                ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
+    # One tile of rows in registers: its max and sum of exponentials per column go to the partials, the
+    # sequence's are combined from all of them (in tile order: every tile gets the same), then the tile is
+    # written. x is read once.
+    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
+                                                                   n_col_tiles, BLOCK_T)
+    if chunk >= n_live:
+        return
+    rows = chunk.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
+    mask = (rows < length)[:, None] & col_ok[None, :]
+    v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                other=float("-inf")).to(ACC)
+    m = tl.max(v, 0)
+    # A column with no finite max (all -inf) shifts by 0 so exp never sees -inf - -inf.
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    first = b.to(tl.int64) * n_chunks
+    idx = (first + chunk) * n_cols + cols
+    tl.store(part_max + idx, m, mask=col_ok)
+    tl.store(part_sum + idx, tl.sum(tl.exp(v - shift[None, :]), 0), mask=col_ok)
+    _wait_for_group(tickets, group, n_live)
+    m, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    out = tl.exp(v - shift[None, :]) * (1.0 / s)[None, :]  # one division per column, not per element
+    tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["total"])
 def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
                                stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -186,6 +274,34 @@ def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chu
         tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot)).to(dx.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["total", "n_chunks"])
+def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets, n_cols, n_chunks, n_col_tiles,
+                                    stride_yr, stride_dyr, stride_dyc, stride_dxr,
+                                    ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                                    SLICE: tl.constexpr):
+    # As _softmax_cooperative_kernel: y and dy of one tile in registers, sum y * dy shared by the sequence's tiles.
+    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
+                                                                   n_col_tiles, BLOCK_T)
+    if chunk >= n_live:
+        return
+    rows = (start + chunk.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
+    cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
+    col_ok = cols < n_cols
+    mask = (rows < start + length) & col_ok
+    yv = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0).to(ACC)
+    g = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0).to(ACC)
+    first = b.to(tl.int64) * n_chunks
+    tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(yv * g, 0)[None, :], mask=col_ok)
+    _wait_for_group(tickets, group, n_live)
+    # The partials of SLICE tiles at once, added in tile order (as _group_max_sum).
+    dot = tl.zeros([1, BLOCK_F], ACC)
+    for c0 in range(0, n_live, SLICE):
+        c = (c0 + tl.arange(0, SLICE))[:, None]
+        dot += tl.sum(tl.load(part_dot + (first + c) * n_cols + cols, mask=(c < n_live) & col_ok, other=0.0,
+                              cache_modifier=".cg"), 0)[None, :]
+    tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot)).to(dx.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------- launchers
 # Elements one program of the split path reduces at most (more, shorter programs balance better).
 MAX_CHUNK_ELEMS = 1 << 17
@@ -196,20 +312,53 @@ class SoftmaxPlan:
     """How the Triton path tiles one ragged-dim softmax (forward or backward).
 
     ``chunk_rows`` None means the ``single`` path (``block_t`` >= the longest length); otherwise the
-    ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``).
+    ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``), or with ``cooperative``
+    the ``cooperative`` path, one tile of ``block_t`` rows per program (``chunk_rows == block_t``).
     """
 
     block_t: int
     block_f: int
     chunk_rows: int | None
     num_warps: int = 4
+    cooperative: bool = False
+
+
+# Bytes of input one cooperative program holds in registers (its tile of each input), and how many tiles'
+# partials it loads at once to combine them: the best of an H100 sweep (bench/NOTES.md) over tiles of 4K-16K
+# elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
+COOPERATIVE_TILE_BYTES = 65536
+COMBINE_SLICE = 16
+
+
+def cooperative_max_chunks(device: torch.device) -> int:
+    """The most tiles one sequence may have on the cooperative path: they wait for each other, so all must run
+    at once. Half the SMs (each holds at least one program), so that two such launches on different streams
+    still can't hold every SM with waiting programs."""
+    return sm_count(device) // 2
+
+
+def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
+                      device: torch.device) -> SoftmaxPlan | None:
+    """Tiles of 64 columns holding 64 KiB of input, 4 warps, where a sequence's tiles fit
+    :func:`cooperative_max_chunks`. None off the GPU or under the interpreter (whose programs run one at a
+    time: a wait would never end), and for the 16-bit forward, which ran at 38% of copy bandwidth this way
+    against the split path's 52% (H100; float32 forward 71% vs 62%, backward bf16 68% vs 58%, float32 86%
+    vs 60%)."""
+    if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
+        return None
+    block_f = min(triton.next_power_of_2(n_cols), 64)
+    block_t = COOPERATIVE_TILE_BYTES // (64 * elem_size * inputs)
+    if triton.cdiv(max_len, block_t) > cooperative_max_chunks(device):
+        return None
+    return SoftmaxPlan(block_t, block_f, block_t, 4, cooperative=True)
 
 
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
                  inputs: int = 1) -> SoftmaxPlan:
     """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward): ``single``
     when a sequence fits a tile of ~8K elements (64K under the interpreter) whose rows are at least one
-    32-byte sector wide per input, else ``split``.
+    32-byte sector wide per input, else ``cooperative`` where it applies (:func:`_cooperative_plan`), else
+    ``split``.
 
     Split tiles on the GPU: 256 contiguous bytes of a row, 8K elements per input (16 to 32 KiB in flight per
     program) and 8 warps: the best of a sweep over 64-256 columns, 4K-16K elements and 4 or 8 warps on an
@@ -221,6 +370,9 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     block_f = min(triton.next_power_of_2(n_cols), budget // full_t)
     if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
         return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
+    cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device)
+    if cooperative is not None:
+        return cooperative
     block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
     block_t = min(full_t, max(1, (8192 * inputs if on_gpu else 16384) // block_f))
     n_col_tiles = triton.cdiv(n_cols, block_f)
@@ -231,7 +383,16 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
 def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> tuple[int, int, int]:
     n_col_tiles = triton.cdiv(n_cols, plan.block_f)
     n_chunks = 1 if plan.chunk_rows is None else max(1, triton.cdiv(max_len, plan.chunk_rows))
+    if plan.cooperative and n_chunks > 1 and interpreter_enabled():
+        raise ValueError(f"plan: the cooperative path's {n_chunks} tiles per sequence would wait for each other "
+                         "forever under Triton's interpreter (it runs one program at a time); use one tile per "
+                         "sequence (block_t >= max_len) or the split path")
     return n_col_tiles, n_chunks, batch * n_chunks * n_col_tiles
+
+
+def _tickets(batch: int, n_col_tiles: int, device: torch.device) -> torch.Tensor:
+    """The cooperative path's counters: the claim counter, then one per (sequence, column block)."""
+    return torch.zeros(1 + batch * n_col_tiles, dtype=torch.int32, device=device)
 
 
 def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
@@ -253,6 +414,12 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
+    if plan.cooperative:
+        _softmax_cooperative_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
+                                                   _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
+                                                   n_col_tiles, x.stride(0), x.stride(1), y.stride(0),
+                                                   SLICE=COMBINE_SLICE, **tiles)
+        return y
     _softmax_stats_kernel[(n_programs,)](x, offsets, total, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
                                          n_col_tiles, x.stride(0), x.stride(1), **tiles)
     _softmax_write_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
@@ -279,6 +446,12 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         return dx
     part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
+    if plan.cooperative:
+        _softmax_bwd_cooperative_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot,
+                                                       _tickets(batch, n_col_tiles, y.device), n_cols, n_chunks,
+                                                       n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1),
+                                                       dx.stride(0), SLICE=COMBINE_SLICE, **tiles)
+        return dx
     _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,
                                            n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1), **tiles)
     _softmax_bwd_write_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,

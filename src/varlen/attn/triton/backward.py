@@ -398,6 +398,16 @@ def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
     return tuple(n == 1 and f > 1 for n, f in zip(bias.shape, full, strict=True))
 
 
+def recomputes_dbias(bcast: tuple[bool, bool, bool, bool], deterministic: bool) -> bool:
+    """Whether a broadcast bias's gradient comes from ``_bwd_dbias_kernel`` (recomputing S and dP per tile of
+    dBias, in a fixed order) rather than from the kv kernel's atomic adds: always when deterministic, and for a
+    bias with whole (query, key) planes broadcast over batches or heads, where every element's atomic adds
+    contend (H100, B4 S2048 H16 D128, backward TFLOP/s, atomic -> recompute: (1,H,S,S) 84 -> 114, (B,1,S,S)
+    87 -> 119, (1,1,S,S) 89 -> 103; bench/NOTES.md). A bias broadcast over queries or keys keeps the atomic
+    adds of its row or column sums, which the recompute would pay a second S and dP for (204 -> 137)."""
+    return deterministic or not (bcast[2] or bcast[3])
+
+
 def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config, need_dbias,
                     tma=None, gluon=True):
     """(dq, dk, dv, dbias) for the normalized layouts of options.py. No autograd, no syncs.
@@ -449,7 +459,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         if not any(bcast):
             db_mode = DBIAS_STORE
             dbias = dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
-        elif opts.deterministic:
+        elif recomputes_dbias(bcast, opts.deterministic):
             dbias = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         else:
             db_mode = DBIAS_ATOMIC
