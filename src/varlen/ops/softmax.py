@@ -343,7 +343,8 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     :func:`cooperative_max_chunks`. None off the GPU or under the interpreter (whose programs run one at a
     time: a wait would never end), and for the 16-bit forward, which ran at 38% of copy bandwidth this way
     against the split path's 52% (H100; float32 forward 71% vs 62%, backward bf16 68% vs 58%, float32 86%
-    vs 60%)."""
+    vs 60%). The 16-bit backward's tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``) and
+    still ran fastest (8 warps: 54%)."""
     if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
         return None
     block_f = min(triton.next_power_of_2(n_cols), 64)

@@ -1,0 +1,40 @@
+"""Launch every ragged-dim softmax kernel variant an H100's plans select, on CPU tensors: a script for
+``tools/compile_check.py``, which compiles each launch for sm_90 instead of running it.
+
+    python tools/compile_check.py --verbose tools/jagged_variants.py
+
+Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
+``cooperative`` path (float32 forward and every backward; the 16-bit forward takes ``split`` there) and the
+``split`` path, 1024 columns as ``bench/jagged_ops.py``. The plans are those of a 132-SM GPU
+(``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
+"""
+
+import importlib
+
+import torch
+
+import varlen.tiling
+
+softmax = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
+
+# The plans are chosen for an H100; these tensors are CPU ones.
+GPU = torch.device("cuda")
+varlen.tiling.sm_count = softmax.sm_count = lambda device: 132
+N_COLS = 1024
+
+
+def main():
+    offsets = torch.tensor([0, 100, 4096])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.zeros(4096, N_COLS, dtype=dtype)
+        size = x.element_size()
+        for max_len in (4, 4096, 70000):
+            fwd = softmax.softmax_plan(2, max_len, N_COLS, size, GPU)
+            bwd = softmax.softmax_plan(2, max_len, N_COLS, size, GPU, inputs=2)
+            print(f"{dtype} max_len {max_len}: {fwd}, {bwd}", flush=True)
+            y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
+            softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
+
+
+if __name__ == "__main__":
+    main()
