@@ -3,6 +3,7 @@
 The cases come from ``attention_cases.py`` (add a backend there: ``ATTENTION_BACKENDS``).
 """
 
+import dataclasses
 import doctest
 
 import pytest
@@ -393,8 +394,44 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
     problem = Problem(2, 4, 4, 64, 64, blocks * 128, blocks * 128, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
     assert program.blocks_last(problem, feats, blocks, None, 8) == expected
-    grid, last = program.key_block_grid(problem, feats, blocks, None, 8)
-    assert (last, grid) == (expected, (4, 2, blocks) if expected else (blocks, 4, 2))
+    grid, order = program.key_block_grid(problem, feats, blocks, None, 8)
+    assert (order, grid) == ((program.BLOCKS_LAST, (4, 2, blocks)) if expected else
+                             (program.BLOCKS_FIRST, (blocks, 4, 2)))
+
+
+@pytest.mark.parametrize("batch,adds,causal,expected", [
+    (3, True, False, program.HEADS_LAST), (1, True, False, program.BLOCKS_FIRST),
+    (3, False, False, program.BLOCKS_FIRST), (65536, True, False, program.BLOCKS_FIRST),
+    (3, True, True, program.BLOCKS_LAST),
+])
+def test_key_block_kernels_take_heads_last_where_sequences_add_into_one_bias_gradient(monkeypatch, batch, adds, causal,
+                                                                                     expected):
+    # Programs of one key block and head in different sequences that add into one memory (a bias gradient
+    # broadcast over the batch) run together in the (blocks, B, heads) grid; blocks last wins where both apply
+    # (dense causal, few programs), and a batch past a grid's second axis keeps the blocks-first grid.
+    monkeypatch.setattr(program, "sm_count", lambda device: 132)
+    problem = Problem(batch, 4, 4, 64, 64, 256, 256, True)
+    feats = features(problem, AttentionOptions(scale=0.125, causal=causal), None, None, None)
+    grid = {program.HEADS_LAST: (2, batch, 4), program.BLOCKS_FIRST: (2, 4, batch),
+            program.BLOCKS_LAST: (4, batch, 2)}[expected]
+    assert program.key_block_grid(problem, feats, 2, None, 8, adds_across_batch=adds) == (grid, expected)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("case", [
+    AttnCase(False, (37, 37, 37), None, 4, 2, 16, 16, bias="1HQK"),
+    AttnCase(True, (3, 40, 0, 17), (20, 33, 5, 1), 4, 2, 16, 16, causal=True, bias="1HQK"),
+], ids=lambda c: c.id)
+def test_bias_gradient_broadcast_over_the_batch(case, deterministic, device, monkeypatch):
+    # Outside deterministic mode the kv kernel adds it atomically in the heads-last grid (program.heads_last);
+    # in deterministic mode the recompute kernel sums it in a fixed order. Both against the reference.
+    case = dataclasses.replace(case, deterministic=deterministic)
+    takes = record_calls(monkeypatch, program, "heads_last")
+    dtype = main_dtype("triton")
+    inputs = case.make(dtype, device)
+    out, lse, grads = run_attention(case, inputs, "triton")
+    _check_against_reference(case, inputs, out, lse, grads, dtype)
+    assert takes == [not deterministic], takes
 
 
 GRID_ORDER_CASES = [

@@ -46,6 +46,7 @@ FEATURES = {
     "plain": {}, "causal": dict(causal=True), "window": dict(causal=True, window_left=64),
     "prefix": dict(causal=True, prefix=True), "documents": dict(causal=True, documents=True),
     "bias_full": dict(bias="BHQK"), "bias_broadcast": dict(bias="1HQK"),
+    "bias_deterministic": dict(bias="1HQK", deterministic=True),  # the recompute kernel _bwd_dbias_kernel
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
     "positions": dict(causal=True, positions=True, dropout=0.1),

@@ -187,9 +187,10 @@ def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC:
 def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                 stride_xr, stride_xc, stride_yr,
                                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
-    # One tile of rows in registers: its max and sum of exponentials per column go to the partials, the
-    # sequence's are combined from all of them (in tile order: every tile gets the same), then the tile is
-    # written. x is read once.
+    # One tile of rows in registers, as exponentials from the tile's own max: their sum per column and that max
+    # go to the partials, the sequence's are combined from all of them (in tile order: every tile gets the
+    # same), then the tile is rescaled per column and written. x is read once and each element takes one exp
+    # (taking exp(x - max) again after the wait made the 16-bit tile bound by the exp unit).
     b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, BLOCK_T)
     if chunk >= n_live:
@@ -203,14 +204,19 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     m = tl.max(v, 0)
     # A column with no finite max (all -inf) shifts by 0 so exp never sees -inf - -inf.
     shift = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp(v - shift[None, :])
     first = b.to(tl.int64) * n_chunks
     idx = (first + chunk) * n_cols + cols
     tl.store(part_max + idx, m, mask=col_ok)
-    tl.store(part_sum + idx, tl.sum(tl.exp(v - shift[None, :]), 0), mask=col_ok)
+    tl.store(part_sum + idx, tl.sum(p, 0), mask=col_ok)
     _wait_for_group(tickets, group, n_live)
-    m, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    out = tl.exp(v - shift[None, :]) * (1.0 / s)[None, :]  # one division per column, not per element
+    m_all, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+    # exp(x - max) = p * exp(shift - max), one exp and one division per column. A column all -inf in this tile
+    # (p = 0) but finite elsewhere gets 0: its factor could overflow. All -inf everywhere keeps 0 * (1 / 0)
+    # = NaN, as torch.softmax gives.
+    factor = tl.exp(shift - tl.where(m_all == float("-inf"), 0.0, m_all)) / s
+    factor = tl.where((m == float("-inf")) & (m_all != float("-inf")), 0.0, factor)
+    out = p * factor[None, :]
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
@@ -341,10 +347,10 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
                       device: torch.device) -> SoftmaxPlan | None:
     """Tiles of 64 columns holding 64 KiB of input, 4 warps, where a sequence's tiles fit
     :func:`cooperative_max_chunks`. None off the GPU or under the interpreter (whose programs run one at a
-    time: a wait would never end), and for the 16-bit forward, which ran at 38% of copy bandwidth this way
-    against the split path's 52% (H100; float32 forward 71% vs 62%, backward bf16 68% vs 58%, float32 86%
-    vs 60%). The 16-bit backward's tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``) and
-    still ran fastest (8 warps: 54%)."""
+    time: a wait would never end), and for the 16-bit forward, which ran at 45% of copy bandwidth this way at
+    best (16K-element tiles; 35% at 64 KiB) against the split path's 52% (H100; float32 forward 77% vs 62%,
+    backward bf16 68% vs 58%, float32 86% vs 60%). The 16-bit backward's tile spills about 300 bytes at 4
+    warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
     if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
         return None
     block_f = min(triton.next_power_of_2(n_cols), 64)

@@ -256,9 +256,9 @@ if HAVE_GLUON:
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, dQD,
                        KD, VD, dKD, dVD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, BLOCKS_LAST: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, GRID: gl.constexpr,
                        HOST_DESCS: gl.constexpr):
-        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` with BLOCKS_LAST (dense only:
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
         ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
         head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``).
@@ -275,7 +275,7 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, BLOCKS_LAST)
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
         n0 = block * BN
         if n0 >= seq.Lk:
             return
@@ -394,13 +394,13 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         ensure_allocator()  # the kernel builds its TMA descriptors on the device
     QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
-    grid, last = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM)
+    grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
-        LEAN=lean(problem.head_dim), BLOCKS_LAST=last,
+        LEAN=lean(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -201,7 +201,8 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
             dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if DB.MODE != 0:
-            bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB)
+            bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB,
+                      MASKED)
         dst = softcap_grad(dst, tt, F)
         if SPLIT:
             dst_lo = tf32_lo(dst)
@@ -228,9 +229,9 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
                    dBias: DBias, Q_LO: Rows, K_LO: Rows, V_LO: Rows, dO_LO: Rows, F: tl.constexpr, T: tl.constexpr,
-                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_LAST: tl.constexpr):
-    """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``, or with BLOCKS_LAST
-    ``(Hkv, B, cdiv(max_k, BLOCK_N))`` (``program.blocks_last``): the program of key block j, kv head hk and
+                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, GRID: tl.constexpr):
+    """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``, or another order of
+    its axes (``GRID``: ``program.key_block_grid``): the program of key block j, kv head hk and
     sequence b owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
     tiles that see them, for each of the GROUP query heads of hk.
 
@@ -242,7 +243,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     rows there before it writes them); otherwise they are Q, K, V, dO again and unread.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
-    block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, BLOCKS_LAST)
+    block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
     n0 = block * T.BLOCK_N
     if n0 >= seq.Lk:
         return
@@ -358,15 +359,18 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
                                True, False)
                 lse2 = tl.load(lse_row(LSE2, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
                 delta = tl.load(lse_row(DELTA, bt, seq, h, F) + rows_m, mask=rows_m < seq.Lq, other=0.0)
+                # The key tiles of the band (all of it, or this program's one tile when it lies in the band),
+                # each in its stage: unmasked tiles read the bias without a key mask (scores.add_bias).
                 band = key_stages(m0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
                 k_lo = band[0] if BCAST[3] else pid_k * T.BLOCK_N
                 k_hi = band[3] if BCAST[3] else tl.minimum(pid_k * T.BLOCK_N + 1, seq.Lk)
-                for n0 in range(k_lo, k_hi, T.BLOCK_N):
-                    k = load_rows(base(K, b, seq.k_start, hk), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D,
-                                  True, False)
-                    v = load_rows(base(V, b, seq.k_start, hk), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
-                                  True, False)
-                    acc += _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq, m, hs, hd, F, T, True)[0]
+                for stage in tl.static_range(3):
+                    for n0 in range(tl.maximum(k_lo, band[stage]), tl.minimum(k_hi, band[stage + 1]), T.BLOCK_N):
+                        k = load_rows(base(K, b, seq.k_start, hk), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N,
+                                      T.BLOCK_D, True, False)
+                        v = load_rows(base(V, b, seq.k_start, hk), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N,
+                                      T.BLOCK_DV, True, False)
+                        acc += _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq, m, hs, hd, F, T, stage != 1)[0]
     db_base = dBias.ptr + b_out.to(tl.int64) * dBias.sb + h_out * dBias.sh
     offs_m = pid_q * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
     offs_n = pid_k * T.BLOCK_N + tl.arange(0, T.BLOCK_N)
@@ -396,16 +400,6 @@ def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
     """Which of the bias's (B, H, Sq, Sk) dims are broadcast (size 1 against a larger problem dim)."""
     full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
     return tuple(n == 1 and f > 1 for n, f in zip(bias.shape, full, strict=True))
-
-
-def recomputes_dbias(bcast: tuple[bool, bool, bool, bool], deterministic: bool) -> bool:
-    """Whether a broadcast bias's gradient comes from ``_bwd_dbias_kernel`` (recomputing S and dP per tile of
-    dBias, in a fixed order) rather than from the kv kernel's atomic adds: always when deterministic, and for a
-    bias with whole (query, key) planes broadcast over batches or heads, where every element's atomic adds
-    contend (H100, B4 S2048 H16 D128, backward TFLOP/s, atomic -> recompute: (1,H,S,S) 84 -> 114, (B,1,S,S)
-    87 -> 119, (1,1,S,S) 89 -> 103; bench/NOTES.md). A bias broadcast over queries or keys keeps the atomic
-    adds of its row or column sums, which the recompute would pay a second S and dP for (204 -> 137)."""
-    return deterministic or not (bcast[2] or bcast[3])
 
 
 def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, config, need_dbias,
@@ -459,7 +453,11 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         if not any(bcast):
             db_mode = DBIAS_STORE
             dbias = dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
-        elif recomputes_dbias(bcast, opts.deterministic):
+        elif opts.deterministic:
+            # Summed in a fixed order by _bwd_dbias_kernel, which recomputes S and dP per tile of dBias. Elsewhere
+            # the kv kernel's fp32 atomic adds ran faster on every broadcast measured (H100, B4 S2048 H16 D128,
+            # backward TFLOP/s, atomic vs recompute: (1,H,S,S) 180 vs 156 in the heads-last grid, causal 122 vs
+            # 98, (B,1,S,S) 203 vs 160, (1,1,S,S) 210 vs 136, (B,H,1,S) 236 vs 168; bench/NOTES.md).
             dbias = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         else:
             db_mode = DBIAS_ATOMIC
@@ -480,13 +478,14 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                  feats, common["scores"])
     else:
-        grid, last = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device, KV_PROGRAMS_PER_SM)
+        grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
+                                          KV_PROGRAMS_PER_SM, adds_across_batch=db_mode == DBIAS_ATOMIC and bcast[0])
         _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
             Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
             T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode,
-            SPLIT=remainders is not None, BLOCKS_LAST=last, ORDER=order,
+            SPLIT=remainders is not None, GRID=grid_order, ORDER=order,
             num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
         )
     if db_mode == DBIAS_ATOMIC:

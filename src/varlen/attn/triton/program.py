@@ -67,6 +67,12 @@ def longest_first(problem, placeholder) -> torch.Tensor:
     return torch.argsort(len_q.to(torch.int64) * len_k, descending=True, stable=True)
 
 
+# Grid orders of the key-block kernels (``prologue``'s ``GRID``; :func:`key_block_grid` picks one).
+BLOCKS_FIRST = 0  # (blocks, heads, B)
+BLOCKS_LAST = 1  # (heads, B, blocks): blocks_last
+HEADS_LAST = 2  # (blocks, B, heads): heads_last
+
+
 def blocks_last(problem, feats, blocks: int, device, programs_per_sm: int) -> bool:
     """Whether a key-block kernel (one program per key block, kv head and sequence) takes the ``(heads, B,
     blocks)`` grid, which starts every (head, sequence)'s first key block before any second one, rather than
@@ -81,13 +87,27 @@ def blocks_last(problem, feats, blocks: int, device, programs_per_sm: int) -> bo
     return blocks * problem.kv_heads * problem.batch < programs_per_sm * sm_count(device)
 
 
-def key_block_grid(problem, feats, blocks: int, device, programs_per_sm: int) -> tuple[tuple[int, int, int], bool]:
-    """The grid of a key-block kernel with ``blocks`` key blocks per sequence, and whether it is the
-    blocks-last one (``prologue``'s ``BLOCKS_LAST``; :func:`blocks_last`). (It is taken with few programs only,
-    so B and the block count stay far below the 65535 a grid's second and third axes allow.)"""
+def heads_last(problem, adds_across_batch: bool) -> bool:
+    """Whether a key-block kernel takes the ``(blocks, B, heads)`` grid: when its programs of one key block and
+    head in different sequences add into the same memory (``adds_across_batch``: a bias gradient broadcast over
+    the batch, summed by atomic adds), so that those programs run together and the adds meet in L2. In the
+    ``(blocks, heads, B)`` order a sequence's programs cover every head before the next sequence's start, and a
+    (1, H, S, S) fp32 gradient (268 MB at H16 S2048) leaves L2 between them. Needs B within the 65535 a grid's
+    second axis allows."""
+    return adds_across_batch and 1 < problem.batch <= 65535
+
+
+def key_block_grid(problem, feats, blocks: int, device, programs_per_sm: int,
+                   adds_across_batch: bool = False) -> tuple[tuple[int, int, int], int]:
+    """The grid of a key-block kernel with ``blocks`` key blocks per sequence, and its order (``prologue``'s
+    ``GRID``): blocks last (:func:`blocks_last`; it wins where both apply: its few programs run at once anyway),
+    heads last (:func:`heads_last`), or blocks first. (Blocks last is taken with few programs only, so B and the
+    block count stay far below the 65535 a grid's second and third axes allow; so do the block counts.)"""
     if blocks_last(problem, feats, blocks, device, programs_per_sm):
-        return (problem.kv_heads, problem.batch, blocks), True
-    return (blocks, problem.kv_heads, problem.batch), False
+        return (problem.kv_heads, problem.batch, blocks), BLOCKS_LAST
+    if heads_last(problem, adds_across_batch):
+        return (blocks, problem.batch, problem.kv_heads), HEADS_LAST
+    return (blocks, problem.kv_heads, problem.batch), BLOCKS_FIRST
 
 
 @triton.jit
@@ -116,12 +136,12 @@ def sequence(bt: Batch, b, F: tl.constexpr):
 
 @triton.jit
 def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.constexpr, ORDERED: tl.constexpr,
-             BLOCKS_LAST: tl.constexpr = False):
-    """``(block, head, seq, masks)`` of a program of a ``(blocks, heads, B)`` grid, or with ``BLOCKS_LAST`` of a
-    ``(heads, B, blocks)`` one (:func:`blocks_last`). ``HEAVY_FIRST``: under a causal-like mask later query
-    blocks see more keys, so they start first (block order reversed). ``ORDERED``: the sequence axis walks the
-    sequences in ``ORDER`` (:func:`longest_first`)."""
-    if BLOCKS_LAST:
+             GRID: tl.constexpr = 0):
+    """``(block, head, seq, masks)`` of a program of a ``(blocks, heads, B)`` grid, or of the other orders of
+    :func:`key_block_grid` (``GRID``). ``HEAVY_FIRST``: under a causal-like mask later query blocks see more
+    keys, so they start first (block order reversed). ``ORDERED``: the sequence axis walks the sequences in
+    ``ORDER`` (:func:`longest_first`)."""
+    if GRID == 1:  # BLOCKS_LAST
         block = tl.program_id(2)
         b = tl.program_id(1)
         head = tl.program_id(0)
@@ -129,8 +149,12 @@ def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.cons
         block = tl.program_id(0)
         if HEAVY_FIRST:
             block = tl.num_programs(0) - 1 - block
-        b = tl.program_id(2)
-        head = tl.program_id(1)
+        if GRID == 2:  # HEADS_LAST
+            b = tl.program_id(1)
+            head = tl.program_id(2)
+        else:
+            b = tl.program_id(2)
+            head = tl.program_id(1)
     if ORDERED:
         b = tl.load(ORDER + b).to(tl.int32)
     seq, masks = sequence_and_mask(bt, mask, b, F)

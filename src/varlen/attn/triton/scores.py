@@ -109,27 +109,39 @@ def softcap_grad(ds, t, F: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------- bias
 @triton.jit
-def add_bias(s, rows, cols, Lq, Lk, hs: HeadScores):
-    """``s + LOG2E * bias``; entries past Lq/Lk are not read (a jagged bias may hold anything there)."""
-    in_seq = (rows < Lq) & (cols < Lk)
+def add_bias(s, rows, cols, Lq, Lk, hs: HeadScores, MASKED: tl.constexpr):
+    """``s + LOG2E * bias``; entries past Lq/Lk are not read (a jagged bias may hold anything there).
+
+    Unmasked tiles (``MASKED`` false) lie inside the sequence along the keys (``masks.tile_stages``), so only
+    the queries are checked there: a mask on the key axis, whose bound Lk is a runtime value of unknown
+    divisibility (``launch.DATA_DEPENDENT``), would make every load along it a 2-byte scalar one."""
+    if MASKED:
+        in_seq = (rows < Lq) & (cols < Lk)
+    else:
+        in_seq = rows < Lq
     bias = tl.load(hs.bias + rows.to(tl.int64) * hs.stride_bq + cols.to(tl.int64) * hs.stride_bk, mask=in_seq,
                    other=0.0)
     return s + bias.to(tl.float32) * LOG2E
 
 
 @triton.jit
-def bias_grad(ds, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk, DB: tl.constexpr):
+def bias_grad(ds, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk, DB: tl.constexpr, MASKED: tl.constexpr):
     """The bias's backward rule: its gradient is dS. Writes a keys x queries tile of dS (natural units) into
     the bias gradient at ``dbias_bh`` (``q_idx``/``k_idx``: the tile's in-sequence positions, 1-D).
 
     ``DB.MODE`` 1: a full-shape bias, each element written once. 2: a broadcast bias, tile sums over its
-    broadcast axes (``DB.BQ``, ``DB.BK``) added atomically in fp32.
+    broadcast axes (``DB.BQ``, ``DB.BK``) added atomically in fp32. Unmasked tiles are checked along the
+    queries only, as in :func:`add_bias`.
     """
     rows = q_idx[None, :]
     cols = k_idx[:, None]
+    if MASKED:
+        in_seq = (rows < Lq) & (cols < Lk)
+    else:
+        in_seq = rows < Lq
     if DB.MODE == 1:
         ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
-        tl.store(ptrs, ds.to(dbias_bh.dtype.element_ty), mask=(rows < Lq) & (cols < Lk))
+        tl.store(ptrs, ds.to(dbias_bh.dtype.element_ty), mask=in_seq)
     else:
         # Masked and out-of-sequence entries of dS are exact zeros, so tile sums need no mask.
         if DB.BQ and DB.BK:
@@ -140,7 +152,7 @@ def bias_grad(ds, dbias_bh, q_idx, k_idx, Lq, Lk, stride_dbq, stride_dbk, DB: tl
             tl.atomic_add(dbias_bh + q_idx.to(tl.int64) * stride_dbq, tl.sum(ds, 0), mask=q_idx < Lq, sem="relaxed")
         else:
             ptrs = dbias_bh + rows.to(tl.int64) * stride_dbq + cols.to(tl.int64) * stride_dbk
-            tl.atomic_add(ptrs, ds, mask=(rows < Lq) & (cols < Lk), sem="relaxed")
+            tl.atomic_add(ptrs, ds, mask=in_seq, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------- ALiBi
@@ -167,7 +179,7 @@ def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constex
         t = qk
         s = qk * hs.qk_scale
     if F.HAS_BIAS:
-        s = add_bias(s, rows, cols, Lq, Lk, hs)
+        s = add_bias(s, rows, cols, Lq, Lk, hs, MASKED)
     if F.HAS_ALIBI:
         s = add_alibi(s, rows, cols, m.shift, hs)
     if MASKED:
