@@ -101,8 +101,8 @@ def key_block_grid(problem, feats, blocks: int, device, programs_per_sm: int,
                    adds_across_batch: bool = False) -> tuple[tuple[int, int, int], int]:
     """The grid of a key-block kernel with ``blocks`` key blocks per sequence, and its order (``prologue``'s
     ``GRID``): blocks last (:func:`blocks_last`; it wins where both apply: its few programs run at once anyway),
-    heads last (:func:`heads_last`), or blocks first. (Blocks last is taken with few programs only, so B and the
-    block count stay far below the 65535 a grid's second and third axes allow; so do the block counts.)"""
+    heads last (:func:`heads_last`), or blocks first. (Blocks last is taken with few programs only, so its B and
+    block count stay far below the 65535 a grid's second and third axes allow; heads last checks its B.)"""
     if blocks_last(problem, feats, blocks, device, programs_per_sm):
         return (problem.kv_heads, problem.batch, blocks), BLOCKS_LAST
     if heads_last(problem, adds_across_batch):
