@@ -329,10 +329,11 @@ class SoftmaxPlan:
     cooperative: bool = False
 
 
-# Bytes of input one cooperative program holds in registers (its tile of each input), and how many tiles'
-# partials it loads at once to combine them: the best of an H100 sweep (bench/NOTES.md) over tiles of 4K-16K
-# elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
+# Bytes of input one cooperative program holds in registers (its tile of each input), its columns, and how many
+# tiles' partials it loads at once to combine them: the best of an H100 sweep (bench/NOTES.md) over tiles of
+# 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
 COOPERATIVE_TILE_BYTES = 65536
+COOPERATIVE_COLS = 64
 COMBINE_SLICE = 16
 
 
@@ -353,8 +354,8 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
     if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
         return None
-    block_f = min(triton.next_power_of_2(n_cols), 64)
-    block_t = COOPERATIVE_TILE_BYTES // (64 * elem_size * inputs)
+    block_f = min(triton.next_power_of_2(n_cols), COOPERATIVE_COLS)
+    block_t = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
     if triton.cdiv(max_len, block_t) > cooperative_max_chunks(device):
         return None
     return SoftmaxPlan(block_t, block_f, block_t, 4, cooperative=True)

@@ -113,7 +113,7 @@ if HAVE_GLUON:
                        dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row,
                        k_row, n0, hk, t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr,
                        HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, LEAN: gl.constexpr, WG: gl.constexpr):
+                       BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
         head of the group: dK and dV in registers; dQ over the block's 128 keys added by TMA reduces: all of it
         every other tile, or (LEAN) half its columns every tile. Tiles in ``[u_lo, u_hi)`` lie wholly inside the
@@ -124,7 +124,6 @@ if HAVE_GLUON:
                                                             instr_shape=[16, BM, 16])
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D, 16])
-        DQC: gl.constexpr = D // 2 if LEAN else D  # dQ columns per product
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
@@ -256,12 +255,13 @@ if HAVE_GLUON:
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, dQD,
                        KD, VD, dKD, dVD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, GRID: gl.constexpr,
-                       HOST_DESCS: gl.constexpr):
+                       BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
+                       GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
         ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
         head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
-        ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``).
+        ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
+        dQ columns per product and reduce (:func:`dq_columns`).
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, dQ, K, V, dK and dV, made on the host
         (:func:`host_descriptors`; top-level arguments: Triton 3.6's launcher encodes no descriptor inside a
         tuple); otherwise (all None) each program makes its sequence's.
@@ -271,7 +271,6 @@ if HAVE_GLUON:
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
         kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
-        DQC: gl.constexpr = D // 2 if LEAN else D  # dQ columns per reduce
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -331,11 +330,11 @@ if HAVE_GLUON:
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 0)),
+                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, 1)),
+                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            q_row, k_row, n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -372,8 +371,7 @@ def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
     if not common.sequences_adjacent(*tensors):
         return None
     D = problem.head_dim
-    dqc = D // 2 if lean(D) else D
-    blocks = ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dqc], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
+    blocks = ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dq_columns(D)], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
               [BLOCK_N // 2, D])
     return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1], block,
                                   common.shared_layout(tuple(block), t.dtype))
@@ -383,6 +381,12 @@ def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
 def lean(head_dim: int) -> bool:
     """Whether the kernel takes its lean form (``LEAN``: registers are short at D128)."""
     return head_dim > 64
+
+
+def dq_columns(head_dim: int) -> int:
+    """dQ columns per product and per reduce (``DQC``): half the head dim in the lean form, where each warpgroup
+    computes half of every tile's dQ, else all of it."""
+    return head_dim // 2 if lean(head_dim) else head_dim
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
@@ -400,7 +404,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
-        LEAN=lean(problem.head_dim), GRID=grid_order,
+        LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

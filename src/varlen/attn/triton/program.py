@@ -157,15 +157,8 @@ def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.cons
             head = tl.program_id(1)
     if ORDERED:
         b = tl.load(ORDER + b).to(tl.int32)
-    seq, masks = sequence_and_mask(bt, mask, b, F)
-    return block, head, seq, masks
-
-
-@triton.jit
-def sequence_and_mask(bt: Batch, mask: Mask, b, F: tl.constexpr):
-    """Sequence b's bounds and masks."""
     seq = sequence(bt, b, F)
-    return seq, seq_mask(mask, b, seq.Lq, seq.Lk, bt.max_q, F)
+    return block, head, seq, seq_mask(mask, b, seq.Lq, seq.Lk, bt.max_q, F)
 
 
 @triton.jit
