@@ -4,7 +4,8 @@ Gluon doesn't run under the interpreter, so these run on the GPU only. The tests
 through the Gluon kernel and through the Triton kernel it replaces (the launchers' ``gluon=True`` / ``False``)
 and check which ran. Every variant they accept: fp16 and bf16, head dims 64
 and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
-different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows.
+different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; the
+backward also with dropout (against the reference given the mask ``attention_dropout_mask`` reads).
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -18,6 +19,7 @@ import torch
 import varlen
 from conftest import ON_GPU
 from utils import record_calls
+from varlen.attn.dropout import attention_dropout_mask
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -167,6 +169,19 @@ def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, hea
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p", [0.17, 0.9])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_kernels_with_dropout_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask,
+                                                       dropout_p):
+    # The Gluon kernel draws the mask itself (gluon/dropout.py), bit for bit the one attention_dropout_mask gives.
+    _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("programs_per_sm", [0, 10**6])
 @pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles"])
@@ -185,15 +200,22 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
     assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
 
 
-def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
-    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask}".encode()))
+def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
     dout = torch.randn(rows, generator=g)
     opts = MASKS[mask]
-    ref = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **opts)[0], torch.float64, "cuda")
-    low = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **opts)[0], dtype, "cuda")
-    got = _grads(q, k, v, dout, lambda a, b, c: varlen.attention(a, b, c, **opts), dtype, "cuda")
+    ref_opts = dict(opts)
+    draws = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**62, (), generator=g)))
+    if dropout_p:
+        # The mask the call will draw (attention_dropout_mask leaves the generator alone), for the reference.
+        ref_opts.update(dropout_mask=attention_dropout_mask(_to(q, "cuda", dtype), _to(k, "cuda", dtype), dropout_p,
+                                                            generator=draws), dropout_p=dropout_p)
+    ref = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], torch.float64, "cuda")
+    low = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], dtype, "cuda")
+    got = _grads(q, k, v, dout, lambda a, b, c: varlen.attention(a, b, c, **opts, dropout_p=dropout_p,
+                                                                 generator=draws), dtype, "cuda")
     kernel, gluon_launches = backward_kernel
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
     for name, x, lo, r in zip(("dq", "dk", "dv"), got, low, ref, strict=True):

@@ -20,8 +20,9 @@ Philox key ``(seed, offset)`` (64-bit ints, see ``options.DropoutSeed``) and ``d
   expected output is exact for every p.
 
 In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i, j >> 3, b * H + h, offset & 0xFFFFFFFF)``
-(which keys Philox with the seed's low and high words). The Triton kernels compute exactly this mask,
-bit for bit, so the PyTorch backend, the reference and the kernels agree on every element.
+(which keys Philox with the seed's low and high words). The Triton kernels and the Gluon backward
+(``attn/gluon/dropout.py``) compute exactly this mask, bit for bit, so the PyTorch backend, the reference and
+the kernels agree on every element.
 """
 
 from __future__ import annotations

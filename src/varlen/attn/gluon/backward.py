@@ -31,12 +31,19 @@ program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; `
 Order: jagged sequences longest first; dense calls under a causal mask with few programs start every (head,
 sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``).
 
+Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 4
+Philox calls per thread, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits (-P
+where dropped), so no mask stays live: dV takes max(Pᵀ, 0) times the keep scale, and dSᵀ = Pᵀ (scale dPᵀ - delta)
+where kept, -P delta where dropped, from a dPᵀ product started at zero (delta loaded, as at D64). At D128 that
+spills (stack ~250 bytes, against 32 without dropout); the kernel still runs 1.11-1.14x the Triton one there
+(``bench/NOTES.md``).
+
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
-alignment) or windows, GQA, non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90
-with Gluon) and the layout (heads packed in a row, TMA-aligned). It runs wherever it applies: on an H100 it
-leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x; ``bench/NOTES.md``). It needs an
-sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every variant it accepts, and run the
-Triton kernel on the same variants.
+alignment) or windows, GQA, dropout (not with ``query_offset``), non-deterministic (dQ by atomic reduce);
+:func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned). It runs
+wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x;
+``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
+variant it accepts, and run the Triton kernel on the same variants.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 from ..triton.launch import cdiv, ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
+from ..triton.scores import Dropout
 from . import common
 from .common import (
     HAVE_GLUON,
@@ -58,6 +66,7 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .dropout import dropped_signs, keep_words
 
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
@@ -111,9 +120,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
                        dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row,
-                       k_row, n0, hk, t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, VARLEN: gl.constexpr,
-                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
+                       k_row, n0, hk, t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, seed, offset_lo, threshold,
+                       keep_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                       DROPOUT: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                       LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
         head of the group: dK and dV in registers; dQ over the block's 128 keys added by TMA reduces: all of it
         every other tile, or (LEAN) half its columns every tile. Tiles in ``[u_lo, u_hi)`` lie wholly inside the
@@ -147,20 +157,28 @@ if HAVE_GLUON:
             for j in range(n_tiles):
                 stage = count % 2
                 m0 = t_lo + j * BM
+                if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
+                    words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS)
                 if LEAN:
                     # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
                     # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                     # keeps the D128 tile from spilling.
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
                     lse = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf")) * inv_qk_scale
-                    delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
                     st = row_zeros[:, None] - lse[None, :]
-                    dpt = row_zeros[:, None] - delta[None, :]
+                    if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
+                        delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                        dpt = row_zeros[:, None] - delta[None, :]
                     mbarrier.wait(ready.index(stage), (count // 2) & 1)
                     q_tile = q_ring.index(stage)
                     do_tile = do_ring.index(stage)
                     st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
-                    dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
+                    if DROPOUT:
+                        dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
+                                            gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
+                                            is_async=True)
+                    else:
+                        dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
                     st = warpgroup_mma_wait(1, deps=(st,))
                     pt = gl.exp2(st * qk_scale)
                 else:
@@ -183,15 +201,26 @@ if HAVE_GLUON:
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
                     ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv, is_async=True)
-                if LEAN:
+                if DROPOUT:
+                    # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P, scaled.
+                    pt = (pt.to(gl.uint32, bitcast=True) | dropped_signs(words, kq_layout)).to(gl.float32,
+                                                                                              bitcast=True)
+                    pv = gl.maximum(pt, 0.0) * keep_scale
+                else:
+                    pv = pt
+                dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_tile, dv, is_async=True)
+                if LEAN and not DROPOUT:
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
                     ds_low = (pt * dpt).to(dtype)
                 else:
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
                     delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
-                    ds_low = (pt * (dpt - delta[None, :])).to(dtype)
+                    if DROPOUT:
+                        # dS = P (keep_scale dP - delta) where kept, -P delta where dropped (there Pᵀ holds -P).
+                        ds_low = (pt * gl.where(pt > 0, dpt * keep_scale - delta[None, :], delta[None, :])).to(dtype)
+                    else:
+                        ds_low = (pt * (dpt - delta[None, :])).to(dtype)
                 dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
                 # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
                 # used the buffer before has read it.
@@ -252,15 +281,16 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
-                       seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, dQD,
-                       KD, VD, dKD, dVD,
+                       seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
+                       dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
         ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
         head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
-        ``qk_scale``: it times log2(e). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
+        ``qk_scale``: it times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args``
+        gives them (used where ``F.DROPOUT``). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
         dQ columns per product and reduce (:func:`dq_columns`).
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, dQ, K, V, dK and dV, made on the host
         (:func:`host_descriptors`; top-level arguments: Triton 3.6's launcher encodes no descriptor inside a
@@ -330,11 +360,13 @@ if HAVE_GLUON:
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, DQC, 0)),
+                              bounds[2], scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
+                              F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                               seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, F.VARLEN, F.HAS_R, F.HAS_WL, D, H, GROUP, BM, LEAN, DQC, 1)),
+                              bounds[2], scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
+                              F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
                            q_row, k_row, n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -348,8 +380,9 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) with dQ by atomics (not deterministic)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi, seed) and not opts.deterministic
+    D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) with dQ by atomics (not
+    deterministic)."""
+    return common.plain_call(problem, opts, dtype, bias, alibi, seed, dropout=True) and not opts.deterministic
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
@@ -389,10 +422,12 @@ def dq_columns(head_dim: int) -> int:
     return head_dim // 2 if lean(head_dim) else head_dim
 
 
-def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
+def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
+              dropout) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
-    ``Scores`` bundles (their scale and log2-unit scale)."""
+    ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
+    arguments."""
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None:
         ensure_allocator()  # the kernel builds its TMA descriptors on the device
@@ -402,7 +437,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
-        qk_scale=scores.qk_scale, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
+        qk_scale=scores.qk_scale, **dropout, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,

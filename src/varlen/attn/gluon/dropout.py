@@ -1,0 +1,107 @@
+"""Attention dropout's keep bits in Gluon, laid out as a warpgroup's wgmma accumulator holds them.
+
+The mask is ``varlen.attn.dropout``'s definition, bit for bit: one Philox4x32-10 call per query i and group of
+8 keys gives eight 16-bit numbers, key ``8 g + t`` taking word ``t >> 1``, half ``t & 1``. In a wgmma
+accumulator the 8 keys of a group sit in 8 lanes of a warp, so computing each element's call where it is used
+would repeat every call 8 times. Instead each thread makes 4 calls and packs their 32 keep bits into one word
+(a byte per call); a layout conversion inside each warp hands every lane the 8 words of its 8-lane set, and
+each element takes its bit as a float sign. Only the (keys x queries) tile of the backward's key warpgroups is
+written here: :func:`keep_words` draws, :func:`dropped_signs` unpacks.
+"""
+
+from __future__ import annotations
+
+from .common import HAVE_GLUON, gl, gluon
+
+TILE = gl.constexpr(64) if HAVE_GLUON else 64  # keys and queries of the tile (:func:`dropped_signs`)
+
+if HAVE_GLUON:
+    # The accumulator layout of a 64x64 wgmma tile of 4 warps (instr_shape [16, 64, 16]) viewed as 6 dims
+    # (g, t, n2, nlo, c, e): key = 8 g + t, query = 16 n2 + 8 nlo + 2 c + e. Each thread holds keys t = lane / 4
+    # (and + 8: g's low bit), queries 2 c + e (c = lane % 4) and + 8, 16, 32; warps take 16 keys each. Bases in
+    # the accumulator's own register order, so the reshaped tile needs no conversion.
+    _TILE6 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0],
+                   [0, 0, 2, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 2, 0], [0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0],
+                    [0, 4, 0, 0, 0, 0]],
+        warp_bases=[[2, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0]],
+        block_bases=[],
+        shape=[8, 8, 4, 2, 4, 2],
+    ))
+    # The packed words (g, n2, c): each lane holds those of its 8-lane set (t left out, so lanes share them).
+    _WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(5, _TILE6.value))))
+    # Where the words are made: one per thread, a warp's two groups of keys in its own lanes.
+    _MAKE = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 1], threads_per_warp=[2, 4, 4],
+                                          warps_per_cta=[4, 1, 1], order=[2, 1, 0]))
+
+    @gluon.jit
+    def _philox(c0, c1, c2, c3, k0, k1):
+        """Philox4x32-10 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``)."""
+        for _ in gl.static_range(10):
+            a = c0
+            c = c2
+            c0 = gl.umulhi(c, 0xCD9E8D57) ^ c1 ^ k0
+            c2 = gl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
+            c1 = gl.mul(c, 0xCD9E8D57, sanitize_overflow=False)
+            c3 = gl.mul(a, 0xD2511F53, sanitize_overflow=False)
+            k0 = gl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+            k1 = gl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+        return c0, c1, c2, c3
+
+    @gluon.jit
+    def _keep_byte(w0, w1, w2, w3, threshold):
+        """The 8 keep bits of one call's words: bit t is key ``8 g + t``'s (word t >> 1, half t & 1)."""
+        byte = ((w0 & 0xFFFF) >= threshold).to(gl.uint32)
+        byte |= ((w0 >> 16) >= threshold).to(gl.uint32) << 1
+        byte |= ((w1 & 0xFFFF) >= threshold).to(gl.uint32) << 2
+        byte |= ((w1 >> 16) >= threshold).to(gl.uint32) << 3
+        byte |= ((w2 & 0xFFFF) >= threshold).to(gl.uint32) << 4
+        byte |= ((w2 >> 16) >= threshold).to(gl.uint32) << 5
+        byte |= ((w3 & 0xFFFF) >= threshold).to(gl.uint32) << 6
+        byte |= ((w3 >> 16) >= threshold).to(gl.uint32) << 7
+        return byte
+
+    @gluon.jit
+    def keep_words(seed, offset_lo, threshold, bh, i0, j0):
+        """The packed keep bits of a ``[64 keys, 64 queries]`` tile: keys ``j0 + ..`` (j0 a multiple of 8), query rows
+        ``i0 + ..``, stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words as one int64;
+        ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws them. Each
+        lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them."""
+        threshold = threshold.to(gl.uint32, bitcast=True)
+        seed64 = seed.to(gl.uint64)
+        k0 = (seed64 & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MAKE)))[:, None, None]
+        n2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MAKE)))[None, :, None]
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MAKE)))[None, None, :]
+        group = ((j0 // 8 + g) + n2 * 0 + c * 0).to(gl.uint32, bitcast=True)
+        first = i0 + 16 * n2 + 2 * c + g * 0
+        words = gl.zeros([8, 4, 4], gl.uint32, layout=_MAKE)
+        for call in range(4):  # (a loop: the calls one after another hold fewer registers)
+            nlo = call // 2
+            e = call % 2
+            row = (first + (8 * nlo + e)).to(gl.uint32, bitcast=True)
+            w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True),
+                                     offset_lo.to(gl.uint32, bitcast=True), k0, k1)
+            words |= _keep_byte(w0, w1, w2, w3, threshold) << (8 * call).to(gl.uint32)
+        return gl.convert_layout(words, _WORDS)
+
+    @gluon.jit
+    def dropped_signs(words, layout: gl.constexpr):
+        """``[64 keys, 64 queries]`` uint32 in ``layout`` (a 4-warp wgmma accumulator of instr_shape
+        [16, 64, 16]): the float sign bit (``0x80000000``) where the weight is dropped, 0 where it is kept, from
+        :func:`keep_words`. The bit positions are constants per register and one shift per lane (no per-element
+        index arithmetic)."""
+        t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+            4, gl.SliceLayout(5, _TILE6))))))[None, :, None, None, None, None]
+        nlo = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            4, gl.SliceLayout(5, _TILE6))))))[None, None, None, :, None, None]
+        e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            3, gl.SliceLayout(4, _TILE6))))))[None, None, None, None, None, :]
+        dropped = ~(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 3), 5) >> t.to(gl.uint32))
+        signs = (dropped << (31 - 8 * (2 * nlo + e)).to(gl.uint32)) & 0x80000000
+        signs = gl.reshape(signs.broadcast_to([8, 8, 4, 2, 4, 2]), [TILE, TILE])
+        return gl.convert_layout(signs, layout, assert_trivial=True)
+else:  # pragma: no cover - depends on the installed Triton
+    keep_words = dropped_signs = None  # (the kernels that call them are defined only with Gluon too)
