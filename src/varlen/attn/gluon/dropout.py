@@ -11,11 +11,13 @@ written here: :func:`keep_words` draws, :func:`dropped_signs` unpacks.
 
 from __future__ import annotations
 
+from ..dropout import PHILOX_ROUNDS
 from .common import HAVE_GLUON, gl, gluon
 
 TILE = gl.constexpr(64) if HAVE_GLUON else 64  # keys and queries of the tile (:func:`dropped_signs`)
 
 if HAVE_GLUON:
+    _ROUNDS = gl.constexpr(PHILOX_ROUNDS)
     # The accumulator layout of a 64x64 wgmma tile of 4 warps (instr_shape [16, 64, 16]) viewed as 6 dims
     # (g, t, n2, nlo, c, e): key = 8 g + t, query = 16 n2 + 8 nlo + 2 c + e. Each thread holds keys t = lane / 4
     # (and + 8: g's low bit), queries 2 c + e (c = lane % 4) and + 8, 16, 32; warps take 16 keys each. Bases in
@@ -37,8 +39,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _philox(c0, c1, c2, c3, k0, k1):
-        """Philox4x32-10 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``)."""
-        for _ in gl.static_range(10):
+        """Philox4x32-10 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``, same constants)."""
+        for _ in gl.static_range(_ROUNDS):
             a = c0
             c = c2
             c0 = gl.umulhi(c, 0xCD9E8D57) ^ c1 ^ k0
@@ -78,7 +80,7 @@ if HAVE_GLUON:
         group = ((j0 // 8 + g) + n2 * 0 + c * 0).to(gl.uint32, bitcast=True)
         first = i0 + 16 * n2 + 2 * c + g * 0
         words = gl.zeros([8, 4, 4], gl.uint32, layout=_MAKE)
-        for call in range(4):  # (a loop: the calls one after another hold fewer registers)
+        for call in range(4):  # (the compiler unrolls it and interleaves the calls)
             nlo = call // 2
             e = call % 2
             row = (first + (8 * nlo + e)).to(gl.uint32, bitcast=True)
