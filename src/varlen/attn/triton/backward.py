@@ -440,8 +440,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         if not tma_aligned(*remainders):  # (a strided input whose rows are not a multiple of 16 bytes)
             remainders = None
     q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
+    dropout_kwargs = dropout_args(seed, opts, problem, lse)  # (the bundle and the key)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
-                  **dropout_args(seed, opts, problem, lse), F=feats)
+                  **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
@@ -476,8 +477,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
-                                 feats, common["scores"],
-                                 {name: common[name] for name in ("dropout", "seed", "offset_lo")})
+                                 feats, common["scores"], dropout_kwargs)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=db_mode == DBIAS_ATOMIC and bcast[0])
