@@ -53,10 +53,10 @@ FWD_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(128, 32, 4, 2), K(128, 64, 8, 2),
 KV_F32 = [K(32, 64, 4, 1), K(32, 64, 4, 2), K(64, 64, 4, 2), K(64, 32, 4, 2), K(32, 32, 4, 2), K(64, 64, 8, 2),
           K(32, 128, 8, 2), K(64, 128, 8, 2)]
 QK_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(32, 64, 4, 2), K(128, 32, 4, 2)]
-# The 3xTF32 backward keeps every loaded tile and its remainder in shared memory (configs.splits_tf32): few
-# query rows per tile.
-KV_F32_SPLIT = [K(16, 64, 4, 2), K(16, 64, 4, 3), K(16, 64, 4, 1), K(32, 64, 4, 2), K(32, 64, 4, 1),
-                K(16, 128, 8, 2), K(16, 64, 8, 2), K(32, 128, 8, 2)]
+# The float32 backward with bf16 parts keeps every loaded tile's three parts in shared memory
+# (configs.splits_bf16): few query rows per tile, and two stages or more (launch_backward).
+KV_F32_SPLIT = [K(32, 64, 4, 2), K(64, 64, 4, 2), K(16, 64, 4, 2), K(16, 64, 4, 3), K(32, 64, 4, 3),
+                K(32, 128, 8, 2), K(32, 64, 8, 2)]
 
 
 def shapes(args):

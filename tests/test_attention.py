@@ -15,14 +15,13 @@ from attention_cases import AttnCase, backend_params, case_params, main_dtype, r
 from utils import KERNEL_DEVICE, REL_TOL, assert_close, record_calls
 from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
-from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backward as triton_backward
 from varlen.attn.triton import program
-from varlen.attn.triton.backward import split_tf32, tf32_lo
+from varlen.attn.triton.backward import split_bf16
 from varlen.attn.triton.launch import features
 from varlen.attn.triton.program import longest_first
 
@@ -235,8 +234,8 @@ FLOAT32_GPU_CASES = [
     AttnCase(True, (1000, 17, 0, 1, 513), None, 4, 4, 128, 128),
     AttnCase(True, (200, 31), (150, 400), 6, 2, 40, 40, causal=True, align="bottom_right", bias="1HQK"),
     AttnCase(False, (257,), None, 2, 1, 96, 96, window=(64, 8), dropout_p=0.2),
-    # The split 3xTF32 backward keeps K's and V's remainders in dK's and dV's buffers: strided inputs, Dv != D,
-    # the separate dQ kernel (deterministic), and the score modifiers with an lse gradient.
+    # The backward's bf16 parts (configs.splits_bf16) of strided inputs, Dv != D, the separate dQ kernel
+    # (deterministic), and the score modifiers with an lse gradient.
     AttnCase(True, (65, 0, 300), (129, 7, 300), 4, 2, 64, 128, causal=True, align="bottom_right",
              deterministic=True, strided=True),
     AttnCase(False, (200,), None, 4, 4, 128, 128, strided=True, softcap=30.0, alibi="H", grad_lse=True),
@@ -247,7 +246,8 @@ FLOAT32_GPU_CASES = [
 @pytest.mark.parametrize("precision,tol", [("ieee", 2e-5), ("tf32", 3e-3)])
 @pytest.mark.parametrize("case", FLOAT32_GPU_CASES, ids=lambda c: c.id)
 def test_triton_float32_follows_torch_precision(case, precision, tol, device):
-    """float32 on the GPU: float32 accuracy by default (three-pass TF32 dots), TF32's when torch allows TF32."""
+    """float32 on the GPU: float32 accuracy by default (the backward's products from bf16 parts, the forward's
+    three-pass TF32 dots), TF32's when torch allows TF32."""
     with float32_matmul_precision(precision):
         inputs = case.make(torch.float32, device)
         out, lse, grads = run_attention(case, inputs, "triton")
@@ -258,26 +258,32 @@ def test_triton_float32_follows_torch_precision(case, precision, tol, device):
         assert_close(grad, ref, tol=tol, name=name, floor=1e-3 * float(ref.abs().max()))
 
 
-@triton.jit
-def _tf32_remainders(X, OUT, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(OUT + offs, tf32_lo(tl.load(X + offs)))
-
-
-def test_tf32_split_is_exact_and_agrees_between_host_and_kernel():
-    """The 3xTF32 backward's split: x = high + remainder exactly, the high part with only the 10 mantissa bits a
-    TF32 product reads, the remainder below its last bit; the kernel's in-register rule gives the same bits."""
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("layout", ["dense_strided", "jagged"])
+def test_bf16_split_is_exact(layout, device):
+    """The float32 backward's split (configs.splits_bf16): three bf16 parts, each the nearest bf16 to what the
+    ones before it leave of x, so the parts hold x's 24 bits in three 8-bit pieces and add up to x exactly. GPU
+    only, as the split: Triton's interpreter truncates float32 to bf16 whatever rounding is asked for."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1024, generator=g) * torch.logspace(-30, 30, 1024)
-    x[:4] = torch.tensor([0.0, -0.0, 1.0, -3.0])
-    lo = split_tf32(x)
-    high = x - lo
-    assert torch.equal(high + lo, x)
-    assert not (high.view(torch.int32) & 8191).any()
-    assert (lo.abs() <= high.abs() * 2.0**-10).all()
-    out = torch.empty_like(x, device=KERNEL_DEVICE)
-    _tf32_remainders[(1,)](x.to(KERNEL_DEVICE), out, N=1024)
-    assert torch.equal(out.cpu(), lo)
+    scale = torch.logspace(-30, 30, 3 * 5 * 96).view(3, 5, 96)
+    x = torch.randn(2, 3, 5, 96, generator=g) * scale
+    # (T, H, D) jagged values, or (B, S, H, D) cut out of a wider tensor: the strides of a packed projection
+    wide = torch.cat([torch.zeros_like(x), x], dim=-1)
+    x = x[0].to(device) if layout == "jagged" else wide.to(device)[..., 96:]
+    x[(0,) * (x.dim() - 1)][:4] = torch.tensor([0.0, -0.0, 1.0, -3.0])
+    first, last = split_bf16(x)
+    assert first.dtype == last.dtype == torch.bfloat16 and first.shape == (*x.shape[:-1], 2 * 96)
+    x0, x1 = first.unflatten(-1, (2, 96)).unbind(-2)
+    x2 = last
+    assert torch.equal(x0, x.to(torch.bfloat16))
+    assert torch.equal(x1, (x - x0.float()).to(torch.bfloat16))
+    assert torch.equal(x0.double() + x1.double() + x2.double(), x.double())
+    assert (x2.double().abs() <= x1.double().abs() * 2.0**-8).all()
+    # The first two parts in a given float32 buffer (the backward's dK and dV), the third apart: the same bits.
+    buffer = torch.empty(x.shape, device=device)
+    in_buffer, apart = split_bf16(x, buffer)
+    assert in_buffer.data_ptr() == buffer.data_ptr()
+    assert torch.equal(in_buffer, first) and torch.equal(apart, last)
 
 
 # --------------------------------------------------------------------------- the reference itself

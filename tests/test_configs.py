@@ -40,6 +40,9 @@ def test_float32_tables_are_the_sweeps_best(precision, D):
     best, timed = _best_full(rows, "fwd", precision, D)
     assert timed[configs.SM90.forward_float32[(precision, D)]] >= best - 1
     kv, q, mode = configs.SM90.backward_float32[(precision, D)]
+    if precision == "tf32x3":  # the backward with bf16 parts has its own sweep
+        rows = _rows(configs.FP32_PARTS_SWEEP)
+        assert {r["capability"] for r in rows} == {"9.0"} and not any(r["kind"] == "fwd" for r in rows)
     best, timed = _best_full(rows, "bwd", precision, D)
     assert timed[configs.BackwardConfig(kv, None, mode)] >= best - 1
     # The dQ tiles (deterministic mode) are those of the best separate-dQ row.
@@ -49,5 +52,6 @@ def test_float32_tables_are_the_sweeps_best(precision, D):
 
 def test_sources_are_named_and_other_gpus_fall_back_to_sm90():
     assert (SWEEPS / pathlib.Path(configs.FP32_SWEEP).name).exists()
+    assert (SWEEPS / pathlib.Path(configs.FP32_PARTS_SWEEP).name).exists()
     assert "untuned" in configs.UNTUNED and "NOTES.md" in configs.H200_SWEEPS
     assert configs.tables(torch.device("cpu")) is configs.SM90

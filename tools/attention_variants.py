@@ -60,7 +60,7 @@ CASES = [
       for name in ("plain", "causal", "bias_broadcast", "dropout", "positions")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
-    # float32 at full accuracy splits the backward's operands (configs.splits_tf32): its shared memory next to
+    # float32 at full accuracy splits the backward's operands (configs.splits_bf16): its shared memory next to
     # each feature and layout.
     *((D, torch.float32, "ieee", jagged, group, name) for D in (64, 128)
       for jagged, group, name in ((False, 1, "bias_full"), (False, 1, "bias_broadcast"), (False, 1, "dropout"),

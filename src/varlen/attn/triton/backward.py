@@ -8,7 +8,8 @@
    1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless the dQ kernel runs, dQ += dS K added into an
    fp32 buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
    and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``). float32 at full
-   accuracy (``SPLIT``): each product is three TF32 dots (:func:`_dot3`) of operands split once per call.
+   accuracy (``SPLIT``): each product is six bf16 dots (:func:`_dot6`) of operands split once per call
+   into three bf16 parts.
 3. ``_bwd_q_kernel`` (``DQ_MODE`` 0, also the deterministic mode): one program per query block walking
    its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
    counted); a broadcast bias then gets its gradient from ``_bwd_dbias_kernel``, one program per
@@ -23,7 +24,7 @@ import torch
 
 from ..._triton import tl, triton
 from ..gluon import backward as gluon_backward
-from .configs import DQ_SEPARATE, DQ_TMA, head_bound, splits_tf32
+from .configs import DQ_SEPARATE, DQ_TMA, splits_bf16
 from .launch import (
     DATA_DEPENDENT,
     cdiv,
@@ -32,7 +33,6 @@ from .launch import (
     features,
     head_block,
     tiles,
-    tma_aligned,
     use_tma,
 )
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
@@ -124,20 +124,61 @@ def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadSco
 
 
 @triton.jit
-def tf32_lo(x):
-    """What a TF32 tensor-core product drops of fp32 ``x``: the hardware reads only the top 10 mantissa bits
-    (it truncates), so ``x - tf32_lo(x)`` is what it multiplies. The same rule as :func:`split_tf32`."""
-    return x - (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+def bf16_parts(x):
+    """fp32 ``x`` as three bfloat16 parts ``(x0, x1, x2)``, each the nearest bf16 to what the ones before it
+    leave of x (remainders exact in fp32): x's 24 bits in three 8-bit pieces, whose sum is x. The same rule as
+    :func:`split_bf16`."""
+    x0 = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    r = x - x0.to(tl.float32)
+    x1 = r.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    return x0, x1, (r - x1.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 @triton.jit
-def _dot3(a, a_lo, b, b_lo, acc):
-    """``acc + a @ b`` to about float32's accuracy from three TF32 products (3xTF32): ``a`` and ``b`` as
-    given (the hardware keeps their TF32 part) plus the cross terms with their remainders ``a_lo``/``b_lo``;
-    the remainders' product is below float32's rounding."""
-    acc = tl.dot(a_lo, b, acc, input_precision="tf32")
-    acc = tl.dot(a, b_lo, acc, input_precision="tf32")
-    return tl.dot(a, b, acc, input_precision="tf32")
+def _trans3(x):
+    """Each of three parts transposed."""
+    return tl.trans(x[0]), tl.trans(x[1]), tl.trans(x[2])
+
+
+@triton.jit
+def _dot6(a, b, acc):
+    """``acc + a @ b`` to float32's accuracy from operands given as three bf16 parts each (:func:`bf16_parts`):
+    the six products whose terms reach 2**-16 of the whole, smallest first (the three left out stay below 2**-23
+    of it). bf16 products run at twice TF32's rate, and take an operand transposed from shared memory where
+    32-bit ones need both operands K-major."""
+    acc = tl.dot(a[2], b[0], acc)
+    acc = tl.dot(a[1], b[1], acc)
+    acc = tl.dot(a[0], b[2], acc)
+    acc = tl.dot(a[1], b[0], acc)
+    acc = tl.dot(a[0], b[1], acc)
+    return tl.dot(a[0], b[0], acc)
+
+
+@triton.jit
+def _part_descs(X: Rows, X_PARTS: Rows, X_LAST: Rows, seq_b, start, h, n_rows, COLS: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """Descriptors (or pointers) of a sequence's rows of X as the kernel loads them: X itself, or under
+    ``SPLIT`` its three bf16 parts (:func:`split_bf16`): the first two side by side in each row of ``X_PARTS``,
+    the third in ``X_LAST``."""
+    if SPLIT:
+        p = base(X_PARTS, seq_b, start, h)
+        return (rows_desc(p, n_rows, X_PARTS.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
+                rows_desc(p + COLS, n_rows, X_PARTS.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
+                rows_desc(base(X_LAST, seq_b, start, h), n_rows, X_LAST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA))
+    else:
+        return (rows_desc(base(X, seq_b, start, h), n_rows, X.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),)
+
+
+@triton.jit
+def _load_parts(descs, r0, n_rows, row_stride, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                MASK_ROWS: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
+    """Rows ``[r0, r0 + BLOCK_R)`` of each of :func:`_part_descs`'s descriptors."""
+    first = load_rows(descs[0], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA)
+    if SPLIT:
+        return (first, load_rows(descs[1], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA),
+                load_rows(descs[2], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA))
+    else:
+        return (first,)
 
 
 @triton.jit
@@ -154,41 +195,38 @@ def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K: Rows, V: Rows, start
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_desc, dq_tile, lse2_row, delta_row,
-                  dbias_bh, start, end, n0, Q: Rows, dO: Rows, Q_LO: Rows, dO_LO: Rows, dQ: Rows, dBias: DBias,
-                  seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr,
-                  DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, MASKED: tl.constexpr):
+def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_row, dbias_bh, start, end, n0,
+                  Q: Rows, dO: Rows, dQ: Rows, dBias: DBias, seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout,
+                  F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr,
+                  MASKED: tl.constexpr):
     """dK and dV of one key block over query tiles ``[start, end)``, adding each tile's dQ into ``dq_tile``
-    (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none). ``SPLIT``: float32 in
-    3xTF32 (:func:`_dot3`), with the remainders of k, v (``k_lo``, ``v_lo``) and of the q, dO rows (loaded
-    like them) computed once per call by :func:`split_tf32`, so that every loaded operand stays in shared
-    memory; those of P and dS are taken in registers."""
+    (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none). The key block's k and v and
+    the q and dO rows come as parts (``kp``, ``vp``, ``q_descs``, ``do_descs``: :func:`_part_descs`): one, or
+    under ``SPLIT`` three bf16 parts of each float32 operand, split once per call (:func:`split_bf16`) so that
+    every loaded operand stays in shared memory; P's and dS's are split in registers."""
     cols = n0 + tl.arange(0, T.BLOCK_N)[:, None]
     for m0 in range(start, end, T.BLOCK_M):
         m0 = tl.multiple_of(m0, T.BLOCK_M)
         rows_m = m0 + tl.arange(0, T.BLOCK_M)
-        q = load_rows(q_desc, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA)
-        do = load_rows(do_desc, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA)
+        qp = _load_parts(q_descs, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA, SPLIT)
+        dop = _load_parts(do_descs, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA, SPLIT)
         if MASKED:
             lse2 = tl.load(lse2_row + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
             delta = tl.load(delta_row + rows_m, mask=rows_m < seq.Lq, other=0.0)
         else:
             lse2 = tl.load(lse2_row + rows_m)
             delta = tl.load(delta_row + rows_m)
-        if SPLIT:
-            q_lo = load_rows(q_lo_desc, m0, seq.Lq, Q_LO.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA)
-            do_lo = load_rows(do_lo_desc, m0, seq.Lq, dO_LO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
         if SPLIT:
-            qkt = _dot3(k, k_lo, tl.trans(q), tl.trans(q_lo), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            qkt = _dot6(kp, _trans3(qp), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
         else:
-            qkt = tl.dot(k, tl.trans(q), input_precision=T.DOT_PRECISION)
+            qkt = tl.dot(kp[0], tl.trans(qp[0]), input_precision=T.DOT_PRECISION)
         st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False)
         pt = tl.exp2(st - lse2[None, :])
         if SPLIT:
-            dpt = _dot3(v, v_lo, tl.trans(do), tl.trans(do_lo), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            dpt = _dot6(vp, _trans3(dop), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
         else:
-            dpt = tl.dot(v, tl.trans(do), input_precision=T.DOT_PRECISION)
+            dpt = tl.dot(vp[0], tl.trans(dop[0]), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:
             keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N))
             pt_kept = tl.where(keept, pt * hd.keep_scale, 0.0)
@@ -196,25 +234,26 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
         else:
             pt_kept = pt
         if SPLIT:
-            dv = _dot3(pt_kept, tf32_lo(pt_kept), do, do_lo, dv)
+            dv = _dot6(bf16_parts(pt_kept), dop, dv)
         else:
-            dv += tl.dot(pt_kept.to(do.dtype), do, input_precision=T.DOT_PRECISION)
+            dv += tl.dot(pt_kept.to(dop[0].dtype), dop[0], input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if DB.MODE != 0:
             bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB,
                       MASKED)
         dst = softcap_grad(dst, tt, F)
         if SPLIT:
-            dst_lo = tf32_lo(dst)
-            dk = _dot3(dst, dst_lo, q, q_lo, dk)
+            dst_parts = bf16_parts(dst)
+            dk = _dot6(dst_parts, qp, dk)
         else:
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=T.DOT_PRECISION)
+            dk += tl.dot(dst.to(qp[0].dtype), qp[0], input_precision=T.DOT_PRECISION)
         if DQ_MODE != 0:
             if SPLIT:
-                dq = _dot3(tl.trans(dst), tl.trans(dst_lo), k, k_lo,
-                           tl.zeros([T.BLOCK_M, T.BLOCK_D], tl.float32)) * hs.scale
+                # As dQᵀ = Kᵀ dSᵀ: BLOCK_D rows fill the tensor cores' 64-row tiles where BLOCK_M rows would
+                # not (Triton then falls back to mma.sync with K in registers: ~700 more bytes of spills).
+                dq = tl.trans(_dot6(_trans3(kp), dst_parts, tl.zeros([T.BLOCK_D, T.BLOCK_M], tl.float32))) * hs.scale
             else:
-                dq = tl.dot(tl.trans(dst.to(k.dtype)), k, input_precision=T.DOT_PRECISION) * hs.scale
+                dq = tl.dot(tl.trans(dst.to(kp[0].dtype)), kp[0], input_precision=T.DOT_PRECISION) * hs.scale
             if DQ_MODE == 2:
                 # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
                 dq_tile.atomic_add([m0, 0], dq)
@@ -228,8 +267,9 @@ def _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_de
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
-                   dBias: DBias, Q_LO: Rows, K_LO: Rows, V_LO: Rows, dO_LO: Rows, F: tl.constexpr, T: tl.constexpr,
-                   DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, GRID: tl.constexpr):
+                   dBias: DBias, Q_PARTS: Rows, K_PARTS: Rows, V_PARTS: Rows, dO_PARTS: Rows, Q_LAST: Rows,
+                   K_LAST: Rows, V_LAST: Rows, dO_LAST: Rows, F: tl.constexpr,
+                   T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, GRID: tl.constexpr):
     """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``, or another order of
     its axes (``GRID``: ``program.key_block_grid``): the program of key block j, kv head hk and
     sequence b owns key rows ``[j * BLOCK_N, +BLOCK_N)`` of kv head hk of sequence b and walks the query
@@ -238,43 +278,33 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     Q, dO ``(B, Sq, H, D|DV)`` | ``(Tq, H, D|DV)``; K, V and dK, dV (written) ``(B, Sk, Hkv, D|DV)`` |
     ``(Tk, Hkv, D|DV)``; dQ: the fp32 accumulator ``(B, Sq, H, BLOCK_D)`` | ``(Tq, H, BLOCK_D)`` (added to
     unless DQ_MODE is 0); LSE2, DELTA from the preprocess; dBias: the bias gradient of the bias's shape.
-    ``SPLIT`` (float32 in 3xTF32): Q_LO, K_LO, V_LO, dO_LO hold the remainders of Q, K, V, dO
-    (:func:`split_tf32`, same shapes; K_LO and V_LO are dK's and dV's buffers, each program reading its own
-    rows there before it writes them); otherwise they are Q, K, V, dO again and unread.
+    ``SPLIT`` (float32 at full accuracy, ``configs.splits_bf16``): the three bf16 parts of Q, K, V, dO
+    (:func:`split_bf16`), the first two side by side in each row of Q_PARTS, K_PARTS, V_PARTS, dO_PARTS (K's and
+    V's in dK's and dV's buffers, each program reading its own rows there before it writes them) and the third
+    in Q_LAST, K_LAST, V_LAST, dO_LAST; Q, K, V, dO themselves are not read. Otherwise all of these are Q, K, V,
+    dO again and unread.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
     block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
     n0 = block * T.BLOCK_N
     if n0 >= seq.Lk:
         return
-    k = load_rows(rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA),
-                  n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA)
-    v = load_rows(rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
-                            T.TMA), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True, T.TMA)
-    k_lo = k
-    v_lo = v
-    if SPLIT:
-        k_lo = load_rows(rows_desc(base(K_LO, seq.b, seq.k_start, hk), seq.Lk, K_LO.stride_s, T.D, T.BLOCK_N,
-                                   T.BLOCK_D, T.TMA), n0, seq.Lk, K_LO.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA)
-        v_lo = load_rows(rows_desc(base(V_LO, seq.b, seq.k_start, hk), seq.Lk, V_LO.stride_s, T.DV, T.BLOCK_N,
-                                   T.BLOCK_DV, T.TMA), n0, seq.Lk, V_LO.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True,
-                         T.TMA)
+    # (Under SPLIT, K's and V's first two parts lie in dK's and dV's buffers: read here, before any write below.)
+    kp = _load_parts(_part_descs(K, K_PARTS, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N, T.BLOCK_D,
+                                 T.TMA, SPLIT), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA, SPLIT)
+    vp = _load_parts(_part_descs(V, V_PARTS, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N, T.BLOCK_DV,
+                                 T.TMA, SPLIT), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True, T.TMA,
+                     SPLIT)
     dk = tl.zeros([T.BLOCK_N, T.BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([T.BLOCK_N, T.BLOCK_DV], dtype=tl.float32)
     # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
     bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for g in range(T.GROUP):
         h = hk * T.GROUP + g
-        q_desc = rows_desc(base(Q, seq.b, seq.q_start, h), seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA)
-        do_desc = rows_desc(base(dO, seq.b, seq.q_start, h), seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV,
-                            T.TMA)
-        q_lo_desc = q_desc
-        do_lo_desc = do_desc
-        if SPLIT:
-            q_lo_desc = rows_desc(base(Q_LO, seq.b, seq.q_start, h), seq.Lq, Q_LO.stride_s, T.D, T.BLOCK_M,
-                                  T.BLOCK_D, T.TMA)
-            do_lo_desc = rows_desc(base(dO_LO, seq.b, seq.q_start, h), seq.Lq, dO_LO.stride_s, T.DV, T.BLOCK_M,
-                                   T.BLOCK_DV, T.TMA)
+        q_descs = _part_descs(Q, Q_PARTS, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
+                              SPLIT)
+        do_descs = _part_descs(dO, dO_PARTS, dO_LAST, seq.b, seq.q_start, h, seq.Lq, T.DV, T.BLOCK_M, T.BLOCK_DV,
+                               T.TMA, SPLIT)
         # The fp32 dQ rows of this sequence and head: a descriptor for the TMA bulk reduce.
         dq_tile = rows_desc(base(dQ, seq.b, seq.q_start, h), seq.Lq, dQ.stride_s, T.BLOCK_D, T.BLOCK_M, T.BLOCK_D,
                             DQ_MODE == 2)
@@ -284,9 +314,9 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
         lse2_row = lse_row(LSE2, bt, seq, h, F)
         delta_row = lse_row(DELTA, bt, seq, h, F)
         for stage in tl.static_range(3):
-            dk, dv = _bwd_kv_tiles(dk, dv, k, v, k_lo, v_lo, q_desc, do_desc, q_lo_desc, do_lo_desc, dq_tile,
-                                   lse2_row, delta_row, dbias_bh, bounds[stage], bounds[stage + 1], n0, Q, dO, Q_LO,
-                                   dO_LO, dQ, dBias, seq, m, hs, hd, F, T, DB, DQ_MODE, SPLIT, stage != 1)
+            dk, dv = _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_row, dbias_bh,
+                                   bounds[stage], bounds[stage + 1], n0, Q, dO, dQ, dBias, seq, m, hs, hd, F, T, DB,
+                                   DQ_MODE, SPLIT, stage != 1)
     store_rows(base(dK, seq.b, seq.k_start, hk), n0, seq.Lk, dK.stride_s, dk * scores.scale, T.D, T.BLOCK_N,
                T.BLOCK_D)
     store_rows(base(dV, seq.b, seq.k_start, hk), n0, seq.Lk, dV.stride_s, dv, T.DV, T.BLOCK_N, T.BLOCK_DV)
@@ -388,12 +418,49 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
                  (offs_n[None, :] < bt.max_k))
 
 
-def split_tf32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The remainder of float32 ``x`` that a TF32 tensor-core product drops (the hardware truncates to the top
-    10 mantissa bits): ``x - truncate(x)``, exact, written into ``out`` (default: a tensor like x). The same
-    rule as :func:`tf32_lo`."""
-    out = torch.empty_like(x) if out is None else out
-    return torch.sub(x, (x.view(torch.int32) & -8192).view(torch.float32), out=out)
+@triton.jit(do_not_specialize=["n_rows", "seq_len", "heads", "stride_b", "stride_s", "stride_h"])
+def _split_bf16_kernel(X, FIRST, LAST, n_rows, seq_len, heads, stride_b, stride_s, stride_h,
+                       FIRST_STRIDE: tl.constexpr, LAST_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """Rows ``[i * ROWS, +ROWS)`` of ``X`` ``(B, seq_len, heads, D)`` (strided) as their three bf16 parts: the
+    first two side by side in row r of ``FIRST`` (``FIRST_STRIDE`` apart), the third in row r of ``LAST``. Sizes
+    and strides change with the batch: none is specialized."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    h = rows % heads
+    s = (rows // heads) % seq_len
+    b = rows // heads // seq_len
+    src = b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s + h.to(tl.int64) * stride_h
+    ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    x0, x1, x2 = bf16_parts(tl.load(X + src[:, None] + cols[None, :], mask=ok, other=0.0))
+    first = FIRST + rows[:, None].to(tl.int64) * FIRST_STRIDE + cols[None, :]
+    tl.store(first, x0, mask=ok)
+    tl.store(first + D, x1, mask=ok)
+    tl.store(LAST + rows[:, None].to(tl.int64) * LAST_STRIDE + cols[None, :], x2, mask=ok)
+
+
+def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` ``(B, S, H, D)`` or ``(T, H, D)`` (last dim contiguous) as its three bfloat16 parts, in one
+    pass (:func:`bf16_parts` per element): the nearest bf16, then the nearest bf16 of each remainder (exact in
+    float32): x's 24 bits in three 8-bit pieces, whose sum is x. Returns ``(first, last)``: the first two parts
+    side by side, ``(..., 2 * D)``, and the third, ``(..., D)``; by default both views of one contiguous
+    ``(..., 3 * D)`` tensor, or with ``first`` given (a contiguous float32 tensor shaped like x) the first two in
+    its memory, the third in a new tensor. On the GPU only: Triton's interpreter truncates float32 to bf16
+    whatever rounding is asked for."""
+    D = x.shape[-1]
+    if first is None:
+        parts = torch.empty(*x.shape[:-1], 3 * D, device=x.device, dtype=torch.bfloat16)
+        first, last = parts[..., :2 * D], parts[..., 2 * D:]
+    else:
+        first = first.view(torch.bfloat16)
+        last = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
+    x4 = x if x.dim() == 4 else x.unsqueeze(0)
+    n_rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
+    rows = 32
+    _split_bf16_kernel[(cdiv(n_rows, rows),)](x4, first, last, n_rows, x4.shape[1], x4.shape[2], *x4.stride()[:3],
+                                               FIRST_STRIDE=first.stride(-2), LAST_STRIDE=last.stride(-2), D=D,
+                                               BLOCK_D=head_block(D), ROWS=rows)
+    return first, last
 
 
 def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
@@ -429,17 +496,20 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    # float32 in 3xTF32: the remainders of the loaded operands, once per call (see _dot3); they load like the
-    # operands, through TMA. Those of K and V live in dK and dV: each kv program reads its key rows'
-    # remainders first and writes their gradients last.
-    remainders = None
-    if splits_tf32(q.dtype, head_bound(problem), tma):
-        remainders = (split_tf32(q), split_tf32(k, dk), split_tf32(v, dv), split_tf32(dout))
-        if not tma_aligned(*remainders):  # (a strided input whose rows are not a multiple of 16 bytes)
-            remainders = None
-    q_lo, k_lo, v_lo, do_lo = remainders or (q, k, v, dout)
+    # float32 at full accuracy: the loaded operands split once per call (see _dot6), loaded through TMA. Triton 3.6
+    # miscompiles the split kernel without pipelined loads (H100: wrong dK and dV with 32x64 tiles, an
+    # out-of-bounds shared-memory read with 16x64; both right with num_stages 2): such tiles take Triton's
+    # tf32x3 dots.
+    split = splits_bf16(q.dtype, problem, tma) and config.kv.num_stages > 1
+    if split:  # K's and V's first two parts live in dK's and dV's buffers, row by row: contiguous ones
+        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+        (q_parts, q_last), (k_parts, k_last), (v_parts, v_last), (do_parts, do_last) = (
+            split_bf16(q), split_bf16(k, dk), split_bf16(v, dv), split_bf16(dout))
+    else:
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        q_parts, k_parts, v_parts, do_parts = q_last, k_last, v_last, do_last = q, k, v, dout
     dropout_kwargs = dropout_args(seed, opts, problem, lse)  # (the bundle and the key)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
@@ -484,9 +554,11 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
-            Q_LO=rows(q_lo, dense), K_LO=rows(k_lo, dense), V_LO=rows(v_lo, dense), dO_LO=rows(do_lo, dense),
-            T=kv_tiles, DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode,
-            SPLIT=remainders is not None, GRID=grid_order, ORDER=order,
+            Q_PARTS=rows(q_parts, dense), K_PARTS=rows(k_parts, dense), V_PARTS=rows(v_parts, dense),
+            dO_PARTS=rows(do_parts, dense), Q_LAST=rows(q_last, dense), K_LAST=rows(k_last, dense),
+            V_LAST=rows(v_last, dense), dO_LAST=rows(do_last, dense), T=kv_tiles,
+            DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode, SPLIT=split, GRID=grid_order,
+            ORDER=order,
             num_warps=kv.num_warps, num_stages=kv.num_stages, **common,
         )
     if db_mode == DBIAS_ATOMIC:

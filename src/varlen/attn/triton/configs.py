@@ -47,6 +47,9 @@ K = KernelConfig
 # Where each table comes from (bench/results/sweeps/*.csv rows are checked by tests/test_configs.py):
 H200_SWEEPS = "H200 sweeps of 2026-11-21, bf16 (bench/NOTES.md; rows not kept: re-run bench/attention_sweep.py --csv)"
 FP32_SWEEP = "bench/results/sweeps/fp32_h100_2026-11-22.csv"
+# The float32 full-accuracy backward with bf16 parts (splits_bf16): its own sweep, which replaced FP32_SWEEP's
+# "tf32x3" backward rows (those timed the kernel's earlier 3xTF32 form).
+FP32_PARTS_SWEEP = "bench/results/sweeps/fp32_parts_h100_2026-11-25.csv"
 UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
 
 
@@ -59,16 +62,18 @@ class Tables:
     # without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used (deterministic for
     # free). H200_SWEEPS at D64/128, UNTUNED at D256.
     backward: dict
-    # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D), the best row without a mask
-    # (TFLOP/s full / causal in the comments); dQ tiles: the best of the deterministic (separate dQ) rows.
+    # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D; the "tf32x3" backward:
+    # FP32_PARTS_SWEEP, same shapes), the best row without a mask (TFLOP/s full / causal in the comments); dQ
+    # tiles: the best of the deterministic (separate dQ) rows.
     forward_float32: dict
     backward_float32: dict
     # D256 float32, and float32 with a bias, dropout or pointer loads: UNTUNED. At D256 the backward's pointer
     # loads need smaller tiles still (32x64 took 448 KiB of shared memory: tools/compile_check.py).
     float32_untuned: KernelConfig
     float32_untuned_256_pointers: KernelConfig
-    # The 3xTF32 backward with split operands (:func:`splits_tf32`) keeps each loaded tile and its remainder in
-    # shared memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py). UNTUNED.
+    # The float32 backward with bf16 parts (:func:`splits_bf16`) keeps each loaded tile's three parts in shared
+    # memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py); two stages, since Triton 3.6
+    # miscompiles that kernel with one (backward.launch_backward). UNTUNED.
     float32_split_untuned: KernelConfig
     # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
@@ -110,13 +115,14 @@ SM90 = Tables(
     backward_float32={
         ("tf32", 64): (K(64, 128, 8, 2), K(128, 32, 4, 2), DQ_ATOMIC),  # 117 / 87
         ("tf32", 128): (K(32, 128, 8, 2), K(128, 32, 4, 2), DQ_TMA),  # 100 / 60
-        # Split operands (splits_tf32); before the split: 34 / 25 and 19 / 12.
-        ("tf32x3", 64): (K(32, 128, 8, 2), K(64, 32, 4, 2), DQ_TMA),  # 44 / 33
-        ("tf32x3", 128): (K(16, 64, 4, 2), K(64, 32, 4, 2), DQ_TMA),  # 22 / 16
+        # bf16 parts (splits_bf16); with 3xTF32 over split operands: 44 / 33 and 22 / 16; before any split: 34 / 25
+        # and 19 / 12.
+        ("tf32x3", 64): (K(32, 64, 4, 2), K(64, 32, 4, 2), DQ_ATOMIC),  # 68 / 53
+        ("tf32x3", 128): (K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 55 / 43
     },
     float32_untuned=K(32, 64, 4, 1),
     float32_untuned_256_pointers=K(16, 32, 4, 1),
-    float32_split_untuned=K(16, 64, 4, 1),
+    float32_split_untuned=K(16, 64, 4, 2),
     forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
     forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
     backward_bias={64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
@@ -160,14 +166,15 @@ def head_bound(problem) -> int:
     return _bound(max(problem.head_dim, problem.head_dim_v))
 
 
-def splits_tf32(dtype: torch.dtype, bound: int, tma: bool) -> bool:
-    """Whether the backward computes float32's 3xTF32 dots from operands split once per call
-    (``backward.split_tf32``) instead of Triton's ``tf32x3`` dots, which split both operands of every dot in
-    registers. Only when its tiles load through TMA (``tma``: with pointer loads the split tiles overflow
-    shared memory) and up to head dim 128 (at 256 a key tile and its remainder overflow it). Not under the
-    interpreter, whose TF32 dots are exact float32 products (the remainders would count twice)."""
-    return (tma and dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and bound <= 128
-            and not interpreter_enabled())
+def splits_bf16(dtype: torch.dtype, problem, tma: bool) -> bool:
+    """Whether the backward's kv kernel computes float32's full-accuracy products as six bf16 products of
+    operands split once per call into three bf16 parts (``backward.split_bf16``) instead of Triton's ``tf32x3``
+    dots, which split both operands of every dot in registers and transpose the 32-bit ones that wgmma needs
+    K-major through them. Only when tiles load through TMA (``tma``), up to head dim 128 (at 256 a key block's
+    parts overflow shared memory), with head dims that are multiples of 8 (each part then starts on a 16-byte
+    boundary, as TMA needs), and never under the interpreter (its bf16 dots are wrong)."""
+    return (tma and dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and head_bound(problem) <= 128
+            and problem.head_dim % 8 == 0 and problem.head_dim_v % 8 == 0 and not interpreter_enabled())
 
 
 def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
@@ -203,7 +210,7 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
     t = tables(device)
     bound = head_bound(problem)
     if dtype == torch.float32:
-        if splits_tf32(dtype, bound, tma):
+        if splits_bf16(dtype, problem, tma):
             small = t.float32_split_untuned
         elif bound == 256 and not tma:
             small = t.float32_untuned_256_pointers
