@@ -8,8 +8,8 @@
    1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless the dQ kernel runs, dQ += dS K added into an
    fp32 buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
    and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``). float32 at full
-   accuracy (``SPLIT``): each product is six bf16 dots (:func:`_dot6`) of operands split once per call
-   into three bf16 parts.
+   accuracy (``SPLIT``): each product is six bf16 dots (:func:`_dot6`) of three bf16 parts per operand, split
+   once per call for the loaded ones (Q, K, V, dO) and per tile for P and dS.
 3. ``_bwd_q_kernel`` (``DQ_MODE`` 0, also the deterministic mode): one program per query block walking
    its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
    counted); a broadcast bias then gets its gradient from ``_bwd_dbias_kernel``, one program per
@@ -155,15 +155,16 @@ def _dot6(a, b, acc):
 
 
 @triton.jit
-def _part_descs(X: Rows, X_PARTS: Rows, X_LAST: Rows, seq_b, start, h, n_rows, COLS: tl.constexpr,
+def _part_descs(X: Rows, X_FIRST: Rows, X_LAST: Rows, seq_b, start, h, n_rows, COLS: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
     """Descriptors (or pointers) of a sequence's rows of X as the kernel loads them: X itself, or under
-    ``SPLIT`` its three bf16 parts (:func:`split_bf16`): the first two side by side in each row of ``X_PARTS``,
-    the third in ``X_LAST``."""
+    ``SPLIT`` its three bf16 parts (:func:`split_bf16`): the first two side by side in each row of ``X_FIRST``,
+    the third in ``X_LAST``. The parts load through TMA only (:func:`_load_parts` reads X's row stride)."""
     if SPLIT:
-        p = base(X_PARTS, seq_b, start, h)
-        return (rows_desc(p, n_rows, X_PARTS.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
-                rows_desc(p + COLS, n_rows, X_PARTS.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
+        tl.static_assert(TMA, "the split operands load through TMA")
+        p = base(X_FIRST, seq_b, start, h)
+        return (rows_desc(p, n_rows, X_FIRST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
+                rows_desc(p + COLS, n_rows, X_FIRST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
                 rows_desc(base(X_LAST, seq_b, start, h), n_rows, X_LAST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA))
     else:
         return (rows_desc(base(X, seq_b, start, h), n_rows, X.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),)
@@ -195,21 +196,22 @@ def _bwd_q_tiles(dq, q, do, lse2, delta, k_desc, v_desc, K: Rows, V: Rows, start
 
 
 @triton.jit
-def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_row, dbias_bh, start, end, n0,
-                  Q: Rows, dO: Rows, dQ: Rows, dBias: DBias, seq: Seq, m: SeqMask, hs: HeadScores, hd: HeadDropout,
-                  F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr,
-                  MASKED: tl.constexpr):
+def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row, delta_row, dbias_bh, start, end,
+                  n0, Q: Rows, dO: Rows, dQ: Rows, dBias: DBias, seq: Seq, m: SeqMask, hs: HeadScores,
+                  hd: HeadDropout, F: tl.constexpr, T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr,
+                  SPLIT: tl.constexpr, MASKED: tl.constexpr):
     """dK and dV of one key block over query tiles ``[start, end)``, adding each tile's dQ into ``dq_tile``
     (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none). The key block's k and v and
-    the q and dO rows come as parts (``kp``, ``vp``, ``q_descs``, ``do_descs``: :func:`_part_descs`): one, or
-    under ``SPLIT`` three bf16 parts of each float32 operand, split once per call (:func:`split_bf16`) so that
-    every loaded operand stays in shared memory; P's and dS's are split in registers."""
+    the q and dO rows come as parts (``k_parts``, ``v_parts``, ``q_descs``, ``do_descs``: :func:`_part_descs`):
+    one, or under ``SPLIT`` three bf16 parts of each float32 operand, split once per call (:func:`split_bf16`)
+    so that every loaded operand stays in shared memory; P's and dS's are split in registers per tile."""
     cols = n0 + tl.arange(0, T.BLOCK_N)[:, None]
     for m0 in range(start, end, T.BLOCK_M):
         m0 = tl.multiple_of(m0, T.BLOCK_M)
         rows_m = m0 + tl.arange(0, T.BLOCK_M)
-        qp = _load_parts(q_descs, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA, SPLIT)
-        dop = _load_parts(do_descs, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA, SPLIT)
+        q_parts = _load_parts(q_descs, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA, SPLIT)
+        do_parts = _load_parts(do_descs, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA,
+                               SPLIT)
         if MASKED:
             lse2 = tl.load(lse2_row + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
             delta = tl.load(delta_row + rows_m, mask=rows_m < seq.Lq, other=0.0)
@@ -218,15 +220,15 @@ def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_ro
             delta = tl.load(delta_row + rows_m)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
         if SPLIT:
-            qkt = _dot6(kp, _trans3(qp), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            qkt = _dot6(k_parts, _trans3(q_parts), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
         else:
-            qkt = tl.dot(kp[0], tl.trans(qp[0]), input_precision=T.DOT_PRECISION)
+            qkt = tl.dot(k_parts[0], tl.trans(q_parts[0]), input_precision=T.DOT_PRECISION)
         st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False)
         pt = tl.exp2(st - lse2[None, :])
         if SPLIT:
-            dpt = _dot6(vp, _trans3(dop), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            dpt = _dot6(v_parts, _trans3(do_parts), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
         else:
-            dpt = tl.dot(vp[0], tl.trans(dop[0]), input_precision=T.DOT_PRECISION)
+            dpt = tl.dot(v_parts[0], tl.trans(do_parts[0]), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:
             keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N))
             pt_kept = tl.where(keept, pt * hd.keep_scale, 0.0)
@@ -234,9 +236,9 @@ def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_ro
         else:
             pt_kept = pt
         if SPLIT:
-            dv = _dot6(bf16_parts(pt_kept), dop, dv)
+            dv = _dot6(bf16_parts(pt_kept), do_parts, dv)
         else:
-            dv += tl.dot(pt_kept.to(dop[0].dtype), dop[0], input_precision=T.DOT_PRECISION)
+            dv += tl.dot(pt_kept.to(do_parts[0].dtype), do_parts[0], input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if DB.MODE != 0:
             bias_grad(dst, dbias_bh, rows_m, n0 + tl.arange(0, T.BLOCK_N), seq.Lq, seq.Lk, dBias.sq, dBias.sk, DB,
@@ -244,16 +246,19 @@ def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_ro
         dst = softcap_grad(dst, tt, F)
         if SPLIT:
             dst_parts = bf16_parts(dst)
-            dk = _dot6(dst_parts, qp, dk)
+            dk = _dot6(dst_parts, q_parts, dk)
         else:
-            dk += tl.dot(dst.to(qp[0].dtype), qp[0], input_precision=T.DOT_PRECISION)
+            dk += tl.dot(dst.to(q_parts[0].dtype), q_parts[0], input_precision=T.DOT_PRECISION)
         if DQ_MODE != 0:
             if SPLIT:
                 # As dQᵀ = Kᵀ dSᵀ: BLOCK_D rows fill the tensor cores' 64-row tiles where BLOCK_M rows would
-                # not (Triton then falls back to mma.sync with K in registers: ~700 more bytes of spills).
-                dq = tl.trans(_dot6(_trans3(kp), dst_parts, tl.zeros([T.BLOCK_D, T.BLOCK_M], tl.float32))) * hs.scale
+                # not (Triton then falls back to mma.sync with K's parts in registers: 1272 bytes of stack at
+                # D128 32x64 tiles against 752).
+                dqt = _dot6(_trans3(k_parts), dst_parts, tl.zeros([T.BLOCK_D, T.BLOCK_M], tl.float32))
+                dq = tl.trans(dqt) * hs.scale
             else:
-                dq = tl.dot(tl.trans(dst.to(kp[0].dtype)), kp[0], input_precision=T.DOT_PRECISION) * hs.scale
+                dq = tl.dot(tl.trans(dst.to(k_parts[0].dtype)), k_parts[0],
+                            input_precision=T.DOT_PRECISION) * hs.scale
             if DQ_MODE == 2:
                 # One bulk reduce of the tile (TMA), clipped at the sequence's last row by the descriptor.
                 dq_tile.atomic_add([m0, 0], dq)
@@ -267,7 +272,7 @@ def _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_ro
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
-                   dBias: DBias, Q_PARTS: Rows, K_PARTS: Rows, V_PARTS: Rows, dO_PARTS: Rows, Q_LAST: Rows,
+                   dBias: DBias, Q_FIRST: Rows, K_FIRST: Rows, V_FIRST: Rows, dO_FIRST: Rows, Q_LAST: Rows,
                    K_LAST: Rows, V_LAST: Rows, dO_LAST: Rows, F: tl.constexpr,
                    T: tl.constexpr, DB: tl.constexpr, DQ_MODE: tl.constexpr, SPLIT: tl.constexpr, GRID: tl.constexpr):
     """dK and dV (and dQ, and the bias gradient). Grid ``(cdiv(max_k, BLOCK_N), Hkv, B)``, or another order of
@@ -279,7 +284,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     ``(Tk, Hkv, D|DV)``; dQ: the fp32 accumulator ``(B, Sq, H, BLOCK_D)`` | ``(Tq, H, BLOCK_D)`` (added to
     unless DQ_MODE is 0); LSE2, DELTA from the preprocess; dBias: the bias gradient of the bias's shape.
     ``SPLIT`` (float32 at full accuracy, ``configs.splits_bf16``): the three bf16 parts of Q, K, V, dO
-    (:func:`split_bf16`), the first two side by side in each row of Q_PARTS, K_PARTS, V_PARTS, dO_PARTS (K's and
+    (:func:`split_bf16`), the first two side by side in each row of Q_FIRST, K_FIRST, V_FIRST, dO_FIRST (K's and
     V's in dK's and dV's buffers, each program reading its own rows there before it writes them) and the third
     in Q_LAST, K_LAST, V_LAST, dO_LAST; Q, K, V, dO themselves are not read. Otherwise all of these are Q, K, V,
     dO again and unread.
@@ -290,20 +295,21 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     if n0 >= seq.Lk:
         return
     # (Under SPLIT, K's and V's first two parts lie in dK's and dV's buffers: read here, before any write below.)
-    kp = _load_parts(_part_descs(K, K_PARTS, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N, T.BLOCK_D,
-                                 T.TMA, SPLIT), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, True, T.TMA, SPLIT)
-    vp = _load_parts(_part_descs(V, V_PARTS, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N, T.BLOCK_DV,
-                                 T.TMA, SPLIT), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, True, T.TMA,
-                     SPLIT)
+    k_parts = _load_parts(_part_descs(K, K_FIRST, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N,
+                                      T.BLOCK_D, T.TMA, SPLIT), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D,
+                          True, T.TMA, SPLIT)
+    v_parts = _load_parts(_part_descs(V, V_FIRST, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N,
+                                      T.BLOCK_DV, T.TMA, SPLIT), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
+                          True, T.TMA, SPLIT)
     dk = tl.zeros([T.BLOCK_N, T.BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([T.BLOCK_N, T.BLOCK_DV], dtype=tl.float32)
     # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
     bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for g in range(T.GROUP):
         h = hk * T.GROUP + g
-        q_descs = _part_descs(Q, Q_PARTS, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
+        q_descs = _part_descs(Q, Q_FIRST, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
                               SPLIT)
-        do_descs = _part_descs(dO, dO_PARTS, dO_LAST, seq.b, seq.q_start, h, seq.Lq, T.DV, T.BLOCK_M, T.BLOCK_DV,
+        do_descs = _part_descs(dO, dO_FIRST, dO_LAST, seq.b, seq.q_start, h, seq.Lq, T.DV, T.BLOCK_M, T.BLOCK_DV,
                                T.TMA, SPLIT)
         # The fp32 dQ rows of this sequence and head: a descriptor for the TMA bulk reduce.
         dq_tile = rows_desc(base(dQ, seq.b, seq.q_start, h), seq.Lq, dQ.stride_s, T.BLOCK_D, T.BLOCK_M, T.BLOCK_D,
@@ -314,9 +320,9 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
         lse2_row = lse_row(LSE2, bt, seq, h, F)
         delta_row = lse_row(DELTA, bt, seq, h, F)
         for stage in tl.static_range(3):
-            dk, dv = _bwd_kv_tiles(dk, dv, kp, vp, q_descs, do_descs, dq_tile, lse2_row, delta_row, dbias_bh,
-                                   bounds[stage], bounds[stage + 1], n0, Q, dO, dQ, dBias, seq, m, hs, hd, F, T, DB,
-                                   DQ_MODE, SPLIT, stage != 1)
+            dk, dv = _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row, delta_row,
+                                   dbias_bh, bounds[stage], bounds[stage + 1], n0, Q, dO, dQ, dBias, seq, m, hs, hd, F,
+                                   T, DB, DQ_MODE, SPLIT, stage != 1)
     store_rows(base(dK, seq.b, seq.k_start, hk), n0, seq.Lk, dK.stride_s, dk * scores.scale, T.D, T.BLOCK_N,
                T.BLOCK_D)
     store_rows(base(dV, seq.b, seq.k_start, hk), n0, seq.Lk, dV.stride_s, dv, T.DV, T.BLOCK_N, T.BLOCK_DV)
@@ -421,11 +427,14 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
 @triton.jit(do_not_specialize=["n_rows", "seq_len", "heads", "stride_b", "stride_s", "stride_h"])
 def _split_bf16_kernel(X, FIRST, LAST, n_rows, seq_len, heads, stride_b, stride_s, stride_h,
                        FIRST_STRIDE: tl.constexpr, LAST_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROWS: tl.constexpr):
+                       ROWS: tl.constexpr, WIDE: tl.constexpr):
     """Rows ``[i * ROWS, +ROWS)`` of ``X`` ``(B, seq_len, heads, D)`` (strided) as their three bf16 parts: the
     first two side by side in row r of ``FIRST`` (``FIRST_STRIDE`` apart), the third in row r of ``LAST``. Sizes
     and strides change with the batch: none is specialized."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    if WIDE:  # 2**31 rows or more: row indices in 64 bits
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    else:
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     h = rows % heads
     s = (rows // heads) % seq_len
@@ -445,8 +454,8 @@ def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torc
     float32): x's 24 bits in three 8-bit pieces, whose sum is x. Returns ``(first, last)``: the first two parts
     side by side, ``(..., 2 * D)``, and the third, ``(..., D)``; by default both views of one contiguous
     ``(..., 3 * D)`` tensor, or with ``first`` given (a contiguous float32 tensor shaped like x) the first two in
-    its memory, the third in a new tensor. On the GPU only: Triton's interpreter truncates float32 to bf16
-    whatever rounding is asked for."""
+    its memory, the third in a new tensor. (Triton's interpreter truncates float32 to bf16 whatever rounding is
+    asked for: there the parts still add up to x but are not the nearest, and the backward never splits.)"""
     D = x.shape[-1]
     if first is None:
         parts = torch.empty(*x.shape[:-1], 3 * D, device=x.device, dtype=torch.bfloat16)
@@ -456,10 +465,11 @@ def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torc
         last = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
     x4 = x if x.dim() == 4 else x.unsqueeze(0)
     n_rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
-    rows = 32
-    _split_bf16_kernel[(cdiv(n_rows, rows),)](x4, first, last, n_rows, x4.shape[1], x4.shape[2], *x4.stride()[:3],
-                                               FIRST_STRIDE=first.stride(-2), LAST_STRIDE=last.stride(-2), D=D,
-                                               BLOCK_D=head_block(D), ROWS=rows)
+    block_rows = 32
+    _split_bf16_kernel[(cdiv(n_rows, block_rows),)](x4, first, last, n_rows, x4.shape[1], x4.shape[2],
+                                                     *x4.stride()[:3], FIRST_STRIDE=first.stride(-2),
+                                                     LAST_STRIDE=last.stride(-2), D=D, BLOCK_D=head_block(D),
+                                                     ROWS=block_rows, WIDE=n_rows + block_rows >= 2**31)
     return first, last
 
 
@@ -497,19 +507,19 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
     # float32 at full accuracy: the loaded operands split once per call (see _dot6), loaded through TMA. Triton 3.6
-    # miscompiles the split kernel without pipelined loads (H100: wrong dK and dV with 32x64 tiles, an
-    # out-of-bounds shared-memory read with 16x64; both right with num_stages 2): such tiles take Triton's
-    # tf32x3 dots.
+    # miscompiles the split kernel without pipelined loads (H100: GPU tests crashed with one stage; on a variant
+    # with dK and dV transposed, compute-sanitizer found an out-of-bounds shared-memory read at 16x64 tiles and
+    # dK and dV came out wrong at 32x64; every tile right with two stages): such tiles take Triton's tf32x3 dots.
     split = splits_bf16(q.dtype, problem, tma) and config.kv.num_stages > 1
     if split:  # K's and V's first two parts live in dK's and dV's buffers, row by row: contiguous ones
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        (q_parts, q_last), (k_parts, k_last), (v_parts, v_last), (do_parts, do_last) = (
+        (q_first, q_last), (k_first, k_last), (v_first, v_last), (do_first, do_last) = (
             split_bf16(q), split_bf16(k, dk), split_bf16(v, dv), split_bf16(dout))
     else:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        q_parts, k_parts, v_parts, do_parts = q_last, k_last, v_last, do_last = q, k, v, dout
+        q_first, k_first, v_first, do_first = q_last, k_last, v_last, do_last = q, k, v, dout
     dropout_kwargs = dropout_args(seed, opts, problem, lse)  # (the bundle and the key)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
@@ -554,8 +564,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
-            Q_PARTS=rows(q_parts, dense), K_PARTS=rows(k_parts, dense), V_PARTS=rows(v_parts, dense),
-            dO_PARTS=rows(do_parts, dense), Q_LAST=rows(q_last, dense), K_LAST=rows(k_last, dense),
+            Q_FIRST=rows(q_first, dense), K_FIRST=rows(k_first, dense), V_FIRST=rows(v_first, dense),
+            dO_FIRST=rows(do_first, dense), Q_LAST=rows(q_last, dense), K_LAST=rows(k_last, dense),
             V_LAST=rows(v_last, dense), dO_LAST=rows(do_last, dense), T=kv_tiles,
             DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode, SPLIT=split, GRID=grid_order,
             ORDER=order,

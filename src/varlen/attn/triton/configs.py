@@ -172,7 +172,8 @@ def splits_bf16(dtype: torch.dtype, problem, tma: bool) -> bool:
     dots, which split both operands of every dot in registers and transpose the 32-bit ones that wgmma needs
     K-major through them. Only when tiles load through TMA (``tma``), up to head dim 128 (at 256 a key block's
     parts overflow shared memory), with head dims that are multiples of 8 (each part then starts on a 16-byte
-    boundary, as TMA needs), and never under the interpreter (its bf16 dots are wrong)."""
+    boundary, as TMA needs), and never under the interpreter (its bf16 dots give wrong numbers and its float32
+    to bf16 conversions truncate)."""
     return (tma and dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and head_bound(problem) <= 128
             and problem.head_dim % 8 == 0 and problem.head_dim_v % 8 == 0 and not interpreter_enabled())
 
@@ -210,14 +211,16 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
     t = tables(device)
     bound = head_bound(problem)
     if dtype == torch.float32:
-        if splits_bf16(dtype, problem, tma):
+        split = splits_bf16(dtype, problem, tma)
+        if split:
             small = t.float32_split_untuned
         elif bound == 256 and not tma:
             small = t.float32_untuned_256_pointers
         else:
             small = t.float32_untuned
         untuned = (small, small, DQ_TMA)
-        tuned = not (bias or dropout) and tma
+        # (the "tf32x3" tiles are the split kernel's: without the split, Triton's tf32x3 dots spill at them)
+        tuned = not (bias or dropout) and tma and (split or dot_precision(dtype) != "tf32x3")
         kv, q, mode = t.backward_float32.get((dot_precision(dtype), bound), untuned) if tuned else untuned
     elif bias and bound in t.backward_bias:
         kv, q, mode = t.backward_bias[bound]
