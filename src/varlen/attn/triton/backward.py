@@ -424,28 +424,22 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
                  (offs_n[None, :] < bt.max_k))
 
 
-@triton.jit(do_not_specialize=["n_rows", "seq_len", "heads", "stride_b", "stride_s", "stride_h"])
-def _split_bf16_kernel(X, FIRST, LAST, n_rows, seq_len, heads, stride_b, stride_s, stride_h,
-                       FIRST_STRIDE: tl.constexpr, LAST_STRIDE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROWS: tl.constexpr, WIDE: tl.constexpr):
-    """Rows ``[i * ROWS, +ROWS)`` of ``X`` ``(B, seq_len, heads, D)`` (strided) as their three bf16 parts: the
-    first two side by side in row r of ``FIRST`` (``FIRST_STRIDE`` apart), the third in row r of ``LAST``. Sizes
-    and strides change with the batch: none is specialized."""
-    if WIDE:  # 2**31 rows or more: row indices in 64 bits
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    else:
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    h = rows % heads
-    s = (rows // heads) % seq_len
-    b = rows // heads // seq_len
-    src = b.to(tl.int64) * stride_b + s.to(tl.int64) * stride_s + h.to(tl.int64) * stride_h
-    ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    x0, x1, x2 = bf16_parts(tl.load(X + src[:, None] + cols[None, :], mask=ok, other=0.0))
-    first = FIRST + rows[:, None].to(tl.int64) * FIRST_STRIDE + cols[None, :]
-    tl.store(first, x0, mask=ok)
-    tl.store(first + D, x1, mask=ok)
-    tl.store(LAST + rows[:, None].to(tl.int64) * LAST_STRIDE + cols[None, :], x2, mask=ok)
+@triton.jit(do_not_specialize=["n_rows"])
+def _split_bf16_kernel(X: Rows, FIRST: Rows, LAST: Rows, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """Grid ``(cdiv(n_rows, ROWS), H, B)``: rows ``[i * ROWS, +ROWS)`` of head h of batch b of ``X`` (``n_rows``
+    per batch) as their three bf16 parts: the first two side by side in ``FIRST``'s rows, the third in
+    ``LAST``'s."""
+    r0 = tl.program_id(0) * ROWS
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    zero = b * 0  # (a tensor zero: the rows' start within the batch)
+    x = load_rows(base(X, b, zero, h), r0, n_rows, X.stride_s, D, ROWS, BLOCK_D, True, False)
+    x0, x1, x2 = bf16_parts(x)
+    first = base(FIRST, b, zero, h)
+    store_rows(first, r0, n_rows, FIRST.stride_s, x0, D, ROWS, BLOCK_D)
+    store_rows(first + D, r0, n_rows, FIRST.stride_s, x1, D, ROWS, BLOCK_D)
+    store_rows(base(LAST, b, zero, h), r0, n_rows, LAST.stride_s, x2, D, ROWS, BLOCK_D)
 
 
 def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -463,13 +457,11 @@ def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torc
     else:
         first = first.view(torch.bfloat16)
         last = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
-    x4 = x if x.dim() == 4 else x.unsqueeze(0)
-    n_rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
+    dense = x.dim() == 4
+    batch, n_rows, heads = (x.shape[0], x.shape[1], x.shape[2]) if dense else (1, x.shape[0], x.shape[1])
     block_rows = 32
-    _split_bf16_kernel[(cdiv(n_rows, block_rows),)](x4, first, last, n_rows, x4.shape[1], x4.shape[2],
-                                                     *x4.stride()[:3], FIRST_STRIDE=first.stride(-2),
-                                                     LAST_STRIDE=last.stride(-2), D=D, BLOCK_D=head_block(D),
-                                                     ROWS=block_rows, WIDE=n_rows + block_rows >= 2**31)
+    _split_bf16_kernel[(cdiv(n_rows, block_rows), heads, batch)](
+        rows(x, dense), rows(first, dense), rows(last, dense), n_rows, D=D, BLOCK_D=head_block(D), ROWS=block_rows)
     return first, last
 
 
