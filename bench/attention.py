@@ -194,7 +194,7 @@ def suite_features(args, rows):
 
 
 def suite_fp32(args, rows):
-    """float32 inputs: varlen at full float32 accuracy (torch's default: three-pass TF32 dots) and with TF32
+    """float32 inputs: varlen at full float32 accuracy (torch's default: products from bf16 parts) and with TF32
     allowed, next to SDPA's memory-efficient kernel (the only fused float32 one), B·S = 16k tokens, H·D = 512.
     Then the demo's shape: 64 jagged sequences of 2-1025 tokens, H4 D64, against the padded batch + mask."""
     from torch.nn.attention import SDPBackend, sdpa_kernel

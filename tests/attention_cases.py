@@ -277,15 +277,16 @@ def run_attention(case: AttnCase, inputs: AttnInputs, backend: str):
     return out, lse, grads
 
 
-def run_reference(case: AttnCase, inputs: AttnInputs):
-    """``(out, lse, grads)`` of ``attention_reference`` in float64 on the same inputs and dropout mask."""
-    up = [t.detach().to(torch.float64).requires_grad_(True) for t in inputs.leaves]
+def run_reference(case: AttnCase, inputs: AttnInputs, dtype: torch.dtype = torch.float64):
+    """``(out, lse, grads)`` of ``attention_reference`` in ``dtype`` (float64 unless asked: the reference; in the
+    inputs' dtype, PyTorch's own error for flash-attn's rule) on the same inputs and dropout mask."""
+    up = [t.detach().to(dtype).requires_grad_(True) for t in inputs.leaves]
     if case.jagged:
         q, k, v = (x.with_values(u) for x, u in zip((inputs.q, inputs.k, inputs.v), up[:3], strict=True))
     else:
         q, k, v = up[:3]
     bias = up[3] if len(up) > 3 else inputs.bias
-    slopes = None if inputs.alibi_slopes is None else inputs.alibi_slopes.to(torch.float64)
+    slopes = None if inputs.alibi_slopes is None else inputs.alibi_slopes.to(dtype)
     out, lse = attention_reference(q, k, v, **case.options(), bias=bias, alibi_slopes=slopes,
                                    dropout_mask=inputs.keep, dropout_p=case.dropout_p, prefix_len=inputs.prefix_len,
                                    document_ids=inputs.document_ids, query_offset=inputs.query_offset)

@@ -7,6 +7,8 @@ import pathlib
 import pytest
 import torch
 
+from varlen._amp import float32_matmul_precision
+from varlen.attn.options import Problem
 from varlen.attn.triton import configs
 
 SWEEPS = pathlib.Path(__file__).parent.parent / "bench/results/sweeps"
@@ -35,14 +37,12 @@ def _best_full(rows, kind, precision, D):
 @pytest.mark.parametrize("D", [64, 128])
 def test_float32_tables_are_the_sweeps_best(precision, D):
     """Every float32 entry is a row of the sweep it cites, within the rows' rounding (1 TFLOP/s) of the best."""
-    rows = _rows(configs.FP32_SWEEP)
+    # (full float32 accuracy runs on bf16 parts, with its own sweep)
+    rows = _rows(configs.FP32_PARTS_SWEEP if precision == "tf32x3" else configs.FP32_SWEEP)
     assert {r["capability"] for r in rows} == {"9.0"} and configs.TABLES[(9, 0)] is configs.SM90
     best, timed = _best_full(rows, "fwd", precision, D)
     assert timed[configs.SM90.forward_float32[(precision, D)]] >= best - 1
     kv, q, mode = configs.SM90.backward_float32[(precision, D)]
-    if precision == "tf32x3":  # the backward with bf16 parts has its own sweep
-        rows = _rows(configs.FP32_PARTS_SWEEP)
-        assert {r["capability"] for r in rows} == {"9.0"} and not any(r["kind"] == "fwd" for r in rows)
     best, timed = _best_full(rows, "bwd", precision, D)
     assert timed[configs.BackwardConfig(kv, None, mode)] >= best - 1
     # The dQ tiles (deterministic mode) are those of the best separate-dQ row.
@@ -55,3 +55,34 @@ def test_sources_are_named_and_other_gpus_fall_back_to_sm90():
     assert (SWEEPS / pathlib.Path(configs.FP32_PARTS_SWEEP).name).exists()
     assert "untuned" in configs.UNTUNED and "NOTES.md" in configs.H200_SWEEPS
     assert configs.tables(torch.device("cpu")) is configs.SM90
+
+
+@pytest.mark.parametrize("D", [36, 64, 100, 128, 256])
+def test_float32_tiles_follow_the_split(D, monkeypatch):
+    """float32 at full accuracy (no TF32): calls that split into bf16 parts (TMA, head dims up to 128) take the
+    parts' tuned tiles, or their untuned ones next to a bias or dropout, always with two stages or more (the
+    launchers never split a one-stage config); the others take the untuned tiles of Triton's tf32x3 dots. With TF32
+    allowed, D256's backward takes tiles that fit its shared memory."""
+    monkeypatch.setattr(configs, "interpreter_enabled", lambda: False)  # (the interpreter never splits)
+    problem = Problem(2, 4, 4, D, D, 512, 512, True)
+    device, t = torch.device("cpu"), configs.SM90  # (tables() gives sm_90's off the GPU)
+    bound = configs.head_bound(problem)
+    with float32_matmul_precision("ieee"):
+        for tma in (True, False):
+            split = configs.splits_bf16(torch.float32, problem, tma)
+            assert split == (tma and D <= 128)
+            for heavy in ({}, {"bias": True}, {"dropout": True}):
+                fwd = configs.forward_config(problem, torch.float32, device, tma=tma, **heavy)
+                bwd = configs.backward_config(problem, torch.float32, False, False, device, tma=tma, **heavy)
+                if split and not heavy:
+                    assert fwd == t.forward_float32[("tf32x3", bound)]
+                    assert (bwd.kv, bwd.q) == t.backward_float32[("tf32x3", bound)][:2]
+                elif split:
+                    assert fwd == bwd.kv == t.float32_split_untuned
+                else:
+                    assert fwd == t.float32_untuned
+                    assert bwd.kv == (t.float32_untuned_256_pointers if D == 256 and not tma else t.float32_untuned)
+                assert (fwd.num_stages > 1 and bwd.kv.num_stages > 1) == split
+    with float32_matmul_precision("tf32"):  # (at D256 TF32's dots need smaller backward tiles)
+        bwd = configs.backward_config(problem, torch.float32, False, False, device)
+        assert bwd.kv == (t.float32_untuned_256_tf32 if D == 256 else t.backward_float32[("tf32", bound)][0])

@@ -4,10 +4,10 @@
     python tools/compile_check.py --verbose tools/attention_variants.py
     ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
-Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256; dense, jagged and GQA; causal,
-window, prefix and document masks; bias (full and broadcast, with gradients), ALiBi + softcap, dropout;
-deterministic mode; TMA loads and pointer loads; and the Gluon forward and backward for every case they
-support (their "gluon forward ..." and "gluon ..." labels). Outputs stay unwritten (nothing is run).
+Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100);
+dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
+ALiBi + softcap, dropout; deterministic mode; TMA loads and pointer loads; and the Gluon forward and backward
+for every case they support (their "gluon forward ..." and "gluon ..." labels). Outputs stay unwritten (nothing is run).
 """
 
 import os
@@ -60,13 +60,17 @@ CASES = [
       for name in ("plain", "causal", "bias_broadcast", "dropout", "positions")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
-    # float32 at full accuracy splits the backward's operands (configs.splits_bf16): its shared memory next to
-    # each feature and layout.
+    # float32 at full accuracy splits the operands into bf16 parts (configs.splits_bf16): their shared memory next
+    # to each feature and layout.
     *((D, torch.float32, "ieee", jagged, group, name) for D in (64, 128)
       for jagged, group, name in ((False, 1, "bias_full"), (False, 1, "bias_broadcast"), (False, 1, "dropout"),
                                   (False, 1, "deterministic"), (True, 4, "causal"), (True, 1, "positions"))),
+    # ... and head dims that are no multiple of 8 (parts padded to one: parts.part_width).
+    *((D, torch.float32, "ieee", False, 1, name) for D in (36, 100) for name in ("plain", "causal")),
     *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
       for name in ("plain", "causal")),
+    # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
+    *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
 ]
 
 

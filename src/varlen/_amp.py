@@ -73,8 +73,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     float32: ``"tf32"`` when torch allows TF32 (:func:`float32_matmul_uses_tf32`), else ``"tf32x3"``: three
     TF32 products that split each operand into a high and a low part, about float32's accuracy at tensor-core
     speed (plain float32 ``"ieee"`` dots run on the CUDA cores, many times slower, and spill registers in the
-    attention kernels). 16-bit inputs multiply exactly either way. (Under ``"tf32x3"`` the attention backward's
-    kv kernel computes its products from three bf16 parts of each operand instead where it can:
+    attention kernels). 16-bit inputs multiply exactly either way. (Under ``"tf32x3"`` the attention forward and
+    the backward's kv kernel compute their products from three bf16 parts of each operand instead where they can:
     ``attn.triton.configs.splits_bf16``.)
     """
     if dtype == torch.float32 and not float32_matmul_uses_tf32():

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by te
         return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
     tl = types.SimpleNamespace(constexpr=_Constexpr, float32="fp32", float64="fp64")
-    triton = types.SimpleNamespace(jit=_jit, cdiv=lambda a, b: -(-a // b), next_power_of_2=_next_power_of_2,
-                                   language=tl)
+    triton = types.SimpleNamespace(jit=_jit, constexpr_function=lambda fn: fn, cdiv=lambda a, b: -(-a // b),
+                                   next_power_of_2=_next_power_of_2, language=tl)
 
 __all__ = ["IMPORT_ERROR", "tl", "triton"]

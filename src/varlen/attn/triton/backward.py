@@ -8,7 +8,7 @@
    1/(1-p)), dS = P (dP - delta), dK += dSᵀ Q, and, unless the dQ kernel runs, dQ += dS K added into an
    fp32 buffer: a TMA bulk reduce of the whole tile on Hopper (``DQ_MODE`` 2), element atomics elsewhere
    and under the interpreter (1). dS is also the bias gradient (``scores.bias_grad``). float32 at full
-   accuracy (``SPLIT``): each product is six bf16 dots (:func:`_dot6`) of three bf16 parts per operand, split
+   accuracy (``SPLIT``): each product is six bf16 dots of three bf16 parts per operand (``parts.py``), split
    once per call for the loaded ones (Q, K, V, dO) and per tile for P and dS.
 3. ``_bwd_q_kernel`` (``DQ_MODE`` 0, also the deterministic mode): one program per query block walking
    its key tiles computes dQ without atomics (recomputing S and dP: seven matmuls of work for five
@@ -36,6 +36,7 @@ from .launch import (
     use_tma,
 )
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
+from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, split_bf16, trans3
 from .program import (
     Rows,
     Seq,
@@ -114,72 +115,13 @@ def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadSco
     """(dS in natural units, dS through the softcap) of queries ``m0..`` x keys ``n0..`` (query-major)."""
     qk = tl.dot(q, tl.trans(k), input_precision=T.DOT_PRECISION)
     s, t = score_tile(qk, m0 + tl.arange(0, T.BLOCK_M)[:, None], n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq,
-                      seq.Lk, m, hs, F, MASKED, False)
+                      seq.Lk, m, hs, F, MASKED, False, T.DOT_PRECISION == "tf32x3")
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=T.DOT_PRECISION)
     if F.DROPOUT:
         dp = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), dp * hd.keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
     return ds, softcap_grad(ds, t, F)
-
-
-@triton.jit
-def bf16_parts(x):
-    """fp32 ``x`` as three bfloat16 parts ``(x0, x1, x2)``, each the nearest bf16 to what the ones before it
-    leave of x (remainders exact in fp32): x's 24 bits in three 8-bit pieces, whose sum is x. The same rule as
-    :func:`split_bf16`."""
-    x0 = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    r = x - x0.to(tl.float32)
-    x1 = r.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    return x0, x1, (r - x1.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def _trans3(x):
-    """Each of three parts transposed."""
-    return tl.trans(x[0]), tl.trans(x[1]), tl.trans(x[2])
-
-
-@triton.jit
-def _dot6(a, b, acc):
-    """``acc + a @ b`` to float32's accuracy from operands given as three bf16 parts each (:func:`bf16_parts`):
-    the six products whose terms reach 2**-16 of the whole, smallest first (the three left out stay below 2**-23
-    of it). bf16 products run at twice TF32's rate, and take an operand transposed from shared memory where
-    32-bit ones need both operands K-major."""
-    acc = tl.dot(a[2], b[0], acc)
-    acc = tl.dot(a[1], b[1], acc)
-    acc = tl.dot(a[0], b[2], acc)
-    acc = tl.dot(a[1], b[0], acc)
-    acc = tl.dot(a[0], b[1], acc)
-    return tl.dot(a[0], b[0], acc)
-
-
-@triton.jit
-def _part_descs(X: Rows, X_FIRST: Rows, X_LAST: Rows, seq_b, start, h, n_rows, COLS: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
-    """Descriptors (or pointers) of a sequence's rows of X as the kernel loads them: X itself, or under
-    ``SPLIT`` its three bf16 parts (:func:`split_bf16`): the first two side by side in each row of ``X_FIRST``,
-    the third in ``X_LAST``. The parts load through TMA only (:func:`_load_parts` reads X's row stride)."""
-    if SPLIT:
-        tl.static_assert(TMA, "the split operands load through TMA")
-        p = base(X_FIRST, seq_b, start, h)
-        return (rows_desc(p, n_rows, X_FIRST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
-                rows_desc(p + COLS, n_rows, X_FIRST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),
-                rows_desc(base(X_LAST, seq_b, start, h), n_rows, X_LAST.stride_s, COLS, BLOCK_R, BLOCK_C, TMA))
-    else:
-        return (rows_desc(base(X, seq_b, start, h), n_rows, X.stride_s, COLS, BLOCK_R, BLOCK_C, TMA),)
-
-
-@triton.jit
-def _load_parts(descs, r0, n_rows, row_stride, COLS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                MASK_ROWS: tl.constexpr, TMA: tl.constexpr, SPLIT: tl.constexpr):
-    """Rows ``[r0, r0 + BLOCK_R)`` of each of :func:`_part_descs`'s descriptors."""
-    first = load_rows(descs[0], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA)
-    if SPLIT:
-        return (first, load_rows(descs[1], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA),
-                load_rows(descs[2], r0, n_rows, row_stride, COLS, BLOCK_R, BLOCK_C, MASK_ROWS, TMA))
-    else:
-        return (first,)
 
 
 @triton.jit
@@ -202,16 +144,16 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
                   SPLIT: tl.constexpr, MASKED: tl.constexpr):
     """dK and dV of one key block over query tiles ``[start, end)``, adding each tile's dQ into ``dq_tile``
     (``DQ_MODE`` 2: its TMA descriptor; 1: its fp32 buffer's first row; 0: none). The key block's k and v and
-    the q and dO rows come as parts (``k_parts``, ``v_parts``, ``q_descs``, ``do_descs``: :func:`_part_descs`):
+    the q and dO rows come as parts (``k_parts``, ``v_parts``, ``q_descs``, ``do_descs``: :func:`parts.part_descs`):
     one, or under ``SPLIT`` three bf16 parts of each float32 operand, split once per call (:func:`split_bf16`)
     so that every loaded operand stays in shared memory; P's and dS's are split in registers per tile."""
     cols = n0 + tl.arange(0, T.BLOCK_N)[:, None]
     for m0 in range(start, end, T.BLOCK_M):
         m0 = tl.multiple_of(m0, T.BLOCK_M)
         rows_m = m0 + tl.arange(0, T.BLOCK_M)
-        q_parts = _load_parts(q_descs, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA, SPLIT)
-        do_parts = _load_parts(do_descs, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA,
-                               SPLIT)
+        q_parts = load_parts(q_descs, m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, MASKED, T.TMA, SPLIT)
+        do_parts = load_parts(do_descs, m0, seq.Lq, dO.stride_s, T.DV, T.BLOCK_M, T.BLOCK_DV, MASKED, T.TMA,
+                              SPLIT)
         if MASKED:
             lse2 = tl.load(lse2_row + rows_m, mask=rows_m < seq.Lq, other=float("inf"))
             delta = tl.load(delta_row + rows_m, mask=rows_m < seq.Lq, other=0.0)
@@ -220,13 +162,14 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
             delta = tl.load(delta_row + rows_m)
         # Transposed tiles (keys x queries): dK and dV accumulate without transposing P or dS.
         if SPLIT:
-            qkt = _dot6(k_parts, _trans3(q_parts), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            qkt = dot6(k_parts, trans3(q_parts))
         else:
             qkt = tl.dot(k_parts[0], tl.trans(q_parts[0]), input_precision=T.DOT_PRECISION)
-        st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False)
+        st, tt = score_tile(qkt, rows_m[None, :], cols, seq.Lq, seq.Lk, m, hs, F, MASKED, False,
+                            T.DOT_PRECISION == "tf32x3")
         pt = tl.exp2(st - lse2[None, :])
         if SPLIT:
-            dpt = _dot6(v_parts, _trans3(do_parts), tl.zeros([T.BLOCK_N, T.BLOCK_M], tl.float32))
+            dpt = dot6(v_parts, trans3(do_parts))
         else:
             dpt = tl.dot(v_parts[0], tl.trans(do_parts[0]), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:
@@ -236,7 +179,7 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
         else:
             pt_kept = pt
         if SPLIT:
-            dv = _dot6(bf16_parts(pt_kept), do_parts, dv)
+            dv += dot6(bf16_parts(pt_kept), do_parts)
         else:
             dv += tl.dot(pt_kept.to(do_parts[0].dtype), do_parts[0], input_precision=T.DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -246,7 +189,7 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
         dst = softcap_grad(dst, tt, F)
         if SPLIT:
             dst_parts = bf16_parts(dst)
-            dk = _dot6(dst_parts, q_parts, dk)
+            dk += dot6(dst_parts, q_parts)
         else:
             dk += tl.dot(dst.to(q_parts[0].dtype), q_parts[0], input_precision=T.DOT_PRECISION)
         if DQ_MODE != 0:
@@ -254,7 +197,7 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
                 # As dQᵀ = Kᵀ dSᵀ: BLOCK_D rows fill the tensor cores' 64-row tiles where BLOCK_M rows would
                 # not (Triton then falls back to mma.sync with K's parts in registers: 1272 bytes of stack at
                 # D128 32x64 tiles against 752).
-                dqt = _dot6(_trans3(k_parts), dst_parts, tl.zeros([T.BLOCK_D, T.BLOCK_M], tl.float32))
+                dqt = dot6(trans3(k_parts), dst_parts)
                 dq = tl.trans(dqt) * hs.scale
             else:
                 dq = tl.dot(tl.trans(dst.to(k_parts[0].dtype)), k_parts[0],
@@ -284,10 +227,9 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     ``(Tk, Hkv, D|DV)``; dQ: the fp32 accumulator ``(B, Sq, H, BLOCK_D)`` | ``(Tq, H, BLOCK_D)`` (added to
     unless DQ_MODE is 0); LSE2, DELTA from the preprocess; dBias: the bias gradient of the bias's shape.
     ``SPLIT`` (float32 at full accuracy, ``configs.splits_bf16``): the three bf16 parts of Q, K, V, dO
-    (:func:`split_bf16`), the first two side by side in each row of Q_FIRST, K_FIRST, V_FIRST, dO_FIRST (K's and
-    V's in dK's and dV's buffers, each program reading its own rows there before it writes them) and the third
-    in Q_LAST, K_LAST, V_LAST, dO_LAST; Q, K, V, dO themselves are not read. Otherwise all of these are Q, K, V,
-    dO again and unread.
+    (:func:`split_bf16`), the first two in each row of Q_FIRST, K_FIRST, V_FIRST, dO_FIRST (K's and V's in dK's
+    and dV's buffers where they fit, each program reading its own rows there before it writes them) and the third
+    in Q_LAST, K_LAST, V_LAST, dO_LAST; Q, K, V, dO themselves are not read. Otherwise all of these are None.
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
     block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
@@ -295,22 +237,22 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     if n0 >= seq.Lk:
         return
     # (Under SPLIT, K's and V's first two parts lie in dK's and dV's buffers: read here, before any write below.)
-    k_parts = _load_parts(_part_descs(K, K_FIRST, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N,
-                                      T.BLOCK_D, T.TMA, SPLIT), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D,
-                          True, T.TMA, SPLIT)
-    v_parts = _load_parts(_part_descs(V, V_FIRST, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N,
-                                      T.BLOCK_DV, T.TMA, SPLIT), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
-                          True, T.TMA, SPLIT)
+    k_parts = load_parts(part_descs(K, K_FIRST, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N,
+                                    T.BLOCK_D, T.TMA, SPLIT), n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D,
+                         True, T.TMA, SPLIT)
+    v_parts = load_parts(part_descs(V, V_FIRST, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N,
+                                    T.BLOCK_DV, T.TMA, SPLIT), n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV,
+                         True, T.TMA, SPLIT)
     dk = tl.zeros([T.BLOCK_N, T.BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([T.BLOCK_N, T.BLOCK_DV], dtype=tl.float32)
     # Three stages over the query tiles that see this key block: masked, unmasked, masked (masks.py).
     bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for g in range(T.GROUP):
         h = hk * T.GROUP + g
-        q_descs = _part_descs(Q, Q_FIRST, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
-                              SPLIT)
-        do_descs = _part_descs(dO, dO_FIRST, dO_LAST, seq.b, seq.q_start, h, seq.Lq, T.DV, T.BLOCK_M, T.BLOCK_DV,
-                               T.TMA, SPLIT)
+        q_descs = part_descs(Q, Q_FIRST, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
+                             SPLIT)
+        do_descs = part_descs(dO, dO_FIRST, dO_LAST, seq.b, seq.q_start, h, seq.Lq, T.DV, T.BLOCK_M, T.BLOCK_DV,
+                              T.TMA, SPLIT)
         # The fp32 dQ rows of this sequence and head: a descriptor for the TMA bulk reduce.
         dq_tile = rows_desc(base(dQ, seq.b, seq.q_start, h), seq.Lq, dQ.stride_s, T.BLOCK_D, T.BLOCK_M, T.BLOCK_D,
                             DQ_MODE == 2)
@@ -424,47 +366,6 @@ def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Se
                  (offs_n[None, :] < bt.max_k))
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _split_bf16_kernel(X: Rows, FIRST: Rows, LAST: Rows, n_rows, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROWS: tl.constexpr):
-    """Grid ``(cdiv(n_rows, ROWS), H, B)``: rows ``[i * ROWS, +ROWS)`` of head h of batch b of ``X`` (``n_rows``
-    per batch) as their three bf16 parts: the first two side by side in ``FIRST``'s rows, the third in
-    ``LAST``'s."""
-    r0 = tl.program_id(0) * ROWS
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    zero = b * 0  # (a tensor zero: the rows' start within the batch)
-    x = load_rows(base(X, b, zero, h), r0, n_rows, X.stride_s, D, ROWS, BLOCK_D, True, False)
-    x0, x1, x2 = bf16_parts(x)
-    first = base(FIRST, b, zero, h)
-    store_rows(first, r0, n_rows, FIRST.stride_s, x0, D, ROWS, BLOCK_D)
-    store_rows(first + D, r0, n_rows, FIRST.stride_s, x1, D, ROWS, BLOCK_D)
-    store_rows(base(LAST, b, zero, h), r0, n_rows, LAST.stride_s, x2, D, ROWS, BLOCK_D)
-
-
-def split_bf16(x: torch.Tensor, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` ``(B, S, H, D)`` or ``(T, H, D)`` (last dim contiguous) as its three bfloat16 parts, in one
-    pass (:func:`bf16_parts` per element): the nearest bf16, then the nearest bf16 of each remainder (exact in
-    float32): x's 24 bits in three 8-bit pieces, whose sum is x. Returns ``(first, last)``: the first two parts
-    side by side, ``(..., 2 * D)``, and the third, ``(..., D)``; by default both views of one contiguous
-    ``(..., 3 * D)`` tensor, or with ``first`` given (a contiguous float32 tensor shaped like x) the first two in
-    its memory, the third in a new tensor. (Triton's interpreter truncates float32 to bf16 whatever rounding is
-    asked for: there the parts still add up to x but are not the nearest, and the backward never splits.)"""
-    D = x.shape[-1]
-    if first is None:
-        parts = torch.empty(*x.shape[:-1], 3 * D, device=x.device, dtype=torch.bfloat16)
-        first, last = parts[..., :2 * D], parts[..., 2 * D:]
-    else:
-        first = first.view(torch.bfloat16)
-        last = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
-    dense = x.dim() == 4
-    batch, n_rows, heads = (x.shape[0], x.shape[1], x.shape[2]) if dense else (1, x.shape[0], x.shape[1])
-    block_rows = 32
-    _split_bf16_kernel[(cdiv(n_rows, block_rows), heads, batch)](
-        rows(x, dense), rows(first, dense), rows(last, dense), n_rows, D=D, BLOCK_D=head_block(D), ROWS=block_rows)
-    return first, last
-
-
 def _bias_broadcast(bias, problem) -> tuple[bool, bool, bool, bool]:
     """Which of the bias's (B, H, Sq, Sk) dims are broadcast (size 1 against a larger problem dim)."""
     full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
@@ -498,20 +399,19 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
-    # float32 at full accuracy: the loaded operands split once per call (see _dot6), loaded through TMA. Triton 3.6
+    # float32 at full accuracy: the loaded operands split once per call (parts.py), loaded through TMA. Triton 3.6
     # miscompiles the split kernel without pipelined loads (H100: GPU tests crashed with one stage; on a variant
     # with dK and dV transposed, compute-sanitizer found an out-of-bounds shared-memory read at 16x64 tiles and
     # dK and dV came out wrong at 32x64; every tile right with two stages): such tiles take Triton's tf32x3 dots.
     split = splits_bf16(q.dtype, problem, tma) and config.kv.num_stages > 1
-    if split:  # K's and V's first two parts live in dK's and dV's buffers, row by row: contiguous ones
+    if split:  # K's and V's first two parts live in dK's and dV's buffers where they fit: contiguous ones
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        (q_first, q_last), (k_first, k_last), (v_first, v_last), (do_first, do_last) = (
-            split_bf16(q), split_bf16(k, dk), split_bf16(v, dv), split_bf16(dout))
+        parts = part_args(("Q", "K", "V", "dO"), split_bf16(q, k, v, dout, dk, dv), dense)
     else:
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
-        q_first, k_first, v_first, do_first = q_last, k_last, v_last, do_last = q, k, v, dout
+        parts = part_args(("Q", "K", "V", "dO"), None, dense)
     dropout_kwargs = dropout_args(seed, opts, problem, lse)  # (the bundle and the key)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
@@ -556,9 +456,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,
-            Q_FIRST=rows(q_first, dense), K_FIRST=rows(k_first, dense), V_FIRST=rows(v_first, dense),
-            dO_FIRST=rows(do_first, dense), Q_LAST=rows(q_last, dense), K_LAST=rows(k_last, dense),
-            V_LAST=rows(v_last, dense), dO_LAST=rows(do_last, dense), T=kv_tiles,
+            **parts, T=kv_tiles,
             DB=constexprs(DBiasMode(db_mode, bcast[2], bcast[3])), DQ_MODE=dq_mode, SPLIT=split, GRID=grid_order,
             ORDER=order,
             num_warps=kv.num_warps, num_stages=kv.num_stages, **common,

@@ -47,8 +47,8 @@ K = KernelConfig
 # Where each table comes from (bench/results/sweeps/*.csv rows are checked by tests/test_configs.py):
 H200_SWEEPS = "H200 sweeps of 2026-11-21, bf16 (bench/NOTES.md; rows not kept: re-run bench/attention_sweep.py --csv)"
 FP32_SWEEP = "bench/results/sweeps/fp32_h100_2026-11-22.csv"
-# The float32 full-accuracy backward with bf16 parts (splits_bf16): its own sweep, which replaced FP32_SWEEP's
-# "tf32x3" backward rows (those timed the kernel's earlier 3xTF32 form).
+# float32 at full accuracy, forward and backward, with bf16 parts (splits_bf16): its own sweep, which replaced
+# FP32_SWEEP's "tf32x3" rows (those timed Triton's tf32x3 dots and the backward's earlier 3xTF32 form).
 FP32_PARTS_SWEEP = "bench/results/sweeps/fp32_parts_h100_2026-11-25.csv"
 UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
 
@@ -62,7 +62,7 @@ class Tables:
     # without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used (deterministic for
     # free). H200_SWEEPS at D64/128, UNTUNED at D256.
     backward: dict
-    # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D; the "tf32x3" backward:
+    # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D; the "tf32x3" rows:
     # FP32_PARTS_SWEEP, same shapes), the best row without a mask (TFLOP/s full / causal in the comments); dQ
     # tiles: the best of the deterministic (separate dQ) rows.
     forward_float32: dict
@@ -71,9 +71,12 @@ class Tables:
     # loads need smaller tiles still (32x64 took 448 KiB of shared memory: tools/compile_check.py).
     float32_untuned: KernelConfig
     float32_untuned_256_pointers: KernelConfig
-    # The float32 backward with bf16 parts (:func:`splits_bf16`) keeps each loaded tile's three parts in shared
-    # memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py); two stages, since Triton 3.6
-    # miscompiles that kernel with one (backward.launch_backward). UNTUNED.
+    # ... and with TF32 dots the D256 backward's kv kernel at float32_untuned's 32x64 tiles took 256 KiB of shared
+    # memory (TMA loads; a GPU test crashed there): 16x64 fits (192 KiB; tools/compile_check.py). UNTUNED.
+    float32_untuned_256_tf32: KernelConfig
+    # The float32 forward and backward with bf16 parts (:func:`splits_bf16`) keep each loaded tile's three parts in
+    # shared memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py); two stages, since
+    # Triton 3.6 miscompiles the backward's split kernel with one (backward.launch_backward). UNTUNED.
     float32_split_untuned: KernelConfig
     # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
@@ -109,19 +112,22 @@ SM90 = Tables(
     forward_float32={
         ("tf32", 64): K(128, 64, 4, 2),  # 155 / 111
         ("tf32", 128): K(32, 64, 4, 2),  # 118 / 98
-        ("tf32x3", 64): K(128, 64, 8, 2),  # 56 / 47
-        ("tf32x3", 128): K(128, 64, 8, 2),  # 41 / 31
+        # bf16 parts (splits_bf16); with Triton's tf32x3 dots: 56 / 47 and 41 / 31.
+        ("tf32x3", 64): K(64, 32, 4, 2),  # 68 / 55
+        ("tf32x3", 128): K(128, 32, 8, 2),  # 67 / 46
     },
     backward_float32={
         ("tf32", 64): (K(64, 128, 8, 2), K(128, 32, 4, 2), DQ_ATOMIC),  # 117 / 87
         ("tf32", 128): (K(32, 128, 8, 2), K(128, 32, 4, 2), DQ_TMA),  # 100 / 60
-        # bf16 parts (splits_bf16); with 3xTF32 over split operands: 44 / 33 and 22 / 16; before any split: 34 / 25
-        # and 19 / 12.
-        ("tf32x3", 64): (K(32, 64, 4, 2), K(64, 32, 4, 2), DQ_ATOMIC),  # 68 / 53
-        ("tf32x3", 128): (K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 55 / 43
+        # bf16 parts (splits_bf16), dK and dV summed in float32 (parts.dot6; summed in the tensor cores: 68 / 53 and
+        # 55 / 43, 15-30x less accurate); with 3xTF32 over split operands: 44 / 33 and 22 / 16; before any split:
+        # 34 / 25 and 19 / 12.
+        ("tf32x3", 64): (K(32, 64, 4, 2), K(64, 32, 4, 2), DQ_ATOMIC),  # 65 / 52
+        ("tf32x3", 128): (K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_TMA),  # 46 / 34
     },
     float32_untuned=K(32, 64, 4, 1),
     float32_untuned_256_pointers=K(16, 32, 4, 1),
+    float32_untuned_256_tf32=K(16, 64, 4, 1),
     float32_split_untuned=K(16, 64, 4, 2),
     forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
     forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
@@ -167,15 +173,14 @@ def head_bound(problem) -> int:
 
 
 def splits_bf16(dtype: torch.dtype, problem, tma: bool) -> bool:
-    """Whether the backward's kv kernel computes float32's full-accuracy products as six bf16 products of
-    operands split once per call into three bf16 parts (``backward.split_bf16``) instead of Triton's ``tf32x3``
-    dots, which split both operands of every dot in registers and transpose the 32-bit ones that wgmma needs
-    K-major through them. Only when tiles load through TMA (``tma``), up to head dim 128 (at 256 a key block's
-    parts overflow shared memory), with head dims that are multiples of 8 (each part then starts on a 16-byte
-    boundary, as TMA needs), and never under the interpreter (its bf16 dots give wrong numbers and its float32
-    to bf16 conversions truncate)."""
+    """Whether the forward and the backward's kv kernel compute float32's full-accuracy products as six bf16
+    products of operands split once per call into three bf16 parts (``parts.py``) instead of Triton's
+    ``tf32x3`` dots, which split both operands of every dot in registers and transpose the 32-bit ones that
+    wgmma needs K-major through them. Only when tiles load through TMA (``tma``), up to head dim 128 (at 256 a
+    key block's parts overflow shared memory), and never under the interpreter (its bf16 dots give wrong numbers
+    and its float32 to bf16 conversions truncate)."""
     return (tma and dtype == torch.float32 and dot_precision(dtype) == "tf32x3" and head_bound(problem) <= 128
-            and problem.head_dim % 8 == 0 and problem.head_dim_v % 8 == 0 and not interpreter_enabled())
+            and not interpreter_enabled())
 
 
 def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
@@ -187,9 +192,13 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     t = tables(device)
     bound = head_bound(problem)
     if dtype == torch.float32:
-        if bias or dropout or not tma:  # the tuned float32 tiles would overflow shared memory: untuned
-            return t.float32_untuned
-        return t.forward_float32.get((dot_precision(dtype), bound), t.float32_untuned)
+        split = splits_bf16(dtype, problem, tma)
+        untuned = t.float32_split_untuned if split else t.float32_untuned
+        # (the tuned float32 tiles would overflow shared memory next to a bias or dropout, or with pointer loads;
+        # the "tf32x3" tiles are the split kernel's)
+        if bias or dropout or not tma or not (split or dot_precision(dtype) != "tf32x3"):
+            return untuned
+        return t.forward_float32.get((dot_precision(dtype), bound), untuned)
     if dropout:
         return t.forward_dropout[bound]
     if bias:
@@ -216,6 +225,8 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
             small = t.float32_split_untuned
         elif bound == 256 and not tma:
             small = t.float32_untuned_256_pointers
+        elif bound == 256 and dot_precision(dtype) == "tf32":
+            small = t.float32_untuned_256_tf32
         else:
             small = t.float32_untuned
         untuned = (small, small, DQ_TMA)

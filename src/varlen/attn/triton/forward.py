@@ -3,17 +3,21 @@
 Scores live in log2 units (``exp2``), the lse is stored in natural log for the user. Tiles outside a
 block's visible band are skipped; tiles inside it run without mask arithmetic (``masks.py``). Dropout
 drops probabilities after the row sums, so the lse and the normalization are those of the undropped
-softmax, as in the definition. On Hopper, the warp-specialized Gluon kernel (``attn/gluon/forward.py``) takes
-the calls it applies to (it leads this kernel at every measured shape: bench/results/forward_kernels_h100.md);
-this kernel takes the rest.
+softmax, as in the definition. float32 at full accuracy (``SPLIT``, ``configs.splits_bf16``): each product
+is six bf16 dots of three bf16 parts per operand (``parts.py``), Q, K and V split once per call, P per
+tile. On Hopper, the warp-specialized Gluon kernel (``attn/gluon/forward.py``) takes the calls it applies
+to (it leads this kernel at every measured shape: bench/results/forward_kernels_h100.md); this kernel
+takes the rest.
 """
 
 import torch
 
 from ..._triton import tl, triton
 from ..gluon import forward as gluon_forward
+from .configs import splits_bf16
 from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
+from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, split_bf16, trans3
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs
 from .scores import (
     LN2,
@@ -28,20 +32,25 @@ from .scores import (
     score_args,
     score_tile,
 )
-from .tiles import load_rows, rows_desc, store_rows
+from .tiles import store_rows
 
 
 @triton.jit
-def _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, K: Rows, V: Rows, start, end, m0, seq: Seq, m: SeqMask,
-               hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr, MASKED: tl.constexpr):
-    """The online softmax over key tiles ``[start, end)`` of one query block (masked or not)."""
+def _fwd_tiles(acc, m_i, l_i, q, k_descs, v_descs, K: Rows, V: Rows, start, end, m0, seq: Seq, m: SeqMask,
+               hs: HeadScores, hd: HeadDropout, F: tl.constexpr, T: tl.constexpr, SPLIT: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The online softmax over key tiles ``[start, end)`` of one query block (masked or not). ``q``, K's and V's
+    tiles come as parts (``parts.load_parts``): one, or under ``SPLIT`` three bf16 parts each."""
     rows = m0 + tl.arange(0, T.BLOCK_M)[:, None]
     for n0 in range(start, end, T.BLOCK_N):
         n0 = tl.multiple_of(n0, T.BLOCK_N)
-        k = load_rows(k_desc, n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, MASKED, T.TMA)
-        qk = tl.dot(q, tl.trans(k), input_precision=T.DOT_PRECISION)
+        k = load_parts(k_descs, n0, seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, MASKED, T.TMA, SPLIT)
+        if SPLIT:
+            qk = dot6(q, trans3(k))
+        else:
+            qk = tl.dot(q[0], tl.trans(k[0]), input_precision=T.DOT_PRECISION)
         s = score_tile(qk, rows, n0 + tl.arange(0, T.BLOCK_N)[None, :], seq.Lq, seq.Lk, m, hs, F, MASKED,
-                       F.RAW_SCORES)[0]
+                       F.RAW_SCORES, T.DOT_PRECISION == "tf32x3")[0]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -54,20 +63,27 @@ def _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, K: Rows, V: Rows, start, end, m
         l_i = l_i * alpha + tl.sum(p, 1)
         if F.DROPOUT:
             p = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), p, 0.0)
-        v = load_rows(v_desc, n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, MASKED, T.TMA)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=T.DOT_PRECISION)
+        v = load_parts(v_descs, n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, MASKED, T.TMA, SPLIT)
+        if SPLIT:
+            acc = acc * alpha[:, None] + dot6(bf16_parts(p), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v[0].dtype), v[0], input_precision=T.DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
-                     mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, F: tl.constexpr, T: tl.constexpr):
+                     mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, Q_FIRST: Rows, K_FIRST: Rows,
+                     V_FIRST: Rows, Q_LAST: Rows, K_LAST: Rows, V_LAST: Rows, F: tl.constexpr, T: tl.constexpr,
+                     SPLIT: tl.constexpr):
     """Attention forward. Grid ``(cdiv(max_q, BLOCK_M), H, B)``: program ``(i, h, b)`` computes query rows
     ``[i * BLOCK_M, +BLOCK_M)`` of head h of sequence b.
 
     Q ``(B, Sq, H, D)`` | ``(Tq, H, D)``; K ``(B, Sk, Hkv, D)`` | ``(Tk, Hkv, D)``; V as K with DV; O as Q with
     DV (written); LSE ``(B, H, Sq)`` | ``(H, Tq)`` fp32, natural log, -inf where a query sees no key (written).
+    ``SPLIT``: the three bf16 parts of Q, K, V (``parts.split_bf16``), the first two in each row of Q_FIRST,
+    K_FIRST, V_FIRST and the third in Q_LAST, K_LAST, V_LAST (Q, K, V themselves unread); otherwise these are None.
     Sequences run in batch order: longest first cost it 1-7% on jagged batches (bench/NOTES.md).
     """
     bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -76,10 +92,11 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     if m0 >= seq.Lq:
         return
     hk = h // T.GROUP
-    q = load_rows(rows_desc(base(Q, seq.b, seq.q_start, h), seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA),
-                  m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, True, T.TMA)
-    k_desc = rows_desc(base(K, seq.b, seq.k_start, hk), seq.Lk, K.stride_s, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA)
-    v_desc = rows_desc(base(V, seq.b, seq.k_start, hk), seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, T.TMA)
+    q = load_parts(part_descs(Q, Q_FIRST, Q_LAST, seq.b, seq.q_start, h, seq.Lq, T.D, T.BLOCK_M, T.BLOCK_D, T.TMA,
+                              SPLIT), m0, seq.Lq, Q.stride_s, T.D, T.BLOCK_M, T.BLOCK_D, True, T.TMA, SPLIT)
+    k_descs = part_descs(K, K_FIRST, K_LAST, seq.b, seq.k_start, hk, seq.Lk, T.D, T.BLOCK_N, T.BLOCK_D, T.TMA, SPLIT)
+    v_descs = part_descs(V, V_FIRST, V_LAST, seq.b, seq.k_start, hk, seq.Lk, T.DV, T.BLOCK_N, T.BLOCK_DV, T.TMA,
+                         SPLIT)
     hs = head_scores(scores, seq.b, h, F)
     hd = head_dropout(dropout, seed, offset_lo, seq.b, h, bt.heads, m, F)
 
@@ -89,8 +106,8 @@ def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_
     # Three stages over the visible key tiles: masked lower edge, unmasked middle, masked upper edge.
     bounds = key_stages(m0, seq.Lq, seq.Lk, m, F, T.BLOCK_M, T.BLOCK_N)
     for stage in tl.static_range(3):
-        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_desc, v_desc, K, V, bounds[stage], bounds[stage + 1], m0,
-                                   seq, m, hs, hd, F, T, stage != 1)
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q, k_descs, v_descs, K, V, bounds[stage], bounds[stage + 1], m0,
+                                   seq, m, hs, hd, F, T, SPLIT, stage != 1)
 
     # Rows that saw no key: output 0 and lse -inf.
     seen = l_i > 0
@@ -125,7 +142,12 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, 
                              features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q))
         return out, lse
     tma = (config.tma and use_tma(q, k, v)) if tma is None else tma
+    # float32 at full accuracy from bf16 parts; as in launch_backward, never with one stage (Triton 3.6 miscompiled
+    # the backward's split kernel so).
+    split = splits_bf16(q.dtype, problem, tma) and config.num_stages > 1
+    parts = part_args(("Q", "K", "V"), split_bf16(q, k, v) if split else None, dense)
     _attn_fwd_kernel[grid](
+        **parts, SPLIT=split,
         Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), O=rows(out, dense), LSE=lse,
         **seqs(problem, q, k, lse), mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
         **dropout_args(seed, opts, problem, lse), F=features(problem, opts, bias, alibi, seed),
