@@ -24,7 +24,7 @@ import torch
 
 from ..._triton import tl, triton
 from ..gluon import backward as gluon_backward
-from .configs import DQ_SEPARATE, DQ_TMA, splits_bf16
+from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
     DATA_DEPENDENT,
     cdiv,
@@ -36,7 +36,7 @@ from .launch import (
     use_tma,
 )
 from .masks import Mask, SeqMask, key_stages, mask_args, query_stages, seq_mask
-from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, split_bf16, trans3
+from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, runs_split, split_bf16, trans3
 from .program import (
     Rows,
     Seq,
@@ -399,19 +399,11 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
     )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
-    # float32 at full accuracy: the loaded operands split once per call (parts.py), loaded through TMA. Triton 3.6
-    # miscompiles the split kernel without pipelined loads (H100: GPU tests crashed with one stage; on a variant
-    # with dK and dV transposed, compute-sanitizer found an out-of-bounds shared-memory read at 16x64 tiles and
-    # dK and dV came out wrong at 32x64; every tile right with two stages): such tiles take Triton's tf32x3 dots.
-    split = splits_bf16(q.dtype, problem, tma) and config.kv.num_stages > 1
-    if split:  # K's and V's first two parts live in dK's and dV's buffers where they fit: contiguous ones
-        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        parts = part_args(("Q", "K", "V", "dO"), split_bf16(q, k, v, dout, dk, dv), dense)
-    else:
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        parts = part_args(("Q", "K", "V", "dO"), None, dense)
+    # float32 at full accuracy: the loaded operands split once per call (parts.py), loaded through TMA. K's and V's
+    # first two parts live in dK's and dV's buffers where they fit, which must then be contiguous.
+    split = runs_split(q.dtype, problem, tma, config.kv.num_stages)
+    dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) if split else torch.empty_like(t) for t in (k, v))
+    parts = part_args(("Q", "K", "V", "dO"), split_bf16(q, k, v, dout, dk, dv) if split else None, dense)
     dropout_kwargs = dropout_args(seed, opts, problem, lse)  # (the bundle and the key)
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)

@@ -76,7 +76,7 @@ class Tables:
     float32_untuned_256_tf32: KernelConfig
     # The float32 forward and backward with bf16 parts (:func:`splits_bf16`) keep each loaded tile's three parts in
     # shared memory: 16-query tiles fit next to a bias or dropout (tools/compile_check.py); two stages, since
-    # Triton 3.6 miscompiles the backward's split kernel with one (backward.launch_backward). UNTUNED.
+    # Triton 3.6 miscompiles the backward's split kernel with one (parts.runs_split). UNTUNED.
     float32_split_untuned: KernelConfig
     # With a bias (its tiles are pipelined like K and V) or dropout (its bits are shuffled through shared memory)
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
@@ -183,6 +183,13 @@ def splits_bf16(dtype: torch.dtype, problem, tma: bool) -> bool:
             and not interpreter_enabled())
 
 
+def _tuned_float32(dtype: torch.dtype, split: bool, tma: bool, bias: bool, dropout: bool) -> bool:
+    """Whether a float32 call takes its precision's tuned tiles: not next to a bias or dropout, nor with pointer
+    loads (the tuned tiles would overflow shared memory), and at full accuracy only with the bf16 parts (the
+    "tf32x3" tiles are the parts' kernels': Triton's own tf32x3 dots spill at them)."""
+    return not (bias or dropout) and tma and (split or dot_precision(dtype) != "tf32x3")
+
+
 def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool = False, dropout: bool = False,
                    tma: bool = True) -> KernelConfig:
     """``tma``: whether the tiles will load through TMA (the tuned float32 tiles need it: with pointer loads
@@ -194,9 +201,7 @@ def forward_config(problem, dtype: torch.dtype, device: torch.device, bias: bool
     if dtype == torch.float32:
         split = splits_bf16(dtype, problem, tma)
         untuned = t.float32_split_untuned if split else t.float32_untuned
-        # (the tuned float32 tiles would overflow shared memory next to a bias or dropout, or with pointer loads;
-        # the "tf32x3" tiles are the split kernel's)
-        if bias or dropout or not tma or not (split or dot_precision(dtype) != "tf32x3"):
+        if not _tuned_float32(dtype, split, tma, bias, dropout):
             return untuned
         return t.forward_float32.get((dot_precision(dtype), bound), untuned)
     if dropout:
@@ -230,8 +235,7 @@ def backward_config(problem, dtype: torch.dtype, masked: bool, deterministic: bo
         else:
             small = t.float32_untuned
         untuned = (small, small, DQ_TMA)
-        # (the "tf32x3" tiles are the split kernel's: without the split, Triton's tf32x3 dots spill at them)
-        tuned = not (bias or dropout) and tma and (split or dot_precision(dtype) != "tf32x3")
+        tuned = _tuned_float32(dtype, split, tma, bias, dropout)
         kv, q, mode = t.backward_float32.get((dot_precision(dtype), bound), untuned) if tuned else untuned
     elif bias and bound in t.backward_bias:
         kv, q, mode = t.backward_bias[bound]

@@ -14,10 +14,9 @@ import torch
 
 from ..._triton import tl, triton
 from ..gluon import forward as gluon_forward
-from .configs import splits_bf16
 from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
-from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, split_bf16, trans3
+from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, runs_split, split_bf16, trans3
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs
 from .scores import (
     LN2,
@@ -142,9 +141,7 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, 
                              features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q))
         return out, lse
     tma = (config.tma and use_tma(q, k, v)) if tma is None else tma
-    # float32 at full accuracy from bf16 parts; as in launch_backward, never with one stage (Triton 3.6 miscompiled
-    # the backward's split kernel so).
-    split = splits_bf16(q.dtype, problem, tma) and config.num_stages > 1
+    split = runs_split(q.dtype, problem, tma, config.num_stages)  # (float32 at full accuracy: bf16 parts)
     parts = part_args(("Q", "K", "V"), split_bf16(q, k, v) if split else None, dense)
     _attn_fwd_kernel[grid](
         **parts, SPLIT=split,

@@ -15,6 +15,7 @@ in registers per tile (:func:`bf16_parts`). ``configs.splits_bf16`` says where t
 import torch
 
 from ..._triton import tl, triton
+from .configs import splits_bf16
 from .launch import cdiv, head_block
 from .program import Rows, base, rows
 from .tiles import load_rows, rows_desc, store_rows
@@ -123,6 +124,15 @@ def _split_bf16_kernel(Q: Rows, Q_FIRST: Rows, Q_LAST: Rows, dO: Rows, dO_FIRST:
     if (r0 < k_rows) & (h < kv_heads):
         _split_rows(K, K_FIRST, K_LAST, b, h, r0, k_rows, D, BLOCK_D, ROWS)
         _split_rows(V, V_FIRST, V_LAST, b, h, r0, k_rows, DV, BLOCK_DV, ROWS)
+
+
+def runs_split(dtype: torch.dtype, problem, tma: bool, num_stages: int) -> bool:
+    """Whether a launch with ``num_stages`` computes from bf16 parts: where ``configs.splits_bf16`` says so, never
+    with one stage. Triton 3.6 miscompiles the backward's split kernel without pipelined loads (H100: GPU tests
+    crashed with one stage; on a variant with dK and dV transposed, compute-sanitizer found an out-of-bounds
+    shared-memory read at 16x64 tiles and dK and dV came out wrong at 32x64; every tile right with two stages):
+    such tiles take Triton's tf32x3 dots (the forward keeps the same rule)."""
+    return splits_bf16(dtype, problem, tma) and num_stages > 1
 
 
 def _part_buffers(x: torch.Tensor, buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
