@@ -1,12 +1,15 @@
 """Host time per ``varlen.attention`` call, where the GPU work is negligible (B2 S64 H4 D64 bf16, causal),
 next to SDPA's: what small problems and short sequences pay on every call.
 
-    PYTHONPATH=src python3 bench/host_overhead.py [--breakdown]
+    PYTHONPATH=src python3 bench/host_overhead.py [--breakdown] [--shapes]
 
 Prints microseconds of host time per call (forward; forward + backward), the mean over 300 calls after a
 warm-up, with the GPU synchronized only at the ends. ``--breakdown`` also times one forward + backward step
 level by level (each level wrapped in a timer, which adds about a microsecond per wrapped call): the public
-call, the backend's forward and backward, the launchers, and each Triton launch.
+call, the backend's forward and backward, the launchers, and each Triton launch. ``--shapes`` puts host time
+beside GPU time at bench/attention.py's dense S1k shapes (where the two are close): host us per forward and per
+forward + backward, ``do_bench``'s milliseconds and TFLOP/s as bench/attention.py computes them, and each kernel's
+GPU microseconds per step (``torch.profiler``); a row whose host time exceeds its GPU time is host-bound.
 """
 
 import collections
@@ -44,6 +47,43 @@ def main():
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host us per call": rows}))
     if "--breakdown" in sys.argv:
         print(json.dumps({"host us per fwd+bwd step, by level": breakdown(q)}))
+    if "--shapes" in sys.argv:
+        for shape in S1K_SHAPES:
+            print(json.dumps(host_beside_gpu(*shape)), flush=True)
+
+
+# (B, S, H, D, causal): bench/attention.py's dense S1k rows.
+S1K_SHAPES = [(16, 1024, 32, 64, False), (16, 1024, 32, 64, True), (16, 1024, 16, 128, False),
+              (16, 1024, 16, 128, True)]
+
+
+def host_beside_gpu(B, S, H, D, causal) -> dict:
+    """Host and GPU time of bench/attention.py's forward and forward + backward at one dense shape."""
+    from triton.testing import do_bench
+
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def fwd():
+        return varlen.attention(q, k, v, causal=causal)
+
+    def fwd_bwd():
+        for t in (q, k, v):
+            t.grad = None
+        fwd().backward(grad)
+
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1)
+    fwd_ms = do_bench(fwd, warmup=25, rep=200, return_mode="median")
+    total_ms = do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    kernels = {e.key[:40]: round(e.device_time_total / 5, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "host us fwd": host_us(fwd),
+            "host us fwd+bwd": host_us(fwd_bwd), "gpu ms fwd": round(fwd_ms, 4), "gpu ms fwd+bwd": round(total_ms, 4),
+            "TFLOP/s fwd / bwd": [round(flops / fwd_ms / 1e9), round(2.5 * flops / (total_ms - fwd_ms) / 1e9)],
+            "kernel us per fwd+bwd": kernels}
 
 
 def breakdown(q, n: int = 300) -> dict:

@@ -51,9 +51,9 @@ def _seed(request):
 
 @pytest.fixture
 def poison_empty(monkeypatch):
-    """``torch.empty``/``empty_like`` hand out NaN-filled memory (-7 for integers, True for bool) during
-    the test, so an output element that a kernel forgets to write shows up."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
+    """``torch.empty``/``empty_like``/``Tensor.new_empty`` hand out NaN-filled memory (-7 for integers, True for
+    bool) during the test, so an element that a kernel forgets to write (or reads before writing) shows up."""
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
     def poison(t):
         if t.is_floating_point():
@@ -62,3 +62,4 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(real_new_empty(self, *a, **k)))

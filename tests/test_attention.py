@@ -65,6 +65,26 @@ def test_matches_reference(backend, case, dtype, device):
     _check_against_reference(case, inputs, out, lse, grads, dtype)
 
 
+# Every buffer the Triton launchers allocate without zeros (the dQ accumulator among them: zeroed by the backward's
+# preprocess, not by torch.zeros) must be written before it is read: allocations poisoned with NaN (floats) or -7
+# (ints; conftest.poison_empty) must not change a result. Head dims 40 (padded columns) and 64 (the Gluon kernels
+# on Hopper), jagged lengths 0, 1 and 17, GQA, dropout, and the deterministic mode's separate dQ kernel.
+POISON_CASES = [
+    AttnCase(True, (17, 0, 1, 40), None, 4, 2, 40, 40, causal=True),
+    AttnCase(False, (70, 70), None, 2, 2, 64, 64),
+    AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 64, 64, causal=True, align="bottom_right", dropout_p=0.3),
+    AttnCase(False, (33, 33), None, 2, 1, 40, 24, deterministic=True, grad_lse=True),
+]
+
+
+@pytest.mark.parametrize("case", POISON_CASES, ids=lambda c: c.id)
+def test_triton_reads_no_unwritten_memory(case, device, poison_empty):
+    dtype = main_dtype("triton")
+    inputs = case.make(dtype, device)
+    out, lse, grads = run_attention(case, inputs, "triton")
+    _check_against_reference(case, inputs, out, lse, grads, dtype)
+
+
 # Cases whose chunking matters: a row-broadcast bias sums over chunks, dropout masks are built per chunk.
 CHUNK_CASES = [
     AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16, causal=True, bias="11Q1", dropout_p=0.3,

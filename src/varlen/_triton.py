@@ -3,7 +3,7 @@
 Triton is an optional dependency: the PyTorch paths (the CPU, and CUDA with ``backend="torch"``) need
 none of it. Modules that define kernels import ``triton`` and ``tl`` from here. Without Triton the
 stand-in lets those modules load (``@triton.jit`` gives a kernel that can't be launched, ``tl.constexpr``
-and the integer helpers work) and :data:`IMPORT_ERROR` says why; the backend choice reads it and never
+and ``triton.constexpr_function`` work) and :data:`IMPORT_ERROR` says why; the backend choice reads it and never
 picks the Triton path (asking for it raises ValueError with that message).
 """
 
@@ -38,11 +38,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by te
         def __init__(self, value):
             self.value = value
 
-    def _next_power_of_2(n: int) -> int:
-        return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
     tl = types.SimpleNamespace(constexpr=_Constexpr, float32="fp32", float64="fp64")
-    triton = types.SimpleNamespace(jit=_jit, constexpr_function=lambda fn: fn, cdiv=lambda a, b: -(-a // b),
-                                   next_power_of_2=_next_power_of_2, language=tl)
+    triton = types.SimpleNamespace(jit=_jit, constexpr_function=lambda fn: fn, language=tl)
 
 __all__ = ["IMPORT_ERROR", "tl", "triton"]

@@ -15,7 +15,7 @@ from torch.types import Number
 from . import capabilities
 from ._triton import tl, triton
 from .offsets import row_positions
-from .tiling import as_columns, copy_tiles, tile_coords
+from .tiling import as_columns, cdiv, copy_tiles, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -78,7 +78,7 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
     bt, bf = block_t or bt, block_f or bf
     pad = torch.full((), padding_value, dtype=values.dtype, device=values.device)
     pad = pad.view(torch.uint8) if pad.dtype == torch.bool else pad
-    n_row_tiles, n_col_tiles = triton.cdiv(width, bt), triton.cdiv(n_cols, bf)
+    n_row_tiles, n_col_tiles = cdiv(width, bt), cdiv(n_cols, bf)
     _jagged_to_padded_kernel[(B * n_row_tiles * n_col_tiles,)](
         v, offsets, pad, o, v.shape[0], width, n_cols, n_row_tiles, n_col_tiles,
         v.stride(0), v.stride(1), o.stride(1), BLOCK_T=bt, BLOCK_F=bf)
@@ -98,7 +98,7 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     n_cols = o.shape[1]
     bt, bf = copy_tiles(max_len, n_cols, o.element_size(), o.device)
     bt, bf = block_t or bt, block_f or bf
-    n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
+    n_row_tiles, n_col_tiles = cdiv(max_len, bt), cdiv(n_cols, bf)
     _padded_to_jagged_kernel[(B * n_row_tiles * n_col_tiles,)](
         p, offsets, o, total, p.shape[1], n_cols, n_row_tiles, n_col_tiles,
         p.stride(0) // unit, unit, p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)

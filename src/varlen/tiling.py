@@ -18,6 +18,18 @@ from ._triton import tl, triton
 
 
 # ------------------------------------------------------------------------------ launch helpers
+# Plain Python for the launchers' integer arithmetic: triton.cdiv and triton.next_power_of_2 are JIT-callable
+# wrappers, about 2 us per host call (25x a plain one; more on a slow host), which small calls feel.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints, b > 0."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def as_columns(t: torch.Tensor, lead: int) -> torch.Tensor:
     """``t`` as ``(*t.shape[:lead], F)``, F the product of the other dims: a view when the inner dims
     can be flattened without a copy. ``bool`` is viewed as ``uint8`` (Triton loads bytes)."""
@@ -49,11 +61,11 @@ def copy_tiles(n_rows: int, n_cols: int, elem_size: int, device: torch.device) -
     the interpreter the cost is per program, so tiles are as large as the input allows.
     """
     if device.type == "cuda":
-        block_f = min(triton.next_power_of_2(n_cols), max(1, 512 // elem_size))
-        block_t = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 16384 // (block_f * elem_size)))
+        block_f = min(next_power_of_2(n_cols), max(1, 512 // elem_size))
+        block_t = min(next_power_of_2(max(n_rows, 1)), max(1, 16384 // (block_f * elem_size)))
     else:
-        block_f = min(triton.next_power_of_2(n_cols), 1024)
-        block_t = min(triton.next_power_of_2(max(n_rows, 1)), max(1, 65536 // block_f))
+        block_f = min(next_power_of_2(n_cols), 1024)
+        block_t = min(next_power_of_2(max(n_rows, 1)), max(1, 65536 // block_f))
     return block_t, block_f
 
 
@@ -66,11 +78,11 @@ def chunk_rows_for(max_len: int, programs_per_chunk: int, block_t: int, device: 
     ``max_rows``, so that no program runs much longer than the others (a long tail leaves SMs idle).
     A chunk is at least ``min_tiles`` tiles long. Off the GPU a sequence is one chunk.
     """
-    whole = max(block_t, triton.cdiv(max_len, block_t) * block_t)
+    whole = max(block_t, cdiv(max_len, block_t) * block_t)
     if device.type != "cuda":
         return whole
-    n_chunks = triton.cdiv(waves * sm_count(device), max(programs_per_chunk, 1))
-    rows = triton.cdiv(triton.cdiv(max_len, n_chunks), block_t) * block_t
+    n_chunks = cdiv(waves * sm_count(device), max(programs_per_chunk, 1))
+    rows = cdiv(cdiv(max_len, n_chunks), block_t) * block_t
     if max_rows is not None:
         rows = min(rows, max_rows // block_t * block_t)
     return min(whole, max(rows, min_tiles * block_t))

@@ -22,7 +22,7 @@ import torch
 from .._amp import dot_precision
 from .._triton import tl, triton
 from ..offsets import sequence_bounds
-from ..tiling import chunk_rows_for, sequence_rows
+from ..tiling import cdiv, chunk_rows_for, sequence_rows
 
 # Grouped matmul tiles: BLOCK_M rows of one sequence x BLOCK_N output columns, K in BLOCK_K steps.
 # A sequence of length L wastes at most BLOCK_M - 1 rows of its last tile.
@@ -143,9 +143,9 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     if out.numel() == 0:
         return out
     cfg = _grouped_config(x.dtype)
-    num_blocks = triton.cdiv(total, cfg["BLOCK_M"]) + B
+    num_blocks = cdiv(total, cfg["BLOCK_M"]) + B
     block_seq, block_row = _row_blocks(offsets, total, cfg["BLOCK_M"], num_blocks)
-    grid = (num_blocks, triton.cdiv(N, cfg["BLOCK_N"]))
+    grid = (num_blocks, cdiv(N, cfg["BLOCK_N"]))
     _grouped_matmul_kernel[grid](
         x, w, out, offsets, block_seq, block_row, B, total, K, N,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
@@ -168,11 +168,11 @@ def transposed_matmul(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, m
     K, N = x.shape[1], y.shape[1]
     B = offsets.shape[0] - 1
     BR, BK, BN = TRANSPOSED_BLOCK_R, TRANSPOSED_BLOCK_K, TRANSPOSED_BLOCK_N
-    grid_kn = (triton.cdiv(K, BK), triton.cdiv(N, BN))
+    grid_kn = (cdiv(K, BK), cdiv(N, BN))
     if rows_per_chunk is None:
         rows_per_chunk = chunk_rows_for(max_len, B * grid_kn[0] * grid_kn[1], BR, x.device, waves=2,
                                         min_tiles=MIN_ROWS_PER_CHUNK // BR)
-    chunks = max(1, triton.cdiv(max_len, rows_per_chunk))
+    chunks = max(1, cdiv(max_len, rows_per_chunk))
     if chunks == 1:
         out = torch.empty((B, K, N), dtype=x.dtype, device=x.device)
         partial = out.unsqueeze(0)

@@ -26,7 +26,16 @@ from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, no
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
-from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, copy_tiles, tile_coords
+from ..tiling import (
+    acc_type,
+    as_columns,
+    cdiv,
+    chunk_coords,
+    chunk_rows_for,
+    copy_tiles,
+    next_power_of_2,
+    tile_coords,
+)
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -109,10 +118,10 @@ def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mea
         return x.new_empty((batch, 0))
     tiles = _sum_tiles(max_len, n_cols, x.element_size(), x.device)
     bt, bf = block_t or tiles.block_t, block_f or tiles.block_f
-    n_col_tiles = triton.cdiv(n_cols, bf)
+    n_col_tiles = cdiv(n_cols, bf)
     rows = chunk_rows or chunk_rows_for(max_len, batch * n_col_tiles, bt, x.device, waves=8,
                                         max_rows=MAX_CHUNK_ELEMS // bf)
-    n_chunks = max(1, triton.cdiv(max_len, rows))
+    n_chunks = max(1, cdiv(max_len, rows))
     out = torch.empty((batch, n_cols), dtype=x.dtype, device=x.device)
     # One-element stand-ins when no sequence spans two chunks (never touched; same dtypes, so the same kernel).
     acc_dtype = accumulate_dtype(x.dtype)
@@ -140,7 +149,7 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
         return out
     bt, bf = copy_tiles(max_len, n_cols, g.element_size(), g.device)
     bt, bf = block_t or bt, block_f or bf
-    n_row_tiles, n_col_tiles = triton.cdiv(max_len, bt), triton.cdiv(n_cols, bf)
+    n_row_tiles, n_col_tiles = cdiv(max_len, bt), cdiv(n_cols, bf)
     _broadcast_rows_kernel[(batch * n_row_tiles * n_col_tiles,)](
         g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, g.stride(0), g.stride(1), out.stride(0),
         MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf, num_warps=num_warps or 4)
@@ -160,11 +169,11 @@ def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) 
     the bytes of float32 ones at the same accumulator count (registers), so they load two tiles ahead (Triton's
     pipelining) to keep as many bytes in flight. Interpreter: large tiles."""
     if device.type == "cuda":
-        block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size))
-        block_t = min(triton.next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f))
+        block_f = min(next_power_of_2(n_cols), max(1, 256 // elem_size))
+        block_t = min(next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f))
         return _SumTiles(block_t, block_f, 4, 3 if elem_size <= 2 else 1)
-    block_f = min(triton.next_power_of_2(n_cols), 1024)
-    return _SumTiles(min(triton.next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f, 4, 1)
+    block_f = min(next_power_of_2(n_cols), 1024)
+    return _SumTiles(min(next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f, 4, 1)
 
 
 def segment_sum_torch(x: torch.Tensor, offsets: torch.Tensor, mean: bool) -> torch.Tensor:

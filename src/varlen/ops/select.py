@@ -20,7 +20,7 @@ from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import sequence_bounds
 from ..padding import copy_backend
-from ..tiling import as_columns, copy_tiles, sequence_rows
+from ..tiling import as_columns, cdiv, copy_tiles, sequence_rows
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -78,8 +78,8 @@ def gather_triton(x: torch.Tensor, offsets: torch.Tensor, index: int, fill_value
     xs, o, fill = as_columns(x, 1), as_columns(out, 1), as_columns(fill, 0)
     bb, bf = copy_tiles(batch, n_cols, x.element_size(), x.device)
     bb, bf = block_b or bb, block_f or bf
-    n_col_tiles = triton.cdiv(n_cols, bf)
-    _gather_kernel[(triton.cdiv(batch, bb) * n_col_tiles,)](
+    n_col_tiles = cdiv(n_cols, bf)
+    _gather_kernel[(cdiv(batch, bb) * n_col_tiles,)](
         xs, offsets, fill, o, batch, index, xs.shape[0], n_cols, n_col_tiles, xs.stride(0), xs.stride(1),
         o.stride(0), FROM_END=index < 0, BLOCK_B=bb, BLOCK_F=bf)
     return out
@@ -95,8 +95,8 @@ def scatter_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, index: in
     gs, o = as_columns(g, 1), as_columns(out, 1)
     bb, bf = copy_tiles(batch, n_cols, g.element_size(), g.device)
     bb, bf = block_b or bb, block_f or bf
-    n_col_tiles = triton.cdiv(n_cols, bf)
-    _scatter_kernel[(triton.cdiv(batch, bb) * n_col_tiles,)](
+    n_col_tiles = cdiv(n_cols, bf)
+    _scatter_kernel[(cdiv(batch, bb) * n_col_tiles,)](
         gs, offsets, o, batch, index, total, n_cols, n_col_tiles, gs.stride(0), gs.stride(1), o.stride(0),
         FROM_END=index < 0, BLOCK_B=bb, BLOCK_F=bf)
     return out

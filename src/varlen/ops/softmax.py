@@ -42,7 +42,16 @@ from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
-from ..tiling import acc_type, as_columns, chunk_coords, chunk_rows_for, sequence_rows, sm_count
+from ..tiling import (
+    acc_type,
+    as_columns,
+    cdiv,
+    chunk_coords,
+    chunk_rows_for,
+    next_power_of_2,
+    sequence_rows,
+    sm_count,
+)
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -354,9 +363,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
     if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
         return None
-    block_f = min(triton.next_power_of_2(n_cols), COOPERATIVE_COLS)
+    block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
     block_t = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
-    if triton.cdiv(max_len, block_t) > cooperative_max_chunks(device):
+    if cdiv(max_len, block_t) > cooperative_max_chunks(device):
         return None
     return SoftmaxPlan(block_t, block_f, block_t, 4, cooperative=True)
 
@@ -374,23 +383,23 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     """
     on_gpu = device.type == "cuda"
     budget = 8192 if on_gpu else 65536
-    full_t = triton.next_power_of_2(max(max_len, 1))
-    block_f = min(triton.next_power_of_2(n_cols), budget // full_t)
+    full_t = next_power_of_2(max(max_len, 1))
+    block_f = min(next_power_of_2(n_cols), budget // full_t)
     if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
         return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
     cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device)
     if cooperative is not None:
         return cooperative
-    block_f = min(triton.next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
+    block_f = min(next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
     block_t = min(full_t, max(1, (8192 * inputs if on_gpu else 16384) // block_f))
-    n_col_tiles = triton.cdiv(n_cols, block_f)
+    n_col_tiles = cdiv(n_cols, block_f)
     chunk_rows = chunk_rows_for(max_len, batch * n_col_tiles, block_t, device, max_rows=MAX_CHUNK_ELEMS // block_f)
     return SoftmaxPlan(block_t, block_f, chunk_rows, 8 if on_gpu else 4)
 
 
 def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> tuple[int, int, int]:
-    n_col_tiles = triton.cdiv(n_cols, plan.block_f)
-    n_chunks = 1 if plan.chunk_rows is None else max(1, triton.cdiv(max_len, plan.chunk_rows))
+    n_col_tiles = cdiv(n_cols, plan.block_f)
+    n_chunks = 1 if plan.chunk_rows is None else max(1, cdiv(max_len, plan.chunk_rows))
     if plan.cooperative and n_chunks > 1 and interpreter_enabled():
         raise ValueError(f"plan: the cooperative path's {n_chunks} tiles per sequence would wait for each other "
                          "forever under Triton's interpreter (it runs one program at a time); use one tile per "

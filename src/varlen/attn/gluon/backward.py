@@ -48,7 +48,8 @@ variant it accepts, and run the Triton kernel on the same variants.
 
 from __future__ import annotations
 
-from ..triton.launch import cdiv, ensure_allocator
+from ...tiling import cdiv
+from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
 from ..triton.scores import Dropout

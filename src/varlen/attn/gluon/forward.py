@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import torch
 
-from ...tiling import sm_count
-from ..triton.launch import cdiv, ensure_allocator, raw_scores
+from ...tiling import cdiv, sm_count
+from ..triton.launch import ensure_allocator, raw_scores
 from ..triton.masks import Mask, band_keys, in_band, tile_stages
 from ..triton.program import Rows, Seqs, bounds, lse_offset, rows
 from ..triton.scores import LN2

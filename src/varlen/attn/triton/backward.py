@@ -1,7 +1,7 @@
 """Attention backward, as in ``kernel_backward.h``, with FA3's five-matmul schedule.
 
 1. ``_bwd_preprocess``: ``delta = rowsum(dO * O) - dlse`` and the lse in log2 units (a row that saw
-   no key gets +inf there, so its recomputed probabilities are exactly 0).
+   no key gets +inf there, so its recomputed probabilities are exactly 0); zeros the fp32 dQ accumulator.
 2. ``_bwd_kv_kernel``: one program per (key block, kv head, sequence) keeps dK and dV in registers,
    walks the query tiles that can see its keys (for each q head of its GQA group), recomputes
    P = exp2(S - lse), and computes dV += (P∘M)ᵀ dO, dP = (dO Vᵀ)∘M (M: the dropout keep mask scaled by
@@ -23,11 +23,11 @@ import collections
 import torch
 
 from ..._triton import tl, triton
+from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
     DATA_DEPENDENT,
-    cdiv,
     constexprs,
     ensure_allocator,
     features,
@@ -83,12 +83,14 @@ KV_PROGRAMS_PER_SM = 16
 
 
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
-def _bwd_preprocess(O: Rows, dO: Rows, dLSE, LSE, DELTA, LSE2, seqs: Seqs, total_q, total_k, max_q, max_k,
-                    F: tl.constexpr, HAS_DLSE: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_DV: tl.constexpr):
+def _bwd_preprocess(O: Rows, dO: Rows, dQ: Rows, dLSE, LSE, DELTA, LSE2, seqs: Seqs, total_q, total_k, max_q,
+                    max_k, F: tl.constexpr, HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid ``(cdiv(max_q, BLOCK_M), H, B)``. Writes DELTA = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e)
     (+inf for a query that sees no key), lse-shaped fp32 like LSE and dLSE; O and dO are shaped like Q
-    with head dim DV."""
+    with head dim DV. ZERO_DQ: also zeros the rows of the fp32 dQ accumulator (head dim BLOCK_D), which the kv
+    kernel then adds into, as FlashAttention-2's preprocess does: one launch and one pass over memory fewer
+    than a separate ``torch.zeros``."""
     block = tl.program_id(0)
     h = tl.program_id(1)
     bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -107,6 +109,9 @@ def _bwd_preprocess(O: Rows, dO: Rows, dLSE, LSE, DELTA, LSE2, seqs: Seqs, total
     tl.store(lse_row(DELTA, bt, seq, h, F) + rows_m, delta, mask=row_ok)
     tl.store(lse_row(LSE2, bt, seq, h, F) + rows_m, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E),
              mask=row_ok)
+    if ZERO_DQ:
+        store_rows(base(dQ, seq.b, seq.q_start, h), m0, seq.Lq, dQ.stride_s,
+                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), BLOCK_D, BLOCK_M, BLOCK_D)
 
 
 @triton.jit
@@ -392,12 +397,6 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     lse2 = torch.empty_like(lse)
     seq_args = seqs(problem, q, k, lse)
     feats = features(problem, opts, bias, alibi, seed)
-    pre_block = 64
-    _bwd_preprocess[(cdiv(problem.max_q, pre_block), H, B)](
-        O=rows(out, dense), dO=rows(dout, dense), dLSE=lse if dlse is None else dlse, LSE=lse, DELTA=delta,
-        LSE2=lse2, **seq_args, F=feats, HAS_DLSE=dlse is not None,
-        DV=problem.head_dim_v, BLOCK_M=pre_block, BLOCK_DV=head_block(problem.head_dim_v),
-    )
     tma = (config.kv.tma and use_tma(q, k, v, dout)) if tma is None else tma
     # float32 at full accuracy: the loaded operands split once per call (parts.py), loaded through TMA. K's and V's
     # first two parts live in dK's and dV's buffers where they fit, which must then be contiguous.
@@ -435,10 +434,18 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         dq = torch.empty_like(q)
         dq_acc = dq  # not touched by the kv kernel
     else:
-        # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds.
-        dq_acc = torch.zeros((*q.shape[:-1], head_block(problem.head_dim)), device=q.device, dtype=torch.float32)
+        # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds; zeroed by the
+        # preprocess.
+        dq_acc = torch.empty((*q.shape[:-1], head_block(problem.head_dim)), device=q.device, dtype=torch.float32)
         if dq_mode == DQ_TMA:
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
+    pre_block = 64
+    _bwd_preprocess[(cdiv(problem.max_q, pre_block), H, B)](
+        O=rows(out, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense), dLSE=lse if dlse is None else dlse,
+        LSE=lse, DELTA=delta, LSE2=lse2, **seq_args, F=feats, HAS_DLSE=dlse is not None,
+        ZERO_DQ=dq_mode != DQ_SEPARATE, DV=problem.head_dim_v, BLOCK_M=pre_block,
+        BLOCK_DV=head_block(problem.head_dim_v), BLOCK_D=head_block(problem.head_dim),
+    )
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                  feats, common["scores"], dropout_kwargs)

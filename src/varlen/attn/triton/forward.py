@@ -13,8 +13,9 @@ takes the rest.
 import torch
 
 from ..._triton import tl, triton
+from ...tiling import cdiv
 from ..gluon import forward as gluon_forward
-from .launch import DATA_DEPENDENT, cdiv, features, tiles, use_tma
+from .launch import DATA_DEPENDENT, features, tiles, use_tma
 from .masks import Mask, SeqMask, key_stages, mask_args
 from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, runs_split, split_bf16, trans3
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs

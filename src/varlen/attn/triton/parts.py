@@ -15,8 +15,9 @@ in registers per tile (:func:`bf16_parts`). ``configs.splits_bf16`` says where t
 import torch
 
 from ..._triton import tl, triton
+from ...tiling import cdiv
 from .configs import splits_bf16
-from .launch import cdiv, head_block
+from .launch import head_block
 from .program import Rows, base, rows
 from .tiles import load_rows, rows_desc, store_rows
 
