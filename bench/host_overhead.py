@@ -79,7 +79,7 @@ def host_beside_gpu(B, S, H, D, causal) -> dict:
         for _ in range(5):
             fwd_bwd()
         torch.cuda.synchronize()
-    kernels = {e.key[:40]: round(e.device_time_total / 5, 1) for e in prof.key_averages() if e.device_time_total > 0}
+    kernels = {e.key: round(e.device_time_total / 5, 1) for e in prof.key_averages() if e.device_time_total > 0}
     return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "host us fwd": host_us(fwd),
             "host us fwd+bwd": host_us(fwd_bwd), "gpu ms fwd": round(fwd_ms, 4), "gpu ms fwd+bwd": round(total_ms, 4),
             "TFLOP/s fwd / bwd": [round(flops / fwd_ms / 1e9), round(2.5 * flops / (total_ms - fwd_ms) / 1e9)],

@@ -67,11 +67,13 @@ def test_matches_reference(backend, case, dtype, device):
 
 # Every buffer the Triton launchers allocate without zeros (the dQ accumulator among them: zeroed by the backward's
 # preprocess, not by torch.zeros) must be written before it is read: allocations poisoned with NaN (floats) or -7
-# (ints; conftest.poison_empty) must not change a result. Head dims 40 (padded columns) and 64 (the Gluon kernels
-# on Hopper), jagged lengths 0, 1 and 17, GQA, dropout, and the deterministic mode's separate dQ kernel.
+# (ints; conftest.poison_empty) must not change a result. Head dims 40 (an accumulator padded to 64 columns) and 64
+# (the Gluon kernels on Hopper, with per-sequence descriptors at S 70 and host-made ones at S 128), jagged lengths 0,
+# 1 and 17, GQA, dropout, and the deterministic mode's separate dQ kernel.
 POISON_CASES = [
     AttnCase(True, (17, 0, 1, 40), None, 4, 2, 40, 40, causal=True),
     AttnCase(False, (70, 70), None, 2, 2, 64, 64),
+    AttnCase(False, (128, 128), None, 4, 2, 64, 64, causal=True),
     AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 64, 64, causal=True, align="bottom_right", dropout_p=0.3),
     AttnCase(False, (33, 33), None, 2, 1, 40, 24, deterministic=True, grad_lse=True),
 ]

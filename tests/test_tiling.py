@@ -1,4 +1,4 @@
-"""The jagged-op launchers' host helpers (varlen.tiling)."""
+"""The launchers' host helpers (varlen.tiling)."""
 
 import triton
 

@@ -1,5 +1,5 @@
 """How the jagged-op kernels tile their work: column views, tile sizes, the SM count, splitting long
-sequences, and the jit helpers that map a program to its sequence.
+sequences, and the jit helpers that map a program to its sequence; and the integer helpers of every launcher.
 
 Offsets are trusted on the GPU (checking them takes a device-to-host copy; see ``varlen.set_checks``), so
 the kernels never index with them unchecked: :func:`sequence_rows` clamps a sequence's rows into the

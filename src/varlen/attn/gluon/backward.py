@@ -425,7 +425,8 @@ def dq_columns(head_dim: int) -> int:
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
               dropout) -> None:
-    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D); ``order``: the
+    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
+    backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
     arguments."""

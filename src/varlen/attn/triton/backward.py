@@ -1,7 +1,8 @@
 """Attention backward, as in ``kernel_backward.h``, with FA3's five-matmul schedule.
 
 1. ``_bwd_preprocess``: ``delta = rowsum(dO * O) - dlse`` and the lse in log2 units (a row that saw
-   no key gets +inf there, so its recomputed probabilities are exactly 0); zeros the fp32 dQ accumulator.
+   no key gets +inf there, so its recomputed probabilities are exactly 0); zeros the fp32 dQ accumulator
+   (unless dQ is computed in its own kernel).
 2. ``_bwd_kv_kernel``: one program per (key block, kv head, sequence) keeps dK and dV in registers,
    walks the query tiles that can see its keys (for each q head of its GQA group), recomputes
    P = exp2(S - lse), and computes dV += (P∘M)ᵀ dO, dP = (dO Vᵀ)∘M (M: the dropout keep mask scaled by
@@ -89,8 +90,8 @@ def _bwd_preprocess(O: Rows, dO: Rows, dQ: Rows, dLSE, LSE, DELTA, LSE2, seqs: S
     """Grid ``(cdiv(max_q, BLOCK_M), H, B)``. Writes DELTA = rowsum(dO * O) - dLSE and LSE2 = LSE * log2(e)
     (+inf for a query that sees no key), lse-shaped fp32 like LSE and dLSE; O and dO are shaped like Q
     with head dim DV. ZERO_DQ: also zeros the rows of the fp32 dQ accumulator (head dim BLOCK_D), which the kv
-    kernel then adds into, as FlashAttention-2's preprocess does: one launch and one pass over memory fewer
-    than a separate ``torch.zeros``."""
+    kernels (this module's and the Gluon one) then add into, as FlashAttention-2's preprocess does: one launch
+    and one allocation fewer than a separate ``torch.zeros``, the same bytes written."""
     block = tl.program_id(0)
     h = tl.program_id(1)
     bt = batch(seqs, total_q, total_k, max_q, max_k)

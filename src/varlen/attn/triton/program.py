@@ -19,7 +19,7 @@ Sequence bounds are trusted metadata on the GPU (checking them costs a device-to
 ``varlen.set_checks``), so :func:`sequence` clamps them: a sequence's rows always lie in its buffer and its
 length never exceeds the host's ``max_q``/``max_k``, whatever the offsets say. Wrong offsets give wrong
 values for the sequences they describe, never an access outside the tensors; rows that no sequence covers are
-left unwritten (the output's, and the query gradient's, whose fp32 accumulator the preprocess zeros per sequence).
+left unwritten (the output's and every gradient's: the dQ accumulator is zeroed per sequence).
 """
 
 import collections
