@@ -8,8 +8,8 @@ warm-up, with the GPU synchronized only at the ends. ``--breakdown`` also times 
 level by level (each level wrapped in a timer, which adds about a microsecond per wrapped call): the public
 call, the backend's forward and backward, the launchers, and each Triton launch. ``--shapes`` puts host time
 beside GPU time at bench/attention.py's dense S1k shapes (where the two are close): host us per forward and per
-forward + backward, ``do_bench``'s milliseconds and TFLOP/s as bench/attention.py computes them, and each kernel's
-GPU microseconds per step (``torch.profiler``); a row whose host time exceeds its GPU time is host-bound.
+forward + backward, TFLOP/s by bench/attention.py's own timing, and the step's kernels' GPU microseconds
+(``torch.profiler``), in all and each; a row whose host time exceeds its kernels' time is host-bound.
 """
 
 import collections
@@ -58,8 +58,9 @@ S1K_SHAPES = [(16, 1024, 32, 64, False), (16, 1024, 32, 64, True), (16, 1024, 16
 
 
 def host_beside_gpu(B, S, H, D, causal) -> dict:
-    """Host and GPU time of bench/attention.py's forward and forward + backward at one dense shape."""
-    from triton.testing import do_bench
+    """Host time of bench/attention.py's forward and forward + backward at one dense shape, beside its TFLOP/s
+    (bench/attention.py's own timing) and the GPU time of the step's kernels."""
+    from attention import time_fwd_bwd  # (bench/attention.py: this script's folder is on sys.path)
 
     q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn_like(q)
@@ -72,18 +73,18 @@ def host_beside_gpu(B, S, H, D, causal) -> dict:
             t.grad = None
         fwd().backward(grad)
 
-    flops = 4 * B * H * S * S * D * (0.5 if causal else 1)
-    fwd_ms = do_bench(fwd, warmup=25, rep=200, return_mode="median")
-    total_ms = do_bench(fwd_bwd, warmup=25, rep=200, return_mode="median")
+    timed = time_fwd_bwd(fwd, [q, k, v], 4 * B * H * S * S * D * (0.5 if causal else 1))
+    if isinstance(timed, str):  # (time_fwd_bwd reports a failure as text, for its tables)
+        raise RuntimeError(timed)
+    tflops_fwd, tflops_bwd, _ = timed
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             fwd_bwd()
         torch.cuda.synchronize()
     kernels = {e.key: round(e.device_time_total / 5, 1) for e in prof.key_averages() if e.device_time_total > 0}
     return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "host us fwd": host_us(fwd),
-            "host us fwd+bwd": host_us(fwd_bwd), "gpu ms fwd": round(fwd_ms, 4), "gpu ms fwd+bwd": round(total_ms, 4),
-            "TFLOP/s fwd / bwd": [round(flops / fwd_ms / 1e9), round(2.5 * flops / (total_ms - fwd_ms) / 1e9)],
-            "kernel us per fwd+bwd": kernels}
+            "host us fwd+bwd": host_us(fwd_bwd), "TFLOP/s fwd / bwd": [round(tflops_fwd), round(tflops_bwd)],
+            "kernel us per fwd+bwd": round(sum(kernels.values()), 1), "kernels": kernels}
 
 
 def breakdown(q, n: int = 300) -> dict:
