@@ -5,8 +5,9 @@ own rows). A failed check raises in the rank, which fails the spawning test."""
 from __future__ import annotations
 
 import gc
-import os
+import time
 import zlib
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -132,35 +133,46 @@ def run_case(cp: ContextParallel, case: dict, lengths: list[int], device: torch.
 
 
 def worker(rank: int, world: int, port: int, suite: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     nccl = suite == "nccl"
     if nccl:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world)
+    # Our own store, so that it outlives the process group: the exit handshake below runs on it.
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(minutes=5))
+    dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world)
     try:
-        device = torch.device("cuda", rank) if nccl else torch.device("cpu")
-        cases = {"torch": CASES, "triton": TRITON_CASES, "nccl": NCCL_CASES}.get(suite, [])
-        for index, case in enumerate(cases):
-            seed = zlib.crc32(f"{suite}-{world}-{index}".encode())
-            lengths = _lengths(world, seed, case.get("long", False))
-            offsets = torch.tensor([0, *lengths], device=device).cumsum(0)
-            cp = ContextParallel(offsets, balance=case.get("balance", "causal"))
-            try:
-                run_case(cp, case, lengths, device, seed)
-            except AssertionError as exc:
-                raise AssertionError(f"rank {rank}/{world}, case {case}, lengths {lengths}: {exc}") from exc
-        if suite == "compile":
-            run_compiled(rank, world)
-        if suite == "ddp":
-            run_ddp(rank, world)
-        # Every rank finishes its collectives before any tears its process group down: with gloo, a rank
-        # destroying the group while a peer is still connected aborted the peer now and then ("terminate called
-        # without an active exception", 2 of 6 runs of the world-3 case on a 2-core machine). (Not in `finally`:
-        # a rank that failed mid-case would wait there for peers stuck in another collective.)
+        run_suite(rank, world, suite, torch.device("cuda", rank) if nccl else torch.device("cpu"))
+        # Nothing of the suite may hold the process group past its teardown (a ContextParallel keeps it): a gloo
+        # group destroyed late, or with a peer still connected, aborts the process now and then ("terminate
+        # called without an active exception": the world-3 case 2 of 6 runs on a 2-core machine, the world-2 case
+        # once in CI with only the barrier below). So every rank lets go of it, then finishes its collectives
+        # before any tears the group down. (Not in `finally`: a rank that failed mid-case would wait there for
+        # peers stuck in another collective.)
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The store's host (rank 0) leaves last, once every rank's group is down.
+    store.add("groups_down", 1)
+    while rank == 0 and store.add("groups_down", 0) < world:
+        time.sleep(0.01)
+
+
+def run_suite(rank: int, world: int, suite: str, device: torch.device):
+    cases = {"torch": CASES, "triton": TRITON_CASES, "nccl": NCCL_CASES}.get(suite, [])
+    for index, case in enumerate(cases):
+        seed = zlib.crc32(f"{suite}-{world}-{index}".encode())
+        lengths = _lengths(world, seed, case.get("long", False))
+        offsets = torch.tensor([0, *lengths], device=device).cumsum(0)
+        cp = ContextParallel(offsets, balance=case.get("balance", "causal"))
+        try:
+            run_case(cp, case, lengths, device, seed)
+        except AssertionError as exc:
+            raise AssertionError(f"rank {rank}/{world}, case {case}, lengths {lengths}: {exc}") from exc
+    if suite == "compile":
+        run_compiled(rank, world)
+    if suite == "ddp":
+        run_ddp(rank, world)
 
 
 def run_compiled(rank: int, world: int):
