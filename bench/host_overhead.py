@@ -1,7 +1,7 @@
 """Host time per ``varlen.attention`` call, where the GPU work is negligible (B2 S64 H4 D64 bf16, causal),
 next to SDPA's: what small problems and short sequences pay on every call.
 
-    PYTHONPATH=src python3 bench/host_overhead.py [--breakdown] [--shapes]
+    PYTHONPATH=src python3 bench/host_overhead.py [--breakdown] [--shapes] [--graphs]
 
 Prints microseconds of host time per call (forward; forward + backward), the mean over 300 calls after a
 warm-up, with the GPU synchronized only at the ends. ``--breakdown`` also times one forward + backward step
@@ -10,6 +10,9 @@ call, the backend's forward and backward, the launchers, and each Triton launch.
 beside GPU time at bench/attention.py's dense S1k shapes (where the two are close): host us per forward and per
 forward + backward, TFLOP/s by bench/attention.py's own timing, and the step's kernels' GPU microseconds
 (``torch.profiler``), in all and each; a row whose host time exceeds its kernels' time is host-bound.
+``--graphs`` times one forward + backward step at the tiny shape and the S1k shapes eagerly and as a replay of a
+``torch.cuda.graph`` capture of it (``do_bench``, GPU time per step): what capturing the step gives back where the
+host is the bottleneck.
 """
 
 import collections
@@ -50,6 +53,9 @@ def main():
     if "--shapes" in sys.argv:
         for shape in S1K_SHAPES:
             print(json.dumps(host_beside_gpu(*shape)), flush=True)
+    if "--graphs" in sys.argv:
+        for shape in [(2, 64, 4, 64, True), *S1K_SHAPES]:
+            print(json.dumps(eager_beside_graph(*shape)), flush=True)
 
 
 # (B, S, H, D, causal): bench/attention.py's dense S1k rows.
@@ -85,6 +91,35 @@ def host_beside_gpu(B, S, H, D, causal) -> dict:
     return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "host us fwd": host_us(fwd),
             "host us fwd+bwd": host_us(fwd_bwd), "TFLOP/s fwd / bwd": [round(tflops_fwd), round(tflops_bwd)],
             "kernel us per fwd+bwd": round(sum(kernels.values()), 1), "kernels": kernels}
+
+
+def eager_beside_graph(B, S, H, D, causal) -> dict:
+    """Microseconds per forward + backward step (bf16, grads reset each step), run eagerly and replayed from a
+    CUDA graph of the same step, with the step's TFLOP/s (3.5x the forward's FLOPs) each way."""
+    from triton.testing import do_bench
+
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        varlen.attention(q, k, v, causal=causal).backward(grad)
+
+    side = torch.cuda.Stream()  # warm-up off the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    eager, replay = do_bench(step), do_bench(graph.replay)
+    flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1)
+    return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "us per step eager": round(eager * 1e3, 1),
+            "us per step graph": round(replay * 1e3, 1), "TFLOP/s eager / graph":
+            [round(flops / eager / 1e9), round(flops / replay / 1e9)]}
 
 
 def breakdown(q, n: int = 300) -> dict:

@@ -251,6 +251,9 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
     ``varlen.attention_dropout_mask`` predicts the mask). Inside ``torch.compile`` the graph draws it
     with ``torch.randint`` from the default CPU generator (reproducible under ``torch.manual_seed``, but
     not the eager call's mask); a ``generator`` can't be passed there.
+
+    Not while a CUDA graph is being captured: the seed is a host value, so every replay of the graph would drop
+    the same weights (torch's own dropout reads its offset from device memory that each replay advances).
     """
     if opts.dropout_p == 0.0:
         return None
@@ -259,6 +262,10 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
             raise ValueError("generator: not supported inside torch.compile (the compiled graph draws the "
                              "dropout seed from the default generator); pass generator=None")
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"dropout_p: {opts.dropout_p} while a CUDA graph is being captured; varlen draws the dropout "
+                         "seed on the host, so every replay would drop the same weights. Allowed: 0.0 inside a "
+                         "captured graph (run steps with dropout eagerly)")
     drawn = draw_dropout_seed(generator, device)
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
 

@@ -1,0 +1,142 @@
+"""CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the
+inputs copied in before each replay (attention dense and jagged, on the Gluon and Triton kernels, and the
+jagged ops; jagged tensors built with ``validate=False``, whose offsets check would sync), and dropout, whose
+seed is drawn on the host, refuses to be captured instead of replaying one mask. Capture needs a GPU."""
+
+import pytest
+import torch
+
+import varlen
+from utils import assert_close
+
+pytestmark = pytest.mark.gpu_only
+
+LENGTHS = [0, 1, 17, 1000, 300, 129]  # jagged cases: empty, single-row and long sequences, tile edges
+
+CASES = {
+    # (batch, length or None for jagged, H, Hkv, D, options): the Gluon kernels take the plain bf16 D64/128
+    # calls, the Triton kernels the bias, deterministic and D40 ones.
+    "dense D128 causal": (2, 512, 4, 4, 128, dict(causal=True)),
+    "dense D64 GQA window": (2, 300, 8, 2, 64, dict(window=(64, 16))),
+    "jagged D64 causal": (len(LENGTHS), None, 4, 4, 64, dict(causal=True)),
+    "jagged D40 deterministic": (len(LENGTHS), None, 4, 2, 40, dict(causal=True, deterministic=True)),
+    "dense D64 bias with grad": (2, 200, 4, 4, 64, dict(bias=True)),
+}
+
+
+def _inputs(case, seed):
+    """Fresh (q, k, v, bias, dout) values of one case, bf16 on the GPU (the bias None unless the case has one)."""
+    B, S, H, Hkv, D, opts = CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = (B, S) if S is not None else (sum(LENGTHS),)
+    make = lambda *shape: torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, k, v, dout = make(*rows, H, D), make(*rows, Hkv, D), make(*rows, Hkv, D), make(*rows, H, D)
+    bias = make(1, H, S, S) if opts.get("bias") else None
+    return q, k, v, bias, dout
+
+
+def _attend(case, q, k, v, bias, offsets):
+    opts = {n: o for n, o in CASES[case][5].items() if n != "bias"}
+    if offsets is not None:
+        q, k, v = (varlen.JaggedTensor(t, offsets, max(LENGTHS), validate=False) for t in (q, k, v))
+    out = varlen.attention(q, k, v, bias=bias, **opts)
+    return out if offsets is None else out.values
+
+
+def _eager(case, values, offsets):
+    """Output and gradients of q, k, v (and the bias) computed eagerly."""
+    q, k, v, bias, dout = (t if t is None else t.clone().requires_grad_(i < 4) for i, t in enumerate(values))
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    out = _attend(case, q, k, v, bias, offsets)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_captured_attention_replays_eager(case):
+    """Capture once; each replay on new inputs gives eager's output and gradients (bitwise where the kernels are
+    deterministic; within bf16 rounding where dQ is added atomically in any order)."""
+    offsets = None
+    if CASES[case][1] is None:
+        offsets = torch.tensor([0, *LENGTHS], device="cuda").cumsum(0).to(torch.int32)
+    static = [t if t is None else t.requires_grad_(i < 4) for i, t in enumerate(_inputs(case, 0))]
+    q, k, v, bias, dout = static
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        _attend(case, q, k, v, bias, offsets).backward(dout)
+
+    side = torch.cuda.Stream()  # warm-up (compilation, allocator) off the capture, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = _attend(case, q, k, v, bias, offsets)
+        out.backward(dout)
+    deterministic = CASES[case][5].get("deterministic", False)
+    for seed in (1, 2):
+        fresh = _inputs(case, seed)
+        with torch.no_grad():
+            for t, new in zip(static, fresh, strict=True):
+                if t is not None:
+                    t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [out.detach(), *(t.grad for t in leaves)]
+        names = ("out", "dq", "dk", "dv", "dbias")[:len(got)]
+        for name, a, b in zip(names, got, _eager(case, fresh, offsets), strict=True):
+            if deterministic:
+                assert torch.equal(a, b), f"{name}: replay differs from eager"
+            else:
+                assert_close(a, b, tol=4e-3, name=name)  # (bf16 rounding of sums added in another order)
+
+
+def test_captured_jagged_ops_replay_eager():
+    """Softmax over the ragged dim and a per-sequence sum, forward and backward, captured and replayed."""
+    offsets = torch.tensor([0, *LENGTHS], device="cuda").cumsum(0)
+    x = torch.randn(sum(LENGTHS), 8, 16, device="cuda", requires_grad=True)
+    dy = torch.randn(len(LENGTHS), 8, 16, device="cuda")
+
+    def run(values):
+        y = varlen.softmax(varlen.JaggedTensor(values, offsets, max(LENGTHS), validate=False), dim=1)
+        return varlen.sum(varlen.JaggedTensor(y.values * values, offsets, max(LENGTHS), validate=False), dim=1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            x.grad = None
+            run(x).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        out = run(x)
+        out.backward(dy)
+    for _ in range(2):
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            dy.copy_(torch.randn_like(dy))
+        graph.replay()
+        torch.cuda.synchronize()
+        leaf = x.detach().clone().requires_grad_(True)
+        want = run(leaf)
+        (want_grad,) = torch.autograd.grad(want, leaf, dy)
+        assert_close(out, want, tol=1e-6, name="sum")  # (float32; a long sequence's sum may add in any order)
+        assert_close(x.grad, want_grad, tol=1e-6, name="grad")
+
+
+def test_dropout_refuses_capture():
+    """The dropout seed is a host value: a captured graph would drop the same weights on every replay."""
+    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    varlen.attention(q, q, q, dropout_p=0.1)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=r"dropout_p: 0\.1 while a CUDA graph is being captured"), \
+            torch.cuda.graph(graph):
+        varlen.attention(q, q, q, dropout_p=0.1)
