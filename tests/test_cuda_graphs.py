@@ -1,7 +1,8 @@
 """CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the
 inputs copied in before each replay (attention dense and jagged, on the Gluon and Triton kernels, and the
-jagged ops; jagged tensors built with ``validate=False``, whose offsets check would sync), and dropout, whose
-seed is drawn on the host, refuses to be captured instead of replaying one mask. Capture needs a GPU."""
+jagged ops; jagged tensors built with ``validate=False``, whose offsets check would sync), so does
+``torch.compile(mode="reduce-overhead")``, and dropout, whose seed is drawn on the host, refuses to be captured
+instead of replaying one mask. Capture needs a GPU."""
 
 import pytest
 import torch
@@ -130,6 +131,39 @@ def test_captured_jagged_ops_replay_eager():
         (want_grad,) = torch.autograd.grad(want, leaf, dy)
         assert_close(out, want, tol=1e-6, name="sum")  # (float32; a long sequence's sum may add in any order)
         assert_close(x.grad, want_grad, tol=1e-6, name="grad")
+
+
+def test_compiled_with_cuda_graphs_matches_eager():
+    """``torch.compile(mode="reduce-overhead")`` (CUDA graphs through Inductor) records the attention forward and
+    backward without skipping, and its steps give eager's output and gradients."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        return varlen.attention(q, k, v, causal=True)
+
+    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # (the first steps warm up; the later ones replay)
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+        dout = torch.randn_like(q)
+        out = compiled(q, k, v)
+        got = [out.detach().clone(), *torch.autograd.grad(out, (q, k, v), dout)]
+        want = _eager_plain(q, k, v, dout)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            assert_close(a, b, tol=4e-3, name=name)  # (bf16 rounding of dQ added in another order)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def _eager_plain(q, k, v, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = varlen.attention(*leaves, causal=True)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
 
 def test_dropout_refuses_capture():
