@@ -1,8 +1,9 @@
 """CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the
 inputs copied in before each replay (attention dense and jagged, on the Gluon and Triton kernels, and the
 jagged ops; jagged tensors built with ``validate=False``, whose offsets check would sync), so does
-``torch.compile(mode="reduce-overhead")``, and dropout, whose seed is drawn on the host, refuses to be captured
-instead of replaying one mask. Capture needs a GPU."""
+``torch.compile(mode="reduce-overhead")``; dropout, whose seed is drawn on the host, refuses to be captured
+instead of replaying one mask, and so do host reads of offsets (a JaggedTensor validated or without max_len).
+Capture needs a GPU."""
 
 import pytest
 import torch
@@ -174,3 +175,21 @@ def test_dropout_refuses_capture():
     with pytest.raises(ValueError, match=r"dropout_p: 0\.1 while a CUDA graph is being captured"), \
             torch.cuda.graph(graph):
         varlen.attention(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_len=7), dict(validate=False)], ids=["validate", "no_max_len"])
+def test_host_reads_refuse_capture(kwargs):
+    """A JaggedTensor that would read its CUDA offsets on the host inside a capture (to validate them, or to find
+    max_len) raises a ValueError that names the way out, before the copy that would break the capture; a capture
+    after it works."""
+    values = torch.randn(7, 4, device="cuda")
+    offsets = torch.tensor([0, 3, 7], device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match=r"offsets: reading CUDA offsets or lengths on the host .* validate=False"), \
+            torch.cuda.graph(graph):
+        varlen.JaggedTensor(values, offsets, **kwargs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        doubled = varlen.JaggedTensor(values, offsets, 4, validate=False).values * 2
+    graph.replay()
+    assert torch.equal(doubled, values * 2)

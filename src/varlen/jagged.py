@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tensor, checks_metadata
-from .offsets import check_offsets, check_offsets_tensor, segment_ids
+from .offsets import check_offsets, check_offsets_tensor, read_on_host, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
 
 
@@ -54,7 +54,7 @@ class JaggedTensor:
         if validate or checks_metadata(offsets.device):
             host = check_offsets(offsets, values.shape[0], max_len)
         elif max_len is None:
-            host = offsets.detach().to("cpu", torch.int64)
+            host = read_on_host(offsets, "offsets")
         if max_len is None:
             max_len = int((host[1:] - host[:-1]).max())
         self.values = values
@@ -149,7 +149,7 @@ class JaggedTensor:
     def host_offsets(self) -> torch.Tensor:
         """Offsets as a CPU int64 tensor (one device-to-host copy the first time, then cached)."""
         if self._host_offsets is None:
-            self._host_offsets = self.offsets.detach().to("cpu", torch.int64)
+            self._host_offsets = read_on_host(self.offsets, "offsets")
         return self._host_offsets
 
     def segment_ids(self) -> torch.Tensor:
@@ -199,7 +199,7 @@ class JaggedTensor:
                                  f"got {tuple(lengths.shape)}")
             lengths_dev = lengths.to(padded.device, torch.int64)
             trusted = max_len is not None and not checks_metadata(lengths.device)
-            host = None if trusted else lengths.detach().to("cpu", torch.int64)
+            host = None if trusted else read_on_host(lengths, "lengths")
         else:
             lengths = list(lengths)
             for b, n in enumerate(lengths):

@@ -21,13 +21,24 @@ def check_offsets_tensor(name: str, offsets) -> None:
     check_dtype(name, offsets, INDEX_DTYPES)
 
 
+def read_on_host(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Offsets or lengths ``t`` as a CPU int64 tensor: a device-to-host copy on a GPU, which a CUDA graph capture
+    can't contain (torch's own error there leaves the capture broken without naming the cause)."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"{name}: reading CUDA offsets or lengths on the host (to check them, or to find the longest "
+                         "length) is a device-to-host sync, which a CUDA graph capture can't contain; inside the "
+                         "capture pass max_len and validate=False (JaggedTensor(values, offsets, max_len, "
+                         "validate=False)), or use the jagged tensors that ops return")
+    return t.detach().to("cpu", torch.int64)
+
+
 def check_offsets(offsets: torch.Tensor, total: int, max_len: int | None, *,
                   names: tuple[str, str, str] = ("offsets", "values.shape[0]", "max_len")) -> torch.Tensor:
     """Validate ``offsets`` against ``total`` rows and ``max_len`` (None: not checked) and return them as
     a CPU int64 tensor (a device-to-host copy on a GPU). ``names``: how the errors call the offsets, the
     row count and the maximum length."""
     offsets_name, total_name, max_name = names
-    host = offsets.detach().to("cpu", torch.int64)
+    host = read_on_host(offsets, offsets_name)
     if int(host[0]) != 0:
         raise ValueError(f"{offsets_name}: must start at 0, got {offsets_name}[0] = {int(host[0])}")
     steps = host[1:] - host[:-1]

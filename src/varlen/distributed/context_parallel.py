@@ -23,7 +23,7 @@ from .._checks import accumulate_dtype, check_choice, check_tensor
 from ..attn import api, function
 from ..attn.options import AttentionOptions
 from ..jagged import JaggedTensor
-from ..offsets import check_offsets, check_offsets_tensor
+from ..offsets import check_offsets, check_offsets_tensor, read_on_host
 from .plan import BALANCES, Piece, make_plan
 
 # funcol's single-tensor collectives (their older names in the torch versions that lack these).
@@ -68,7 +68,7 @@ class ContextParallel:
     def __init__(self, offsets: torch.Tensor, group: dist.ProcessGroup | None = None, balance: str = "causal"):
         check_offsets_tensor("offsets", offsets)
         check_choice("balance", balance, BALANCES)
-        host = offsets.detach().to("cpu", torch.int64)
+        host = read_on_host(offsets, "offsets")
         host = check_offsets(host, int(host[-1]), None)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized; call torch.distributed."
