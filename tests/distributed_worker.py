@@ -5,7 +5,9 @@ own rows). A failed check raises in the rank, which fails the spawning test."""
 from __future__ import annotations
 
 import gc
-import time
+import os
+import sys
+import traceback
 import zlib
 from datetime import timedelta
 
@@ -142,20 +144,29 @@ def worker(rank: int, world: int, port: int, suite: str):
     dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world)
     try:
         run_suite(rank, world, suite, torch.device("cuda", rank) if nccl else torch.device("cpu"))
-        # Nothing of the suite may hold the process group past its teardown (a ContextParallel keeps it): a gloo
-        # group destroyed late, or with a peer still connected, aborts the process now and then ("terminate
-        # called without an active exception": the world-3 case 2 of 6 runs on a 2-core machine, the world-2 case
-        # once in CI with only the barrier below). So every rank lets go of it, then finishes its collectives
-        # before any tears the group down. (Not in `finally`: a rank that failed mid-case would wait there for
-        # peers stuck in another collective.)
+        # A gloo group torn down while something still holds it, or while a peer is still connected, aborts the
+        # process now and then ("terminate called without an active exception": the world-3 case 2 of 6 runs on a
+        # 2-core machine, the world-2 case once in CI with the barrier alone). So the suite's objects go first (a
+        # ContextParallel holds the group; what compiled code keeps of it stays, hence the os._exit below), then
+        # every rank finishes its collectives before any tears the group down. (Not in `finally`: a rank that
+        # failed mid-case would wait there for peers stuck in another collective.)
         gc.collect()
         dist.barrier()
+    except BaseException:
+        # Printed here: this rank's teardown closes its connections, and a peer failing on that may be the
+        # error mp.spawn reports.
+        traceback.print_exc()
+        raise
     finally:
         dist.destroy_process_group()
-    # The store's host (rank 0) leaves last, once every rank's group is down.
-    store.add("groups_down", 1)
-    while rank == 0 and store.add("groups_down", 0) < world:
-        time.sleep(0.01)
+    # The store's host (rank 0) leaves last, once every rank's group is down (bounded by the store's timeout);
+    # then no rank runs the interpreter's teardown, where what is left of a gloo group can still abort it.
+    store.set(f"group_down_{rank}", "1")
+    if rank == 0:
+        store.wait([f"group_down_{r}" for r in range(world)])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_suite(rank: int, world: int, suite: str, device: torch.device):
@@ -217,7 +228,5 @@ def run_ddp(rank: int, world: int):
     forward(model, cp.local_index, lambda q, k, v: cp.attention(q, k, v, causal=True)).backward()
     for p, want in zip(model.parameters(), reference, strict=True):
         _check("ddp grad", p.grad * world, want, 1e-10)
-    # DDP's reducer must be gone before the process group: torn down after it, gloo's threads abort the process.
-    del model
-    gc.collect()
-    dist.barrier()
+    # (DDP's reducer must be gone before the process group, or gloo's threads abort the process: `worker`
+    # collects it before the teardown.)

@@ -1,9 +1,9 @@
 """CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the
-inputs copied in before each replay (attention dense and jagged, on the Gluon and Triton kernels, and the
-jagged ops; jagged tensors built with ``validate=False``, whose offsets check would sync), so does
-``torch.compile(mode="reduce-overhead")``; dropout, whose seed is drawn on the host, refuses to be captured
-instead of replaying one mask, and so do host reads of offsets (a JaggedTensor validated or without max_len).
-Capture needs a GPU."""
+inputs copied in before each replay (attention dense and jagged, in cases that select the Gluon kernels on Hopper
+and cases that select the Triton ones, and the jagged ops; jagged tensors built with ``validate=False``, whose
+offsets check would sync), so does ``torch.compile(mode="reduce-overhead")``; dropout, whose seed is drawn on the
+host, refuses to be captured instead of replaying one mask, and so do host reads of offsets (a JaggedTensor
+validated or without max_len). Capture needs a GPU (tests/test_capture_errors.py checks the refusals anywhere)."""
 
 import pytest
 import torch
@@ -185,8 +185,8 @@ def test_host_reads_refuse_capture(kwargs):
     values = torch.randn(7, 4, device="cuda")
     offsets = torch.tensor([0, 3, 7], device="cuda")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match=r"offsets: reading CUDA offsets or lengths on the host .* validate=False"), \
-            torch.cuda.graph(graph):
+    refused = r"offsets: reading these CUDA offsets or lengths on the host .* validate=False"
+    with pytest.raises(ValueError, match=refused), torch.cuda.graph(graph):
         varlen.JaggedTensor(values, offsets, **kwargs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

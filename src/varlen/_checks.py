@@ -56,6 +56,11 @@ def checks_metadata(device: torch.device) -> bool:
     return device.type == "cpu" or (_checks_on and device.type != "meta")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (never for a non-CUDA device)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype varlen computes and accumulates in for inputs of ``dtype``: float64 for float64, else
     float32 (also the dtype of attention's lse)."""

@@ -18,6 +18,9 @@ from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tens
 from .offsets import check_offsets, check_offsets_tensor, read_on_host, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
 
+# (from_padded with lengths on a GPU reads at least their sum on the host: it is the row count, a shape.)
+_FROM_PADDED_OUTSIDE = "call from_padded outside the capture (its row count is a shape)"
+
 
 class JaggedTensor:
     """A batch of sequences of different lengths: flat ``values`` plus ``offsets``.
@@ -54,7 +57,8 @@ class JaggedTensor:
         if validate or checks_metadata(offsets.device):
             host = check_offsets(offsets, values.shape[0], max_len)
         elif max_len is None:
-            host = read_on_host(offsets, "offsets")
+            host = read_on_host(offsets, "offsets", "inside the capture pass max_len (JaggedTensor(values, offsets, "
+                                    "max_len, validate=False)), or use the jagged tensors that ops return")
         if max_len is None:
             max_len = int((host[1:] - host[:-1]).max())
         self.values = values
@@ -149,7 +153,8 @@ class JaggedTensor:
     def host_offsets(self) -> torch.Tensor:
         """Offsets as a CPU int64 tensor (one device-to-host copy the first time, then cached)."""
         if self._host_offsets is None:
-            self._host_offsets = read_on_host(self.offsets, "offsets")
+            self._host_offsets = read_on_host(self.offsets, "offsets", "what needs them (unbind, select on dim 0, or "
+                                              "on dim 1 without fill_value) runs outside the capture")
         return self._host_offsets
 
     def segment_ids(self) -> torch.Tensor:
@@ -199,7 +204,7 @@ class JaggedTensor:
                                  f"got {tuple(lengths.shape)}")
             lengths_dev = lengths.to(padded.device, torch.int64)
             trusted = max_len is not None and not checks_metadata(lengths.device)
-            host = None if trusted else read_on_host(lengths, "lengths")
+            host = None if trusted else read_on_host(lengths, "lengths", _FROM_PADDED_OUTSIDE)
         else:
             lengths = list(lengths)
             for b, n in enumerate(lengths):
@@ -231,7 +236,7 @@ class JaggedTensor:
         offsets = torch.cat([lengths_dev.new_zeros(1), lengths_dev.cumsum(0)])
         if total is None:
             # The row count is a shape: it has to reach the host once.
-            total = int(offsets[-1])
+            total = int(read_on_host(offsets[-1:], "lengths", _FROM_PADDED_OUTSIDE)[0])
         values = padded_to_jagged(padded, offsets, total, max_len)
         return cls._trusted(values, offsets, max_len, host_offsets)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_dtype, check_tensor
+from ._checks import INDEX_DTYPES, capturing, check_dtype, check_tensor
 
 
 def check_offsets_tensor(name: str, offsets) -> None:
@@ -21,14 +21,14 @@ def check_offsets_tensor(name: str, offsets) -> None:
     check_dtype(name, offsets, INDEX_DTYPES)
 
 
-def read_on_host(t: torch.Tensor, name: str) -> torch.Tensor:
+def read_on_host(t: torch.Tensor, name: str, remedy: str) -> torch.Tensor:
     """Offsets or lengths ``t`` as a CPU int64 tensor: a device-to-host copy on a GPU, which a CUDA graph capture
-    can't contain (torch's own error there leaves the capture broken without naming the cause)."""
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"{name}: reading CUDA offsets or lengths on the host (to check them, or to find the longest "
-                         "length) is a device-to-host sync, which a CUDA graph capture can't contain; inside the "
-                         "capture pass max_len and validate=False (JaggedTensor(values, offsets, max_len, "
-                         "validate=False)), or use the jagged tensors that ops return")
+    can't contain (torch's own error there leaves the capture broken without naming the cause): ``remedy`` says
+    what the caller can do instead."""
+    if capturing(t.device):
+        raise ValueError(f"{name}: reading these CUDA offsets or lengths on the host (to check them, find the longest "
+                         f"length or size a result) is a device-to-host sync, which a CUDA graph capture can't "
+                         f"contain; {remedy}")
     return t.detach().to("cpu", torch.int64)
 
 
@@ -38,7 +38,9 @@ def check_offsets(offsets: torch.Tensor, total: int, max_len: int | None, *,
     a CPU int64 tensor (a device-to-host copy on a GPU). ``names``: how the errors call the offsets, the
     row count and the maximum length."""
     offsets_name, total_name, max_name = names
-    host = read_on_host(offsets, offsets_name)
+    host = read_on_host(offsets, offsets_name, f"inside the capture pass {max_name}, with validate=False where the "
+                        "call takes it and the checking mode (varlen.set_checks) off, or use the jagged tensors "
+                        "that ops return")
     if int(host[0]) != 0:
         raise ValueError(f"{offsets_name}: must start at 0, got {offsets_name}[0] = {int(host[0])}")
     steps = host[1:] - host[:-1]

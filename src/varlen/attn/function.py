@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _amp
-from .._checks import accumulate_dtype
+from .._checks import accumulate_dtype, capturing
 from . import backends
 from .dropout import SEED_LIMIT, draw_dropout_seed
 from .options import AttentionOptions, DropoutSeed, Problem
@@ -262,7 +262,7 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
             raise ValueError("generator: not supported inside torch.compile (the compiled graph draws the "
                              "dropout seed from the default generator); pass generator=None")
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         raise ValueError(f"dropout_p: {opts.dropout_p} while a CUDA graph is being captured; varlen draws the dropout "
                          "seed on the host, so every replay would drop the same weights. Allowed: 0.0 inside a "
                          "captured graph (run steps with dropout eagerly)")

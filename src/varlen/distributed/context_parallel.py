@@ -68,7 +68,7 @@ class ContextParallel:
     def __init__(self, offsets: torch.Tensor, group: dist.ProcessGroup | None = None, balance: str = "causal"):
         check_offsets_tensor("offsets", offsets)
         check_choice("balance", balance, BALANCES)
-        host = read_on_host(offsets, "offsets")
+        host = read_on_host(offsets, "offsets", "build the ContextParallel outside the capture")
         host = check_offsets(host, int(host[-1]), None)
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("group: torch.distributed is not initialized; call torch.distributed."
