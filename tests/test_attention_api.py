@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import varlen
+from utils import record_calls
+from varlen.attn import cpu_fused
 from varlen.jagged import JaggedTensor
 
 B, S, H, HKV, D = 2, 5, 4, 2, 8
@@ -322,3 +324,22 @@ def test_features_are_not_examined_on_a_device_the_backend_cannot_use():
     call = capabilities.Call(torch.empty(0, dtype=torch.float32, device="meta"), None, None, problem, Untouchable())
     assert capabilities.unsupported_reasons(caps, call) == [
         "tensors on meta (it runs on cuda)", "dtype float32 (allowed: float16)", "head dims (80, 80) (at most 64)"]
+
+
+def test_int64_cpu_offsets_converted_once(monkeypatch):
+    """Every layer passes its batch's int64 offsets: the fused CPU path plans the batch once, not per call; offsets
+    changed in place are converted again (the output follows the new sequences)."""
+    plans = record_calls(monkeypatch, cpu_fused, "_build_plan")
+    offsets = torch.tensor([0, 3, 7], dtype=torch.int64)
+    values = torch.randn(7, 2, 4, dtype=torch.float64)
+    x = JaggedTensor(values, offsets)
+    first = varlen.attention(x, x, x, backend="torch").values
+    assert torch.equal(varlen.attention(x, x, x, backend="torch").values, first)
+    assert len(plans) == 1
+    with torch.no_grad():
+        offsets[1] = 5
+    y = JaggedTensor(values, offsets)
+    got = varlen.attention(y, y, y, backend="torch").values
+    want = torch.cat([varlen.attention_reference(s[None], s[None], s[None])[0][0] for s in (values[:5], values[5:])])
+    torch.testing.assert_close(got, want)
+    assert len(plans) == 2

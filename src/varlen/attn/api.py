@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -243,12 +244,30 @@ def parse_window(window) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
+# The last int64 -> int32 conversion of CPU offsets: (weak reference to the offsets, their version, the copy).
+_last_cpu_conversion: list = [None]
+
+
 def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
-    """The offsets as int32, which is what the kernels index rows with."""
+    """The offsets as int32, which is what the kernels index rows with. int64 offsets on the CPU are converted
+    once while the same tensor comes back unchanged: every layer of a model passes its batch's offsets, and the
+    fused CPU path keeps its plan per offsets tensor (``cpu_fused``), so a new copy per call rebuilt the plan for
+    every layer. (On a GPU each call converts: a cached copy would have to be kept alive for CUDA graphs and
+    across streams.)"""
     if x.total > INT32_MAX:
         raise ValueError(f"{name}: {x.total} rows overflow the int32 offsets the attention kernels use "
                          f"(at most {INT32_MAX} rows)")
-    return x.offsets if x.offsets.dtype == torch.int32 else x.offsets.to(torch.int32)
+    offsets = x.offsets
+    if offsets.dtype == torch.int32:
+        return offsets
+    if offsets.device.type != "cpu" or torch.compiler.is_compiling():
+        return offsets.to(torch.int32)
+    last = _last_cpu_conversion[0]
+    if last is not None and last[0]() is offsets and last[1] == offsets._version:
+        return last[2]
+    converted = offsets.to(torch.int32)
+    _last_cpu_conversion[0] = (weakref.ref(offsets), offsets._version, converted)
+    return converted
 
 
 def _check_bias(bias, problem: Problem):

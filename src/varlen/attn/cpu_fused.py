@@ -5,7 +5,9 @@ run on jagged batches by length buckets.
 take GQA, causal masks (top-left) and a float mask, but only dense ``(B, H, S, D)`` batches with D == Dv.
 A jagged batch is cut into buckets of sequences of similar lengths (sorted, then split where one more
 kernel call costs less than the padding it saves: :func:`_buckets`); each bucket is gathered into a
-padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call. On the CPU there is no device
+padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call, whose results are copied back
+slot by slot (``index_copy_``; padding slots into a spare row past the last, cut off at the end: no boolean
+masks, concatenations or scatters, which cost ~20% of a small call). On the CPU there is no device
 to wait for, so the host reads the offsets and loops over buckets freely. A plan is built once per
 offsets tensor and reused by every layer's forward and backward of that batch.
 
@@ -52,20 +54,19 @@ def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions
 # ------------------------------------------------------------------------------------------- plan
 @dataclasses.dataclass(frozen=True)
 class _Bucket:
-    """Sequences padded to one ``(n, Lq)`` / ``(n, Lk)`` block: the rows of values each slot reads."""
+    """Sequences padded to one ``(n, Lq)`` / ``(n, Lk)`` block: the rows of values each slot reads, and the row
+    of the result each slot's output goes to."""
 
     q_rows: torch.Tensor  # (n, Lq) int64 rows of q's values; padding slots repeat the sequence's first row
     k_rows: torch.Tensor  # (n, Lk)
-    q_valid: torch.Tensor  # (n, Lq) bool
-    k_valid: torch.Tensor  # (n, Lk) bool
+    q_slots: torch.Tensor  # (n * Lq,) int64 row each slot's output (lse, dq) goes to: padding slots to a spare
+    k_slots: torch.Tensor  # (n * Lk,) row past the last one (results are made one row longer, then cut)
     key_mask: torch.Tensor | None  # (n, 1, 1, Lk), -inf on padding keys; None where no padding key is seen
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     buckets: tuple[_Bucket, ...]
-    q_order: torch.Tensor  # the valid q rows, bucket after bucket: where each bucket's outputs go
-    k_order: torch.Tensor  # the same for k rows
 
 
 def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[int, int]]:
@@ -81,7 +82,8 @@ def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[
     for j in range(1, len(cuts)):
         widest_k = 0
         for i in range(j - 1, -1, -1):
-            widest_k = max(widest_k, run_k[i])
+            if run_k[i] > widest_k:  # (not max(): this loop runs ~n^2 / 2 times per batch)
+                widest_k = run_k[i]
             cost = best[i] + CALL_COST + weight * (cuts[j] - cuts[i]) * q_lens[cuts[i]] * widest_k
             if cost < best[j]:
                 best[j], choice[j] = cost, i
@@ -99,7 +101,7 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
     seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
     seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
     weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
-    buckets, q_order, k_order = [], [], []
+    buckets = []
     for i, j in _buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight):
         members = seqs[i:j]
         q_rows, q_valid = _rows(cu_q[members], q_len[members])
@@ -111,11 +113,10 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
         if not self_causal and not bool(k_valid.all()):
             key_mask = torch.zeros(k_valid.shape, dtype=mask_dtype).masked_fill_(~k_valid, float("-inf"))
             key_mask = key_mask[:, None, None, :]
-        buckets.append(_Bucket(q_rows, k_rows, q_valid, k_valid, key_mask))
-        q_order.append(q_rows[q_valid])
-        k_order.append(k_rows[k_valid])
-    empty = torch.zeros(0, dtype=torch.int64)
-    return _Plan(tuple(buckets), torch.cat(q_order) if q_order else empty, torch.cat(k_order) if k_order else empty)
+        q_slots = torch.where(q_valid, q_rows, rows[0]).flatten()
+        k_slots = torch.where(k_valid, k_rows, rows[1]).flatten()
+        buckets.append(_Bucket(q_rows, k_rows, q_slots, k_slots, key_mask))
+    return _Plan(tuple(buckets))
 
 
 def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,18 +164,15 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
         return _forward_dense(q, k, v, bias, opts)
     plan = _plan(problem, opts, q.dtype, (q.shape[0], k.shape[0]))
     H, Dv, rows = problem.heads, problem.head_dim_v, q.shape[0]
-    outs, lses = [], []
+    # One spare row past the last: every slot of a bucket is copied out, padding slots into the spare row.
+    out = q.new_zeros(rows + 1, H, Dv)
+    lse = torch.full((rows + 1, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
     for bucket in plan.buckets:
         qb, kb, vb = (t[r].transpose(1, 2) for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
-        o, lse = _FORWARD(*_inputs(qb, kb, vb), 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
-        outs.append(o.transpose(1, 2)[bucket.q_valid])  # (valid rows, H, Dv)
-        lses.append(lse.transpose(1, 2)[bucket.q_valid])  # (valid rows, H)
-    out = q.new_zeros(rows, H, Dv)
-    lse = torch.full((rows, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
-    if outs:
-        out[plan.q_order] = torch.cat(outs).to(out.dtype)
-        lse[plan.q_order] = torch.cat(lses).to(lse.dtype)
-    return out, lse.t().contiguous()
+        o, lse_b = _FORWARD(*_inputs(qb, kb, vb), 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
+        out.index_copy_(0, bucket.q_slots, o.transpose(1, 2).reshape(-1, H, Dv).to(out.dtype))
+        lse.index_copy_(0, bucket.q_slots, lse_b.transpose(1, 2).reshape(-1, H).to(lse.dtype))
+    return out[:rows], lse[:rows].t().contiguous()
 
 
 def _forward_dense(q, k, v, bias, opts: AttentionOptions):
@@ -204,26 +202,21 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
     if problem.dense:
         return _backward_dense(dout, q, k, v, out, lse, bias, opts)
     plan = _plan(problem, opts, q.dtype, (q.shape[0], k.shape[0]))
-    lse_rows = _kernel_lse(lse.t())  # (Tq, H)
-    dqs, dks, dvs = [], [], []
+    # (Tq + 1, H): the spare last row, +inf, is the lse of padding query slots, whose probabilities are then
+    # zero, so that they add nothing to dk and dv.
+    lse_rows = torch.cat([_kernel_lse(lse.t()), lse.new_full((1, lse.shape[0]), float("inf"))])
+    # One spare row past the last, as in the forward: padding slots' gradients (zeros) go there.
+    dq, dk, dv = (t.new_zeros(t.shape[0] + 1, *t.shape[1:]) for t in (q, k, v))
     for bucket in plan.buckets:
         qr, kr = bucket.q_rows, bucket.k_rows
-        # Padding query slots repeat a real row; an lse of +inf gives them zero probabilities, so they add
-        # nothing to dk and dv.
-        lse_b = lse_rows[qr].masked_fill(~bucket.q_valid[..., None], float("inf")).transpose(1, 2).contiguous()
+        lse_b = lse_rows[bucket.q_slots.view(qr.shape)].transpose(1, 2).contiguous()
         grads = _BACKWARD(*_inputs(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
                                    v[kr].transpose(1, 2), out[qr].transpose(1, 2)), lse_b, 0.0, opts.causal,
                           attn_mask=bucket.key_mask, scale=opts.scale)
-        dq, dk, dv = (g.transpose(1, 2) for g in grads)
-        dqs.append(dq[bucket.q_valid])
-        dks.append(dk[bucket.k_valid])
-        dvs.append(dv[bucket.k_valid])
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if dqs:
-        dq[plan.q_order] = torch.cat(dqs).to(dq.dtype)
-        dk[plan.k_order] = torch.cat(dks).to(dk.dtype)
-        dv[plan.k_order] = torch.cat(dvs).to(dv.dtype)
-    return dq, dk, dv
+        for total, grad, slots in zip((dq, dk, dv), grads, (bucket.q_slots, bucket.k_slots, bucket.k_slots),
+                                      strict=True):
+            total.index_copy_(0, slots, grad.transpose(1, 2).reshape(-1, *total.shape[1:]).to(total.dtype))
+    return dq[:-1], dk[:-1], dv[:-1]
 
 
 def _backward_dense(dout, q, k, v, out, lse, bias, opts: AttentionOptions):
