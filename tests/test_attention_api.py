@@ -343,3 +343,47 @@ def test_int64_cpu_offsets_converted_once(monkeypatch):
     want = torch.cat([varlen.attention_reference(s[None], s[None], s[None])[0][0] for s in (values[:5], values[5:])])
     torch.testing.assert_close(got, want)
     assert len(plans) == 2
+
+
+def test_cpu_plans_kept_for_self_and_cross_attention(monkeypatch):
+    """Layers alternating between two offsets tensors (self- and cross-attention) plan each batch once."""
+    plans = record_calls(monkeypatch, cpu_fused, "_build_plan")
+    x = JaggedTensor(torch.randn(7, 2, 4), torch.tensor([0, 3, 7]))
+    memory = JaggedTensor(torch.randn(9, 2, 4), torch.tensor([0, 4, 9]))
+    for _ in range(3):
+        varlen.attention(x, x, x, backend="torch")
+        varlen.attention(x, memory, memory, backend="torch")
+    assert len(plans) == 2
+
+
+def test_cpu_jagged_attention_in_inference_mode():
+    """Offsets made under torch.inference_mode (no version counter) work inside it and outside it."""
+    with torch.inference_mode():
+        offsets = torch.tensor([0, 3, 3, 8])
+        values = torch.randn(8, 2, 4, dtype=torch.float64)
+        x = JaggedTensor(values, offsets)
+        got = varlen.attention(x, x, x, causal=True, backend="torch").values
+    want = torch.cat([varlen.attention_reference(s[None], s[None], s[None], causal=True)[0][0]
+                      for s in (values[:3], values[3:3], values[3:])])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(varlen.attention(x, x, x, causal=True, backend="torch").values, want)
+
+
+def test_cpu_no_sequence_with_both_queries_and_keys():
+    """Every sequence lacks queries or keys: output 0, lse -inf, zero gradients."""
+    q = JaggedTensor(torch.randn(2, 2, 4, requires_grad=True), torch.tensor([0, 2, 2]))
+    k = JaggedTensor(torch.randn(1, 2, 4, requires_grad=True), torch.tensor([0, 0, 1]))
+    out, lse = varlen.attention(q, k, k, return_lse=True, backend="torch")
+    assert torch.equal(out.values, torch.zeros(2, 2, 4)) and bool((lse == float("-inf")).all())
+    dq, dk = torch.autograd.grad(out.values.sum() + 1.0, (q.values, k.values), allow_unused=True)
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
+
+
+def test_cpu_output_takes_in_place_ops():
+    """The output is no view of a spare-row buffer: in-place ops on it, with grad mode on, work."""
+    x = JaggedTensor(torch.randn(7, 2, 4), torch.tensor([0, 3, 7]))
+    w = torch.randn(4, requires_grad=True)
+    out = varlen.attention(x, x, x, backend="torch").values
+    out.mul_(w)
+    (dw,) = torch.autograd.grad(out.sum(), w)
+    assert dw.shape == (4,)

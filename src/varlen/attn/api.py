@@ -244,8 +244,10 @@ def parse_window(window) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
-# The last int64 -> int32 conversion of CPU offsets: (weak reference to the offsets, their version, the copy).
-_last_cpu_conversion: list = [None]
+# int64 -> int32 conversions of CPU offsets, by id: (weak reference to the offsets, their version, the copy). A
+# few are kept: a model's self- and cross-attention layers pass different offsets.
+_cpu_conversions: dict = {}
+MAX_CONVERSIONS = 4
 
 
 def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
@@ -260,13 +262,15 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     offsets = x.offsets
     if offsets.dtype == torch.int32:
         return offsets
-    if offsets.device.type != "cpu" or torch.compiler.is_compiling():
-        return offsets.to(torch.int32)
-    last = _last_cpu_conversion[0]
-    if last is not None and last[0]() is offsets and last[1] == offsets._version:
-        return last[2]
+    if offsets.device.type != "cpu" or offsets.is_inference() or torch.compiler.is_compiling():
+        return offsets.to(torch.int32)  # (an inference tensor has no version counter to check)
+    known = _cpu_conversions.get(id(offsets))
+    if known is not None and known[0]() is offsets and known[1] == offsets._version:
+        return known[2]
     converted = offsets.to(torch.int32)
-    _last_cpu_conversion[0] = (weakref.ref(offsets), offsets._version, converted)
+    if len(_cpu_conversions) >= MAX_CONVERSIONS and id(offsets) not in _cpu_conversions:
+        del _cpu_conversions[next(iter(_cpu_conversions))]  # the oldest
+    _cpu_conversions[id(offsets)] = (weakref.ref(offsets), offsets._version, converted)
     return converted
 
 

@@ -55,18 +55,14 @@ def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions
 @dataclasses.dataclass(frozen=True)
 class _Bucket:
     """Sequences padded to one ``(n, Lq)`` / ``(n, Lk)`` block: the rows of values each slot reads, and the row
-    of the result each slot's output goes to."""
+    of the result each slot's output goes to (results are made one row longer, then cut: padding slots write
+    that spare last row)."""
 
     q_rows: torch.Tensor  # (n, Lq) int64 rows of q's values; padding slots repeat the sequence's first row
     k_rows: torch.Tensor  # (n, Lk)
-    q_slots: torch.Tensor  # (n * Lq,) int64 row each slot's output (lse, dq) goes to: padding slots to a spare
-    k_slots: torch.Tensor  # (n * Lk,) row past the last one (results are made one row longer, then cut)
+    q_slots: torch.Tensor  # (n * Lq,) int64: the row of out, lse and dq each slot's result goes to
+    k_slots: torch.Tensor  # (n * Lk,) int64: the row of dk and dv
     key_mask: torch.Tensor | None  # (n, 1, 1, Lk), -inf on padding keys; None where no padding key is seen
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    buckets: tuple[_Bucket, ...]
 
 
 def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[int, int]]:
@@ -94,11 +90,14 @@ def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[
     return ranges[::-1]
 
 
-def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
+def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype,
+                rows: tuple[int, int]) -> tuple[_Bucket, ...]:
     (cu_q, q_len), (cu_k, k_len) = (sequence_bounds(cu, total, longest) for cu, total, longest in
                                     ((problem.cu_q, rows[0], problem.max_q), (problem.cu_k, rows[1], problem.max_k)))
     # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
     seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
+    if seqs.numel() == 0:
+        return ()
     seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
     weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
     buckets = []
@@ -116,7 +115,7 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
         q_slots = torch.where(q_valid, q_rows, rows[0]).flatten()
         k_slots = torch.where(k_valid, k_rows, rows[1]).flatten()
         buckets.append(_Bucket(q_rows, k_rows, q_slots, k_slots, key_mask))
-    return _Plan(tuple(buckets))
+    return tuple(buckets)
 
 
 def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,20 +126,27 @@ def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, to
     return starts[:, None] + torch.where(valid, pos[None, :], 0), valid
 
 
-# One plan per (cu_q, cu_k) pair in use: the layers of a model share their batch's offsets tensors.
+# Plans by (cu_q, cu_k) pair: the layers of a model share their batch's offsets tensors. A few are kept, so that
+# self- and cross-attention layers over different offsets don't evict each other's.
 _plans: dict = {}
+MAX_PLANS = 4
 
 
-def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
-    """The plan for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
+def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype,
+          rows: tuple[int, int]) -> tuple[_Bucket, ...]:
+    """The buckets for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
     mask_dtype = _kernel_dtype(dtype)
+    if problem.cu_q.is_inference() or problem.cu_k.is_inference():
+        # (No version counter to tell that they were changed in place: planned every call.)
+        return _build_plan(problem, opts, mask_dtype, rows)
     key = (id(problem.cu_q), id(problem.cu_k), problem.cu_q._version, problem.cu_k._version, opts.causal,
            problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
     entry = _plans.get(key)
     if entry is not None and entry[0]() is problem.cu_q and entry[1]() is problem.cu_k:
         return entry[2]
     plan = _build_plan(problem, opts, mask_dtype, rows)
-    _plans.clear()  # only the latest batch's plan is kept
+    if len(_plans) >= MAX_PLANS:
+        del _plans[next(iter(_plans))]  # the oldest
     _plans[key] = (weakref.ref(problem.cu_q), weakref.ref(problem.cu_k), plan)
     return plan
 
@@ -167,12 +173,13 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
     # One spare row past the last: every slot of a bucket is copied out, padding slots into the spare row.
     out = q.new_zeros(rows + 1, H, Dv)
     lse = torch.full((rows + 1, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
-    for bucket in plan.buckets:
+    for bucket in plan:
         qb, kb, vb = (t[r].transpose(1, 2) for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
         o, lse_b = _FORWARD(*_inputs(qb, kb, vb), 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
         out.index_copy_(0, bucket.q_slots, o.transpose(1, 2).reshape(-1, H, Dv).to(out.dtype))
         lse.index_copy_(0, bucket.q_slots, lse_b.transpose(1, 2).reshape(-1, H).to(lse.dtype))
-    return out[:rows], lse[:rows].t().contiguous()
+    # (resize_ drops the spare row in place: a view made here would be one of a custom Function's outputs)
+    return out.resize_(rows, H, Dv), lse[:rows].t().contiguous()
 
 
 def _forward_dense(q, k, v, bias, opts: AttentionOptions):
@@ -207,7 +214,7 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
     lse_rows = torch.cat([_kernel_lse(lse.t()), lse.new_full((1, lse.shape[0]), float("inf"))])
     # One spare row past the last, as in the forward: padding slots' gradients (zeros) go there.
     dq, dk, dv = (t.new_zeros(t.shape[0] + 1, *t.shape[1:]) for t in (q, k, v))
-    for bucket in plan.buckets:
+    for bucket in plan:
         qr, kr = bucket.q_rows, bucket.k_rows
         lse_b = lse_rows[bucket.q_slots.view(qr.shape)].transpose(1, 2).contiguous()
         grads = _BACKWARD(*_inputs(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
@@ -216,7 +223,7 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
         for total, grad, slots in zip((dq, dk, dv), grads, (bucket.q_slots, bucket.k_slots, bucket.k_slots),
                                       strict=True):
             total.index_copy_(0, slots, grad.transpose(1, 2).reshape(-1, *total.shape[1:]).to(total.dtype))
-    return dq[:-1], dk[:-1], dv[:-1]
+    return tuple(t.resize_(t.shape[0] - 1, *t.shape[1:]) for t in (dq, dk, dv))
 
 
 def _backward_dense(dout, q, k, v, out, lse, bias, opts: AttentionOptions):
