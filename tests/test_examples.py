@@ -13,10 +13,11 @@ TINY = ["--steps", "4", "--batch-size", "4", "--max-len", "9", "--d-model", "16"
         "--bench-steps", "2", "--device", str(DEVICE)]
 
 
-def test_train_runs_and_prints_the_comparison_table():
+@pytest.mark.parametrize("options", [[], ["--dropout", "0.1"]], ids=["plain", "dropout"])
+def test_train_runs_and_prints_the_comparison_table(options):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "varlen.examples.train", *TINY], capture_output=True, text=True,
-                          env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "varlen.examples.train", *TINY, *options], capture_output=True,
+                          text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "step     0" in out and "step     4" in out and "token accuracy" in out

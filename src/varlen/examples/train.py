@@ -327,10 +327,17 @@ DRIFT_TOLERANCE = {"fp32": 1e-4, "tf32": 1e-2, "fp16": 1e-2, "bf16": 5e-2}
 
 def logit_drift(model: CountingTransformer, twin: nn.Module, batch: Batch, precision: str) -> float:
     """Max |logit difference| between the jagged model and its padded twin on the real tokens, relative to
-    the largest |logit|."""
-    with torch.no_grad(), autocast(precision, batch.targets.device):
-        ours = model(batch.tokens).float()
-        theirs = twin(batch.padded_tokens, batch.padding_mask)[~batch.padding_mask].float()
+    the largest |logit|. In evaluation mode: with ``--dropout`` the two would draw different masks."""
+    modes = (model.training, twin.training)
+    model.eval()
+    twin.eval()
+    try:
+        with torch.no_grad(), autocast(precision, batch.targets.device):
+            ours = model(batch.tokens).float()
+            theirs = twin(batch.padded_tokens, batch.padding_mask)[~batch.padding_mask].float()
+    finally:
+        model.train(modes[0])
+        twin.train(modes[1])
     return float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-6))
 
 
