@@ -59,14 +59,17 @@ def dropout_keep_scale(dropout_p: float) -> float:
 def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """High and low 32-bit words of ``m * c`` for a uint32 constant m and uint32 values c (int64).
 
-    The 64-bit product doesn't fit int64, so it is formed from 16-bit limbs: ``m * c = hh * 2**32 +
-    t`` with ``t = (mh * cl + ml * ch) * 2**16 + ml * cl < 2**50`` (each partial product is below
-    2**32), so no int64 operation overflows and both words are exact.
+    The 64-bit product doesn't fit int64, so m is split into 16-bit halves: ``m * c = a * 2**16 + b`` with
+    ``a = mh * c`` and ``b = ml * c``, both below 2**48; then ``hi = (a + (b >> 16)) >> 16`` and ``lo = ((a mod
+    2**16) * 2**16 + b) mod 2**32``. No int64 operation overflows and both words are exact (two multiplies: this
+    runs on every weight of a CPU call with dropout, twice per round).
     """
     mh, ml = m >> 16, m & 0xFFFF
-    ch, cl = c >> 16, c & 0xFFFF
-    t = (mh * cl + ml * ch) * 65536 + ml * cl
-    return mh * ch + (t >> 32), t & _U32
+    a = c * mh
+    b = c * ml
+    hi = (b >> 16).add_(a).bitwise_right_shift_(16)
+    lo = a.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(b).bitwise_and_(_U32)
+    return hi, lo
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor],
@@ -83,10 +86,17 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     """
     c0, c1, c2, c3 = counter
     k0, k1 = key
+    # The multiplied words must be tensors (``_mulhilo`` works in place); the others may stay ints.
+    like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
+    c0, c2 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)
+              for t in (c0, c2))
     for _ in range(rounds):
         hi0, lo0 = _mulhilo(_ROUND_A, c0)
         hi1, lo1 = _mulhilo(_ROUND_B, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        new0, new2 = hi1 ^ c1, hi0 ^ c3  # (they broadcast; the second XORs go in place)
+        new0 ^= k0
+        new2 ^= k1
+        c0, c1, c2, c3 = new0, lo1, new2, lo0
         k0 = (k0 + _BUMP_A) & _U32
         k1 = (k1 + _BUMP_B) & _U32
     return c0, c1, c2, c3
