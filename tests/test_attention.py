@@ -255,6 +255,32 @@ def test_torch_backend_gradcheck(case, device):
     assert torch.autograd.gradcheck(attention, leaves, atol=1e-8, rtol=1e-6)
 
 
+# Jagged calls of the chunked path with the per-sequence things that must follow a sequence into its bucket.
+BUCKET_CASES = [
+    AttnCase(True, (1, 17, 0, 5, 30, 2), (3, 17, 4, 0, 30, 9), 4, 2, 8, 8, align="bottom_right", alibi="BH",
+             softcap=3.0, dropout_p=0.3, grad_lse=True),
+    AttnCase(True, (6, 1, 17, 3), None, 2, 1, 8, 8, causal=True, window=(4, None), prefix=2, dropout_p=0.2),
+    AttnCase(True, (3, 5, 9), (7, 6, 12), 2, 2, 8, 8, causal=True, query_offset=2, dropout_p=0.3),
+]
+
+
+@pytest.mark.parametrize("case", BUCKET_CASES, ids=lambda c: c.id)
+def test_cpu_chunked_path_by_length_buckets(case, monkeypatch):
+    """On the CPU the chunked path runs a jagged call by length buckets, each padded only to its own longest
+    lengths; each sequence keeps its dropout mask, ALiBi slopes, prefix and query offset. With every sequence in
+    a bucket of its own: the float64 reference's outputs and gradients."""
+    monkeypatch.setattr(torch_backend, "BUCKET_COST", 0.0)
+    parts = record_calls(monkeypatch, torch_backend, "_parts")
+    inputs = case.make(torch.float64, "cpu")
+    out, lse, grads = run_attention(case, inputs, "torch")
+    assert [len(p) for p in parts] == [sum(n > 0 for n in case.q_lens)] * 2  # (forward, backward)
+    ref_out, ref_lse, ref_grads = run_reference(case, inputs)
+    assert_close(_values(out), _values(ref_out), torch.float64, name="out")
+    assert_close(lse, ref_lse, torch.float64, name="lse")
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close(got, want, torch.float64, name=name)
+
+
 FLOAT32_GPU_CASES = [
     AttnCase(False, (300, 300), None, 4, 2, 64, 64, causal=True),
     AttnCase(True, (1000, 17, 0, 1, 513), None, 4, 4, 128, 128),

@@ -4,7 +4,7 @@ run on jagged batches by length buckets.
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward are blocked, multi-threaded and
 take GQA, causal masks (top-left) and a float mask, but only dense ``(B, H, S, D)`` batches with D == Dv.
 A jagged batch is cut into buckets of sequences of similar lengths (sorted, then split where one more
-kernel call costs less than the padding it saves: :func:`_buckets`); each bucket is gathered into a
+kernel call costs less than the padding it saves: :func:`length_buckets`); each bucket is gathered into a
 padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call, whose results are copied back
 slot by slot (``index_copy_``; padding slots into a spare row past the last, cut off at the end: no boolean
 masks, concatenations or scatters, which cost ~20% of a small call). On the CPU there is no device
@@ -65,10 +65,12 @@ class _Bucket:
     key_mask: torch.Tensor | None  # (n, 1, 1, Lk), -inf on padding keys; None where no padding key is seen
 
 
-def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[int, int]]:
+def length_buckets(q_lens: list[int], k_lens: list[int], weight: float,
+                   call_cost: float = CALL_COST) -> list[tuple[int, int]]:
     """Split sequences sorted by decreasing q length into ranges ``[i, j)``, each one kernel call on a block
-    padded to the range's longest q and k, minimizing ``CALL_COST`` per call plus ``weight * n * Lq * Lk``
-    per block. Exact dynamic programming over at most ``MAX_RUNS`` runs of consecutive sequences."""
+    padded to the range's longest q and k, minimizing ``call_cost`` per call plus ``weight * n * Lq * Lk``
+    per block (also the chunked path's buckets on the CPU: ``torch_backend``). Exact dynamic programming over
+    at most ``MAX_RUNS`` runs of consecutive sequences."""
     n = len(q_lens)
     step = -(-n // MAX_RUNS)
     cuts = list(range(0, n, step)) + [n]
@@ -80,7 +82,7 @@ def _buckets(q_lens: list[int], k_lens: list[int], weight: float) -> list[tuple[
         for i in range(j - 1, -1, -1):
             if run_k[i] > widest_k:  # (not max(): this loop runs ~n^2 / 2 times per batch)
                 widest_k = run_k[i]
-            cost = best[i] + CALL_COST + weight * (cuts[j] - cuts[i]) * q_lens[cuts[i]] * widest_k
+            cost = best[i] + call_cost + weight * (cuts[j] - cuts[i]) * q_lens[cuts[i]] * widest_k
             if cost < best[j]:
                 best[j], choice[j] = cost, i
     ranges, j = [], len(cuts) - 1
@@ -101,10 +103,10 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
     seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
     weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
     buckets = []
-    for i, j in _buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight):
+    for i, j in length_buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight):
         members = seqs[i:j]
-        q_rows, q_valid = _rows(cu_q[members], q_len[members])
-        k_rows, k_valid = _rows(cu_k[members], k_len[members])
+        q_rows, q_valid = padded_rows(cu_q[members], q_len[members])
+        k_rows, k_valid = padded_rows(cu_k[members], k_len[members])
         # Causal self-attention needs no key mask: a real query i sees keys j <= i, all real; padding
         # queries see padding keys, but their rows are dropped.
         self_causal = opts.causal and torch.equal(q_len[members], k_len[members])
@@ -118,7 +120,7 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
     return tuple(buckets)
 
 
-def _rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n, max length)`` rows ``starts[s] + p`` and whether ``p < lengths[s]``; padding repeats row
     ``starts[s]``."""
     pos = torch.arange(int(lengths.max()))

@@ -3,7 +3,8 @@
 On CPU tensors, calls the fused CPU kernel can take (no dropout, ALiBi, softcap or window; see
 ``cpu_fused.unsupported_reasons``) run there, by length buckets. Everything else runs the chunked path
 below, blockwise over query rows and memory-bounded, which the backward also takes when the bias or the
-lse needs a gradient.
+lse needs a gradient. On the CPU a jagged call without a bias runs it by length buckets too (:func:`_parts`:
+each bucket padded only to its own longest lengths, its sequences keeping their dropout masks and options).
 
 Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with index ops built from
 the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
@@ -27,7 +28,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, accumulate_dtype
 from ..capabilities import Capabilities
-from ..offsets import row_positions
+from ..offsets import row_positions, sequence_bounds
 from . import cpu_fused
 from .dropout import dropout_keep_scale, keep_mask_block
 from .options import AttentionOptions, DropoutSeed, Problem
@@ -61,6 +62,18 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
     """``(out, lse)`` in the layouts of ``options.py``."""
     if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts):
         return cpu_fused.forward(q, k, v, bias, problem, opts)
+    if _bucketed(q, bias, problem):
+        out = q.new_zeros(q.shape[0], problem.heads, problem.head_dim_v)
+        lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
+        for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
+            out[part.q_rows], lse[:, part.q_rows] = _forward_padded(
+                q[part.q_rows], k[part.k_rows], v[part.k_rows], None, part.alibi, part.problem, part.opts, seed)
+        return out, lse
+    return _forward_padded(q, k, v, bias, alibi, problem, opts, seed)
+
+
+def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
+    """The chunked forward over the whole batch padded to ``(B, max_q, ...)``."""
     batch = _prepare(q, k, v, problem)
     B, H, Sq = problem.batch, problem.heads, problem.max_q
     out = batch.q.new_empty(B, problem.kv_heads, problem.group, Sq, problem.head_dim_v)
@@ -94,6 +107,24 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
             and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts)):
         dq, dk, dv = cpu_fused.backward(dout, q, k, v, out, lse, problem, opts, bias)
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
+    if _bucketed(q, bias, problem):
+        grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs_grad, strict=False)]
+        for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
+            qr, kr = part.q_rows, part.k_rows
+            part_grads = _backward_padded(dout[qr], None if dlse is None else dlse[:, qr], q[qr], k[kr], v[kr],
+                                          out[qr], lse[:, qr], None, part.alibi, part.problem, part.opts, seed,
+                                          needs_grad)
+            for total, grad, rows in zip(grads, part_grads, (qr, kr, kr), strict=False):
+                if total is not None:
+                    total[rows] = grad
+        return (*grads, None)
+    return _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad)
+
+
+def _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts: AttentionOptions,
+                     seed: DropoutSeed | None, needs_grad):
+    """The chunked backward over the whole batch padded to ``(B, max_q, ...)``."""
+    need_q, need_k, need_v, need_bias = needs_grad
     batch = _prepare(q, k, v, problem)
     Sq, ct = problem.max_q, batch.q.dtype
     do = _group(dout, problem, batch.q_rows, ct)  # (B, Hkv, G, Sq, Dv)
@@ -133,6 +164,60 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
             _unpad_kv(dk, problem, batch.k_rows, k.dtype) if need_k else None,
             _unpad_kv(dv, problem, batch.k_rows, v.dtype) if need_v else None,
             dbias.to(bias.dtype) if need_bias else None)
+
+
+# ----------------------------------------------------------------------------- CPU length buckets
+# A bucket's chunked pass costs about as much as this many (query, key, head, head-dim) products besides its
+# padded work (its Python and small ops; `cpu_fused.CALL_COST` is the fused kernel's, per call). Swept on a 2-core
+# x86 CPU, forward + backward, jagged lengths 2-65 and 2-300 with dropout or softcap: 5e5-2e6 within 8% of each
+# other, one bucket (the whole batch padded) 1.6-2.9x slower (bench/NOTES.md).
+BUCKET_COST = 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """The sequences of one length bucket as a jagged call of their own."""
+
+    q_rows: torch.Tensor  # (rows,) int64: the rows of q's values (and of out, lse, dq) that its sequences own
+    k_rows: torch.Tensor  # the same for k and v
+    problem: Problem
+    opts: AttentionOptions
+    alibi: torch.Tensor | None
+
+
+def _bucketed(q, bias, problem: Problem) -> bool:
+    """Whether a call runs as length buckets: jagged on the CPU (where the host may loop over buckets), without a
+    bias (whose gradient would have to be gathered back from them)."""
+    return not problem.dense and q.device.type == "cpu" and bias is None and problem.batch > 1
+
+
+def _parts(problem: Problem, opts: AttentionOptions, alibi, rows: tuple[int, int]) -> list[_Part]:
+    """The batch cut into buckets of sequences of similar lengths (``cpu_fused.length_buckets``), each padded only
+    to its own longest lengths. Per-sequence options and ALiBi slopes follow their sequences, and each sequence's
+    dropout mask stays the one of its index in the whole batch (``dropout_sequences``)."""
+    q_start, q_len = sequence_bounds(problem.cu_q, rows[0], problem.max_q)
+    k_start, k_len = sequence_bounds(problem.cu_k, rows[1], problem.max_k)
+    seqs = (q_len > 0).nonzero().flatten()  # (a sequence without queries has no row to compute)
+    seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
+    weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
+    parts = []
+    for i, j in cpu_fused.length_buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight, BUCKET_COST):
+        members = seqs[i:j]
+        lengths_q, lengths_k = q_len[members], k_len[members]
+        q_rows, q_valid = cpu_fused.padded_rows(q_start[members], lengths_q)
+        k_rows, k_valid = cpu_fused.padded_rows(k_start[members], lengths_k)
+        cu = [torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+              for lengths in (lengths_q, lengths_k)]
+        part_problem = dataclasses.replace(problem, batch=len(members), max_q=int(lengths_q.max()),
+                                           max_k=int(lengths_k.max()), cu_q=cu[0], cu_k=cu[1])
+        sequences = members if opts.dropout_sequences is None else opts.dropout_sequences[members]
+        part_opts = dataclasses.replace(
+            opts, dropout_sequences=sequences.to(torch.int32),
+            **{name: getattr(opts, name)[members] for name in ("prefix_len", "query_offset")
+               if getattr(opts, name) is not None})
+        parts.append(_Part(q_rows[q_valid], k_rows[k_valid], part_problem, part_opts,
+                           None if alibi is None else alibi[members]))
+    return parts
 
 
 # ---------------------------------------------------------------------------------------- layout
@@ -265,10 +350,9 @@ def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int
     """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
     if seed is None or opts.dropout_p == 0.0:
         return None
-    positions = opts.query_offset is not None
     keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
-                           opts.dropout_p, like.device, row_offset=opts.query_offset if positions else None,
-                           sequences=opts.dropout_sequences if positions else None)
+                           opts.dropout_p, like.device, row_offset=opts.query_offset,
+                           sequences=opts.dropout_sequences)
     return keep.view(like.shape).to(like.dtype) * dropout_keep_scale(opts.dropout_p)
 
 
