@@ -38,8 +38,9 @@ class AttentionOptions:
     one past its last (documents are runs of rows). ``query_offset``: ``(B,)`` int32, sequence b's query i
     sits at position ``query_offset[b] + i`` among its keys (``shift = query_offset[b]``, whatever
     ``bottom_right`` says), for the masks, ALiBi and the dropout mask's rows. ``dropout_sequences``: ``(B,)``
-    int32 (with ``query_offset`` only), the sequence index each sequence's dropout mask is drawn for (the
-    global batch's, when this call computes a part of it: ``varlen.distributed``); None: its own index.
+    int32, the sequence index each sequence's dropout mask is drawn for (the whole batch's, when this call
+    computes a part of it: ``varlen.distributed``, with ``query_offset``, and the PyTorch backend's length
+    buckets on the CPU); None: its own index. The Triton kernels read it only with ``query_offset``.
     """
 
     scale: float
