@@ -261,14 +261,19 @@ BUCKET_CASES = [
              softcap=3.0, dropout_p=0.3, grad_lse=True),
     AttnCase(True, (6, 1, 17, 3), None, 2, 1, 8, 8, causal=True, window=(4, None), prefix=2, dropout_p=0.2),
     AttnCase(True, (3, 5, 9), (7, 6, 12), 2, 2, 8, 8, causal=True, query_offset=2, dropout_p=0.3),
+    # Biases with gradients: each sequence's planes, or one plane summed over the buckets.
+    AttnCase(True, (4, 0, 9, 2), (5, 3, 9, 1), 2, 1, 8, 8, bias="BHQK", dropout_p=0.2, grad_lse=True),
+    AttnCase(True, (4, 1, 9, 2), None, 2, 2, 8, 8, causal=True, bias="1HQK", softcap=2.0),
+    AttnCase(True, (6, 2, 11), (3, 8, 4), 2, 2, 8, 8, bias="B11K", alibi="H"),
 ]
 
 
 @pytest.mark.parametrize("case", BUCKET_CASES, ids=lambda c: c.id)
 def test_cpu_chunked_path_by_length_buckets(case, monkeypatch):
     """On the CPU the chunked path runs a jagged call by length buckets, each padded only to its own longest
-    lengths; each sequence keeps its dropout mask, ALiBi slopes, prefix and query offset. With every sequence in
-    a bucket of its own: the float64 reference's outputs and gradients."""
+    lengths; each sequence keeps its dropout mask, ALiBi slopes, prefix, query offset and bias planes (a bias's
+    gradient gathered back, or summed over the buckets where it is broadcast over the batch). With every sequence
+    in a bucket of its own: the float64 reference's outputs and gradients."""
     monkeypatch.setattr(torch_backend, "BUCKET_COST", 0.0)
     parts = record_calls(monkeypatch, torch_backend, "_parts")
     inputs = case.make(torch.float64, "cpu")
@@ -277,7 +282,7 @@ def test_cpu_chunked_path_by_length_buckets(case, monkeypatch):
     ref_out, ref_lse, ref_grads = run_reference(case, inputs)
     assert_close(_values(out), _values(ref_out), torch.float64, name="out")
     assert_close(lse, ref_lse, torch.float64, name="lse")
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+    for name, got, want in zip(("dq", "dk", "dv", "dbias")[:len(grads)], grads, ref_grads, strict=True):
         assert_close(got, want, torch.float64, name=name)
 
 

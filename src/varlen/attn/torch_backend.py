@@ -3,8 +3,8 @@
 On CPU tensors, calls the fused CPU kernel can take (no dropout, ALiBi, softcap or window; see
 ``cpu_fused.unsupported_reasons``) run there, by length buckets. Everything else runs the chunked path
 below, blockwise over query rows and memory-bounded, which the backward also takes when the bias or the
-lse needs a gradient. On the CPU a jagged call without a bias runs it by length buckets too (:func:`_parts`:
-each bucket padded only to its own longest lengths, its sequences keeping their dropout masks and options).
+lse needs a gradient. On the CPU a jagged call runs it by length buckets too (:func:`_parts`: each bucket
+padded only to its own longest lengths, its sequences keeping their dropout masks, options and bias planes).
 
 Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with index ops built from
 the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
@@ -67,7 +67,8 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
         lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
             out[part.q_rows], lse[:, part.q_rows] = _forward_padded(
-                q[part.q_rows], k[part.k_rows], v[part.k_rows], None, part.alibi, part.problem, part.opts, seed)
+                q[part.q_rows], k[part.k_rows], v[part.k_rows], _part_bias(bias, part), part.alibi, part.problem,
+                part.opts, seed)
         return out, lse
     return _forward_padded(q, k, v, bias, alibi, problem, opts, seed)
 
@@ -109,15 +110,20 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
     if _bucketed(q, bias, problem):
         grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs_grad, strict=False)]
+        # (summed over the buckets in the compute dtype, like the padded pass's chunks, then cast once)
+        dbias = torch.zeros(bias.shape, dtype=accumulate_dtype(q.dtype)) if need_bias else None
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
             qr, kr = part.q_rows, part.k_rows
-            part_grads = _backward_padded(dout[qr], None if dlse is None else dlse[:, qr], q[qr], k[kr], v[kr],
-                                          out[qr], lse[:, qr], None, part.alibi, part.problem, part.opts, seed,
-                                          needs_grad)
-            for total, grad, rows in zip(grads, part_grads, (qr, kr, kr), strict=False):
+            part_bias = _part_bias(bias, part)
+            *part_grads, part_dbias = _backward_padded(
+                dout[qr], None if dlse is None else dlse[:, qr], q[qr], k[kr], v[kr], out[qr], lse[:, qr],
+                part_bias, part.alibi, part.problem, part.opts, seed, needs_grad)
+            for total, grad, rows in zip(grads, part_grads, (qr, kr, kr), strict=True):
                 if total is not None:
                     total[rows] = grad
-        return (*grads, None)
+            if need_bias:
+                _add_part_bias_grad(dbias, part, part_dbias)
+        return (*grads, None if dbias is None else dbias.to(bias.dtype))
     return _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad)
 
 
@@ -178,6 +184,7 @@ BUCKET_COST = 1e6
 class _Part:
     """The sequences of one length bucket as a jagged call of their own."""
 
+    members: torch.Tensor  # (n,) int64: its sequences' indices in the batch
     q_rows: torch.Tensor  # (rows,) int64: the rows of q's values (and of out, lse, dq) that its sequences own
     k_rows: torch.Tensor  # the same for k and v
     problem: Problem
@@ -186,9 +193,32 @@ class _Part:
 
 
 def _bucketed(q, bias, problem: Problem) -> bool:
-    """Whether a call runs as length buckets: jagged on the CPU (where the host may loop over buckets), without a
-    bias (whose gradient would have to be gathered back from them)."""
-    return not problem.dense and q.device.type == "cpu" and bias is None and problem.batch > 1
+    """Whether a call runs as length buckets: jagged on the CPU (where the host may loop over buckets)."""
+    return not problem.dense and q.device.type == "cpu" and problem.batch > 1
+
+
+def _part_bias(bias: torch.Tensor | None, part: _Part) -> torch.Tensor | None:
+    """A bucket's bias ``(n or 1, H or 1, >= max_q or 1, >= max_k or 1)``: its sequences' planes (all of a
+    batch-broadcast bias), cut to the bucket's longest lengths."""
+    if bias is None:
+        return None
+    planes = bias if bias.shape[0] == 1 else bias[part.members]
+    return planes[:, :, _cut(bias, 2, part.problem.max_q), _cut(bias, 3, part.problem.max_k)]
+
+
+def _add_part_bias_grad(dbias: torch.Tensor, part: _Part, grad: torch.Tensor) -> None:
+    """Add a bucket's bias gradient (shaped like :func:`_part_bias`'s view) into the whole bias's: its sequences'
+    planes, or summed into a batch-broadcast one."""
+    rows, cols = _cut(dbias, 2, part.problem.max_q), _cut(dbias, 3, part.problem.max_k)
+    if dbias.shape[0] == 1:
+        dbias[:, :, rows, cols] += grad
+    else:
+        dbias[part.members, :, rows, cols] += grad
+
+
+def _cut(bias: torch.Tensor, dim: int, length: int) -> slice:
+    """The first ``length`` entries along a query or key dim of a bias, or its single broadcast one."""
+    return slice(None, length) if bias.shape[dim] > 1 else slice(None)
 
 
 def _parts(problem: Problem, opts: AttentionOptions, alibi, rows: tuple[int, int]) -> list[_Part]:
@@ -215,7 +245,7 @@ def _parts(problem: Problem, opts: AttentionOptions, alibi, rows: tuple[int, int
             opts, dropout_sequences=sequences.to(torch.int32),
             **{name: getattr(opts, name)[members] for name in ("prefix_len", "query_offset")
                if getattr(opts, name) is not None})
-        parts.append(_Part(q_rows[q_valid], k_rows[k_valid], part_problem, part_opts,
+        parts.append(_Part(members, q_rows[q_valid], k_rows[k_valid], part_problem, part_opts,
                            None if alibi is None else alibi[members]))
     return parts
 
