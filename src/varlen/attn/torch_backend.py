@@ -62,7 +62,7 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
     """``(out, lse)`` in the layouts of ``options.py``."""
     if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts):
         return cpu_fused.forward(q, k, v, bias, problem, opts)
-    if _bucketed(q, bias, problem):
+    if _bucketed(q, problem):
         out = q.new_zeros(q.shape[0], problem.heads, problem.head_dim_v)
         lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
@@ -108,10 +108,10 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
             and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts)):
         dq, dk, dv = cpu_fused.backward(dout, q, k, v, out, lse, problem, opts, bias)
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
-    if _bucketed(q, bias, problem):
-        grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs_grad, strict=False)]
+    if _bucketed(q, problem):
+        grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs_grad[:3], strict=True)]
         # (summed over the buckets in the compute dtype, like the padded pass's chunks, then cast once)
-        dbias = torch.zeros(bias.shape, dtype=accumulate_dtype(q.dtype)) if need_bias else None
+        dbias = torch.zeros(bias.shape, dtype=accumulate_dtype(q.dtype), device=bias.device) if need_bias else None
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
             qr, kr = part.q_rows, part.k_rows
             part_bias = _part_bias(bias, part)
@@ -192,7 +192,7 @@ class _Part:
     alibi: torch.Tensor | None
 
 
-def _bucketed(q, bias, problem: Problem) -> bool:
+def _bucketed(q, problem: Problem) -> bool:
     """Whether a call runs as length buckets: jagged on the CPU (where the host may loop over buckets)."""
     return not problem.dense and q.device.type == "cpu" and problem.batch > 1
 
