@@ -379,6 +379,17 @@ def test_cpu_no_sequence_with_both_queries_and_keys():
     assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
 
 
+@pytest.mark.parametrize("options", [{}, dict(softcap=1.0), dict(dropout_p=0.2)], ids=["fused", "chunked", "dropout"])
+def test_cpu_batch_without_queries(options):
+    """No sequence has a query row (the fused path and the chunked path's length buckets): empty results."""
+    q = JaggedTensor(torch.randn(0, 2, 8, requires_grad=True), torch.tensor([0, 0, 0]))
+    k = JaggedTensor(torch.randn(7, 2, 8, requires_grad=True), torch.tensor([0, 3, 7]))
+    out, lse = varlen.attention(q, k, k, return_lse=True, backend="torch", **options)
+    assert out.values.shape == (0, 2, 8) and lse.shape == (2, 0)
+    (dk,) = torch.autograd.grad(out.values.sum(), k.values)
+    assert torch.equal(dk, torch.zeros_like(dk))
+
+
 def test_cpu_output_takes_in_place_ops():
     """The output is no view of a spare-row buffer: in-place ops on it, with grad mode on, work."""
     x = JaggedTensor(torch.randn(7, 2, 4), torch.tensor([0, 3, 7]))

@@ -72,6 +72,8 @@ def length_buckets(q_lens: list[int], k_lens: list[int], weight: float,
     per block (also the chunked path's buckets on the CPU: ``torch_backend``). Exact dynamic programming over
     at most ``MAX_RUNS`` runs of consecutive sequences."""
     n = len(q_lens)
+    if n == 0:
+        return []
     step = -(-n // MAX_RUNS)
     cuts = list(range(0, n, step)) + [n]
     run_k = [max(k_lens[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
@@ -98,8 +100,6 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
                                     ((problem.cu_q, rows[0], problem.max_q), (problem.cu_k, rows[1], problem.max_k)))
     # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
     seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
-    if seqs.numel() == 0:
-        return ()
     seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
     weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
     buckets = []
@@ -123,7 +123,7 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
 def padded_rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n, max length)`` rows ``starts[s] + p`` and whether ``p < lengths[s]``; padding repeats row
     ``starts[s]``."""
-    pos = torch.arange(int(lengths.max()))
+    pos = torch.arange(int(lengths.max()), device=lengths.device)
     valid = pos[None, :] < lengths[:, None]
     return starts[:, None] + torch.where(valid, pos[None, :], 0), valid
 

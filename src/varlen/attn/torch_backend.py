@@ -64,7 +64,7 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
         return cpu_fused.forward(q, k, v, bias, problem, opts)
     if _bucketed(q, problem):
         out = q.new_zeros(q.shape[0], problem.heads, problem.head_dim_v)
-        lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype))
+        lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype), device=q.device)
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
             out[part.q_rows], lse[:, part.q_rows] = _forward_padded(
                 q[part.q_rows], k[part.k_rows], v[part.k_rows], _part_bias(bias, part), part.alibi, part.problem,
@@ -110,11 +110,14 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
     if _bucketed(q, problem):
         grads = [torch.zeros_like(t) if need else None for t, need in zip((q, k, v), needs_grad[:3], strict=True)]
-        # (summed over the buckets in the compute dtype, like the padded pass's chunks, then cast once)
-        dbias = torch.zeros(bias.shape, dtype=accumulate_dtype(q.dtype), device=bias.device) if need_bias else None
+        # The bias gradient is summed over the buckets in the compute dtype, as the padded pass sums its chunks, and
+        # cast once: each bucket gets its bias in that dtype, so that it returns its gradient in it too.
+        ct = accumulate_dtype(q.dtype)
+        dbias = torch.zeros(bias.shape, dtype=ct, device=bias.device) if need_bias else None
         for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
             qr, kr = part.q_rows, part.k_rows
             part_bias = _part_bias(bias, part)
+            part_bias = None if part_bias is None else part_bias.to(ct)
             *part_grads, part_dbias = _backward_padded(
                 dout[qr], None if dlse is None else dlse[:, qr], q[qr], k[kr], v[kr], out[qr], lse[:, qr],
                 part_bias, part.alibi, part.problem, part.opts, seed, needs_grad)
@@ -193,7 +196,8 @@ class _Part:
 
 
 def _bucketed(q, problem: Problem) -> bool:
-    """Whether a call runs as length buckets: jagged on the CPU (where the host may loop over buckets)."""
+    """Whether a call runs as length buckets: jagged, of more than one sequence, on the CPU (where the host may
+    loop over buckets)."""
     return not problem.dense and q.device.type == "cpu" and problem.batch > 1
 
 
