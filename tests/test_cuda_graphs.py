@@ -53,6 +53,26 @@ def _eager(case, values, offsets):
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
 
+def _capture(step, leaves):
+    """A CUDA graph of ``step()`` and what that returned, by PyTorch's recipe: warm-up steps on a side stream first
+    (Triton compiles on the first calls; the allocator settles), and ``leaves``' gradients set to None before each
+    step and the capture, so that the graph's backward makes them in its own memory."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_captured_attention_replays_eager(case):
     """Capture once; each replay on new inputs gives eager's output and gradients (bitwise where the kernels are
@@ -65,22 +85,11 @@ def test_captured_attention_replays_eager(case):
     leaves = [t for t in (q, k, v, bias) if t is not None]
 
     def step():
-        for t in leaves:
-            t.grad = None
-        _attend(case, q, k, v, bias, offsets).backward(dout)
-
-    side = torch.cuda.Stream()  # warm-up (compilation, allocator) off the capture, as torch.cuda.graph asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    for t in leaves:
-        t.grad = None
-    with torch.cuda.graph(graph):
         out = _attend(case, q, k, v, bias, offsets)
         out.backward(dout)
+        return out
+
+    graph, out = _capture(step, leaves)
     deterministic = CASES[case][5].get("deterministic", False)
     for seed in (1, 2):
         fresh = _inputs(case, seed)
@@ -109,18 +118,12 @@ def test_captured_jagged_ops_replay_eager():
         y = varlen.softmax(varlen.JaggedTensor(values, offsets, max(LENGTHS), validate=False), dim=1)
         return varlen.sum(varlen.JaggedTensor(y.values * values, offsets, max(LENGTHS), validate=False), dim=1)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            x.grad = None
-            run(x).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    x.grad = None
-    with torch.cuda.graph(graph):
+    def step():
         out = run(x)
         out.backward(dy)
+        return out
+
+    graph, out = _capture(step, [x])
     for _ in range(2):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))

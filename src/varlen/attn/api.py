@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -21,6 +20,7 @@ from .._checks import (
     check_tensor,
     checks_metadata,
 )
+from .._tensor_cache import TensorCache
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from . import backends
 from .function import attention_function, dropout_seed
@@ -244,10 +244,9 @@ def parse_window(window) -> tuple[int, int]:
     return sides[0], sides[1]
 
 
-# int64 -> int32 conversions of CPU offsets, by id: (weak reference to the offsets, their version, the copy). A
-# few are kept: a model's self- and cross-attention layers pass different offsets.
-_cpu_conversions: dict = {}
-MAX_CONVERSIONS = 4
+# int64 -> int32 conversions of CPU offsets. A few are kept: a model's self- and cross-attention layers pass
+# different offsets.
+_cpu_conversions = TensorCache(4)
 
 
 def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
@@ -262,16 +261,9 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     offsets = x.offsets
     if offsets.dtype == torch.int32:
         return offsets
-    if offsets.device.type != "cpu" or offsets.is_inference() or torch.compiler.is_compiling():
-        return offsets.to(torch.int32)  # (an inference tensor has no version counter to check)
-    known = _cpu_conversions.get(id(offsets))
-    if known is not None and known[0]() is offsets and known[1] == offsets._version:
-        return known[2]
-    converted = offsets.to(torch.int32)
-    if len(_cpu_conversions) >= MAX_CONVERSIONS and id(offsets) not in _cpu_conversions:
-        del _cpu_conversions[next(iter(_cpu_conversions))]  # the oldest
-    _cpu_conversions[id(offsets)] = (weakref.ref(offsets), offsets._version, converted)
-    return converted
+    if offsets.device.type != "cpu" or torch.compiler.is_compiling():
+        return offsets.to(torch.int32)
+    return _cpu_conversions.get((offsets,), None, lambda: offsets.to(torch.int32))
 
 
 def _check_bias(bias, problem: Problem):

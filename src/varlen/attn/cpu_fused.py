@@ -19,12 +19,12 @@ stays with the chunked PyTorch path: :func:`unsupported_reasons` says why, per c
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
 from .. import capabilities
 from .._checks import FLOAT_DTYPES, accumulate_dtype
+from .._tensor_cache import TensorCache
 from ..capabilities import ALL_FEATURES, Capabilities
 from ..offsets import sequence_bounds
 from .options import AttentionOptions, Problem
@@ -130,27 +130,15 @@ def padded_rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tens
 
 # Plans by (cu_q, cu_k) pair: the layers of a model share their batch's offsets tensors. A few are kept, so that
 # self- and cross-attention layers over different offsets don't evict each other's.
-_plans: dict = {}
-MAX_PLANS = 4
+_plans = TensorCache(4)
 
 
 def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype,
           rows: tuple[int, int]) -> tuple[_Bucket, ...]:
     """The buckets for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
     mask_dtype = _kernel_dtype(dtype)
-    if problem.cu_q.is_inference() or problem.cu_k.is_inference():
-        # (No version counter to tell that they were changed in place: planned every call.)
-        return _build_plan(problem, opts, mask_dtype, rows)
-    key = (id(problem.cu_q), id(problem.cu_k), problem.cu_q._version, problem.cu_k._version, opts.causal,
-           problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
-    entry = _plans.get(key)
-    if entry is not None and entry[0]() is problem.cu_q and entry[1]() is problem.cu_k:
-        return entry[2]
-    plan = _build_plan(problem, opts, mask_dtype, rows)
-    if len(_plans) >= MAX_PLANS:
-        del _plans[next(iter(_plans))]  # the oldest
-    _plans[key] = (weakref.ref(problem.cu_q), weakref.ref(problem.cu_k), plan)
-    return plan
+    extra = (opts.causal, problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
+    return _plans.get((problem.cu_q, problem.cu_k), extra, lambda: _build_plan(problem, opts, mask_dtype, rows))
 
 
 def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
