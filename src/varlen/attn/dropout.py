@@ -56,22 +56,6 @@ def dropout_keep_scale(dropout_p: float) -> float:
     return 65536.0 / (65536 - dropout_threshold(dropout_p))
 
 
-def _mulhilo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of ``m * c`` for a uint32 constant m and uint32 values c (int64).
-
-    The 64-bit product doesn't fit int64, so m is split into 16-bit halves: ``m * c = a * 2**16 + b`` with
-    ``a = mh * c`` and ``b = ml * c``, both below 2**48; then ``hi = (a + (b >> 16)) >> 16`` and ``lo = ((a mod
-    2**16) * 2**16 + b) mod 2**32``. No int64 operation overflows and both words are exact (two multiplies: this
-    runs on every weight of a CPU call with dropout, twice per round).
-    """
-    mh, ml = m >> 16, m & 0xFFFF
-    a = c * mh
-    b = c * ml
-    hi = (b >> 16).add_(a).bitwise_right_shift_(16)
-    lo = a.bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(b).bitwise_and_(_U32)
-    return hi, lo
-
-
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor],
                rounds: int = PHILOX_ROUNDS) -> tuple[torch.Tensor, ...]:
     """Philox4x32 (Random123) on int64 tensors holding uint32 values; broadcasts its inputs.
@@ -83,23 +67,48 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
     Returns:
         The four output words, int64 tensors with values in ``[0, 2**32)``.
+
+    This runs on every weight of a CPU call with dropout (once per 8 weights), twice: in the forward and in the
+    backward, so it is written for few tensor ops. Each round multiplies two words (c0 and c2) by 32-bit constants;
+    their 64-bit products are taken from int64 multiplies, which wrap modulo 2**64 and so keep every bit (the high
+    word is the arithmetic shift by 32, masked). After the first round, which runs on the counters' own broadcast
+    shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside c0, c3 beside c2) one
+    tensor ``y``: a round is one multiply, one shift, three XORs and one mask over both. A round swaps which
+    multiplied word sits first, so the multipliers and key words alternate with it. The known-answer and Triton
+    tests check it bit for bit.
     """
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    # The multiplied words must be tensors (``_mulhilo`` works in place); the others may stay ints.
     like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
-    c0, c2 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)
-              for t in (c0, c2))
-    for _ in range(rounds):
-        hi0, lo0 = _mulhilo(_ROUND_A, c0)
-        hi1, lo1 = _mulhilo(_ROUND_B, c2)
-        new0, new2 = hi1 ^ c1, hi0 ^ c3  # (they broadcast; the second XORs go in place)
-        new0 ^= k0
-        new2 ^= k1
-        c0, c1, c2, c3 = new0, lo1, new2, lo0
-        k0 = (k0 + _BUMP_A) & _U32
-        k1 = (k1 + _BUMP_B) & _U32
-    return c0, c1, c2, c3
+    c0, c1, c2, c3 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)
+                      for t in counter)
+    k0, k1 = key
+    if rounds == 0:
+        return torch.broadcast_tensors(c0, c1, c2, c3)
+    # Round 1 on the inputs' shapes. y keeps the products whole: their high bits go with the next round's mask.
+    p0, p2 = c0 * _ROUND_A, c2 * _ROUND_B
+    x = (((p0 >> 32) ^ c3 ^ k1) & _U32, ((p2 >> 32) ^ c1 ^ k0) & _U32)  # the new (c2, c0)
+    y = (p0, p2)  # the new (c3, c1): the low words of the products
+    shape = torch.broadcast_shapes(*(t.shape for t in (*x, *y)))
+    x = torch.stack([t.expand(shape) for t in x])
+    y = torch.stack([t.expand(shape) for t in y])
+    # While x holds (c2, c0) its multipliers are (B, A); while it holds (c0, c2), (A, B).
+    multipliers = [torch.tensor(pair, dtype=torch.int64, device=like.device).view((2,) + (1,) * len(shape))
+                   for pair in ((_ROUND_B, _ROUND_A), (_ROUND_A, _ROUND_B))]
+    for r in range(1, rounds):
+        swapped = r % 2 == 1  # x holds (c2, c0), y (c3, c1); else (c0, c2) and (c1, c3)
+        k0_r, k1_r = (k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32
+        products = x * multipliers[0 if swapped else 1]
+        x = products >> 32
+        # new c0 = hi(c2) ^ c1 ^ k0 and new c2 = hi(c0) ^ c3 ^ k1: each high word meets the other pair's partner.
+        x[0] ^= y[1]
+        x[1] ^= y[0]
+        x[0] ^= k0_r if swapped else k1_r
+        x[1] ^= k1_r if swapped else k0_r
+        x &= _U32
+        y = products
+    y = y & _U32
+    if rounds % 2 == 1:  # x holds (c2, c0)
+        return x[1], y[1], x[0], y[0]
+    return x[0], y[0], x[1], y[1]
 
 
 def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[int, int], max_k: int,
@@ -123,11 +132,11 @@ def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[
     c2 = (b.view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
     # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy.
     c3, k0, k1 = offset & _U32, seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32
-    words = philox4x32((c0, c1, c2, c3), (k0, k1))
+    words = torch.stack(philox4x32((c0, c1, c2, c3), (k0, k1)), dim=-1)  # (batch, heads, rows, groups, 4)
     # Key j = 8 * group + 2 * w + half reads the 16-bit half `half` of word w.
     threshold = dropout_threshold(dropout_p)
-    keep = [half >= threshold for w in words for half in (w & 0xFFFF, w >> 16)]
-    return torch.stack(torch.broadcast_tensors(*keep), dim=-1).flatten(-2)[..., :max_k]
+    keep = torch.stack([(words & 0xFFFF) >= threshold, (words >> 16) >= threshold], dim=-1)
+    return keep.flatten(-3)[..., :max_k]
 
 
 def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p: float, *, seed: int,

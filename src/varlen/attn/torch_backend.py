@@ -387,7 +387,7 @@ def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int
     keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
                            opts.dropout_p, like.device, row_offset=opts.query_offset,
                            sequences=opts.dropout_sequences)
-    return keep.view(like.shape).to(like.dtype) * dropout_keep_scale(opts.dropout_p)
+    return keep.view(like.shape).to(like.dtype).mul_(dropout_keep_scale(opts.dropout_p))
 
 
 def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, rows: tuple[int, int], problem: Problem) -> None:

@@ -374,7 +374,11 @@ def benchmark(args, model: CountingTransformer, device: torch.device) -> None:
     print(f"jagged / padded: throughput {s_p / s_j:.2f}x{memory}. Max |logit difference| between the two on "
           f"real tokens: {drift:.1e} of the largest logit")
     print(f"memory: {MEMORY_MEANING['cuda' if device.type == 'cuda' else 'cpu']}.")
-    if device.type == "cpu":
+    if device.type == "cpu" and args.dropout > 0:
+        print("note: torch's fused CPU attention kernel has no dropout, so neither model runs it: the padded model "
+              "takes SDPA's math path over the whole padded batch, varlen its chunked path on buckets of similar "
+              "lengths (the dropout mask drawn in tensor ops). On CUDA varlen runs its Triton kernels.")
+    elif device.type == "cpu":
         print("note: on the CPU both models' attention runs torch's fused CPU kernel; varlen calls it on buckets "
               "of similar lengths instead of the whole padded batch. On CUDA varlen runs its Triton kernels.")
 
