@@ -4,8 +4,8 @@ Gluon doesn't run under the interpreter, so these run on the GPU only. The tests
 through the Gluon kernel and through the Triton kernel it replaces (the launchers' ``gluon=True`` / ``False``)
 and check which ran. Every variant they accept: fp16 and bf16, head dims 64
 and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
-different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; the
-backward also with dropout (against the reference given the mask ``attention_dropout_mask`` reads).
+different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; both
+also with dropout (against the reference given the mask ``attention_dropout_mask`` reads).
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -103,10 +103,34 @@ def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
-def _check_forward(q, k, v, opts, dtype):
-    """varlen.attention's output and lse against the float64 reference, by flash-attn's rule."""
-    ref_out, ref_lse = attention_reference(*(_to(t, "cuda", torch.float64) for t in (q, k, v)), **opts)
-    low_out, low_lse = attention_reference(*(_to(t, "cuda", dtype) for t in (q, k, v)), **opts)
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p", [0.17, 0.9])
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask,
+                                                      dropout_p):
+    # The Gluon kernel draws the mask itself (gluon/dropout.py), bit for bit the one attention_dropout_mask gives.
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
+    kernel, gluon_launches = forward_kernel
+    _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype, dropout_p,
+                   torch.Generator(device="cuda").manual_seed(int(torch.randint(2**62, (), generator=g))))
+    assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
+
+
+def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
+    """varlen.attention's output and lse against the float64 reference, by flash-attn's rule; with ``dropout_p``, the
+    reference drops what the call draws from the generator ``draws``."""
+    ref_opts = dict(opts)
+    if dropout_p:
+        # The mask the call will draw (attention_dropout_mask leaves the generator alone), for the reference.
+        ref_opts.update(dropout_mask=attention_dropout_mask(_to(q, "cuda", dtype), _to(k, "cuda", dtype), dropout_p,
+                                                            generator=draws), dropout_p=dropout_p)
+        opts = dict(opts, dropout_p=dropout_p, generator=draws)
+    ref_out, ref_lse = attention_reference(*(_to(t, "cuda", torch.float64) for t in (q, k, v)), **ref_opts)
+    low_out, low_lse = attention_reference(*(_to(t, "cuda", dtype) for t in (q, k, v)), **ref_opts)
     out, lse = varlen.attention(*(_to(t, "cuda", dtype) for t in (q, k, v)), return_lse=True, **opts)
     out, ref_out, low_out = (_values(t).double() for t in (out, ref_out, low_out))
     err = (out - ref_out).abs().max().item()

@@ -5,8 +5,10 @@ The mask is ``varlen.attn.dropout``'s definition, bit for bit: one Philox4x32-10
 accumulator the 8 keys of a group sit in 8 lanes of a warp, so computing each element's call where it is used
 would repeat every call 8 times. Instead each thread makes 4 calls and packs their 32 keep bits into one word
 (a byte per call); a layout conversion inside each warp hands every lane the 8 words of its 8-lane set, and
-each element takes its bit as a float sign. Only the (keys x queries) tile of the backward's key warpgroups is
-written here: :func:`keep_words` draws, :func:`dropped_signs` unpacks.
+each element takes its bit as a float sign. Two tiles are written here: the backward's (keys x queries) tile of a
+key warpgroup (:func:`keep_words` draws, :func:`dropped_signs` unpacks), and the forward's (queries x keys) tile of
+a query warpgroup (:func:`row_keep_words`, :func:`row_kept`), where a call's 8 keys sit in the 4 lanes of a quad:
+each lane draws the calls of every fourth key group and the quad swaps their words.
 """
 
 from __future__ import annotations
@@ -105,5 +107,60 @@ if HAVE_GLUON:
         signs = (dropped << (31 - 8 * (2 * nlo + e)).to(gl.uint32)) & 0x80000000
         signs = gl.reshape(signs.broadcast_to([8, 8, 4, 2, 4, 2]), [TILE, TILE])
         return gl.convert_layout(signs, layout, assert_trivial=True)
+    # The forward's S tile: a [64 queries, 128 keys] wgmma accumulator of 4 warps (instr_shape [16, 128, 16]) viewed as
+    # 5 dims (r, j, ck, c, e): key = 32 j + 8 ck + 2 c + e, so its Philox call is key group 4 j + ck, and its bit in
+    # the call's byte is 2 c + e. Each thread holds queries lane / 4 (and + 8), key pairs 2 c + e with c = lane % 4,
+    # all 16 groups; warps take 16 queries each. Bases in the accumulator's register order (no conversion).
+    _ROWS5 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 0, 1], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 1, 0, 0, 0],
+                   [0, 2, 0, 0, 0]],
+        lane_bases=[[0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]],
+        block_bases=[],
+        shape=[64, 4, 4, 4, 2],
+    ))
+    # The packed words (r, ck), byte j of word ck holding group 4 j + ck: every lane of a quad holds its queries' 8.
+    _ROW_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _ROWS5.value))))
+    # Where they are made: lane c of a quad makes the words of groups 4 j + c, for its two queries.
+    _ROW_MAKE = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+        block_bases=[], shape=[64, 4]))
+
+    @gluon.jit
+    def row_keep_words(seed, offset_lo, threshold, bh, i0, j0):
+        """The packed keep bits of a ``[64 queries, 128 keys]`` forward tile: query rows ``i0 + ..``, keys ``j0 + ..``
+        (j0 a multiple of 8), stream ``bh`` (arguments as :func:`keep_words`). Each thread makes 8 Philox calls; every
+        lane gets its two queries' 8 words (8 registers); :func:`row_kept` unpacks them."""
+        threshold = threshold.to(gl.uint32, bitcast=True)
+        seed64 = seed.to(gl.uint64)
+        k0 = (seed64 & 0xFFFFFFFF).to(gl.uint32)
+        k1 = ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW_MAKE))[:, None]
+        ck = gl.arange(0, 4, layout=gl.SliceLayout(0, _ROW_MAKE))[None, :]
+        row = (i0 + r + ck * 0).to(gl.uint32, bitcast=True)
+        words = gl.zeros([64, 4], gl.uint32, layout=_ROW_MAKE)
+        for j in range(4):  # (the compiler unrolls it and interleaves the calls)
+            group = (j0 // 8 + 4 * j + ck + r * 0).to(gl.uint32, bitcast=True)
+            w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True), offset_lo.to(gl.uint32, bitcast=True),
+                                     k0, k1)
+            words |= _keep_byte(w0, w1, w2, w3, threshold) << (8 * j).to(gl.uint32)
+        return gl.convert_layout(words, _ROW_WORDS)
+
+    @gluon.jit
+    def row_kept(words, layout: gl.constexpr):
+        """``[64 queries, 128 keys]`` uint32 in ``layout`` (a 4-warp wgmma accumulator of instr_shape [16, 128, 16]):
+        1 where the weight is kept, 0 where dropped, from :func:`row_keep_words`. The shifts are constants per
+        register plus one per lane."""
+        j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
+            4, _ROWS5)))))[None, :, None, None, None]
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            4, _ROWS5)))))[None, None, None, :, None]
+        e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            3, _ROWS5)))))[None, None, None, None, :]
+        shift = (8 * j + 2 * c + e).to(gl.uint32)
+        kept = (gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 3), 4) >> shift) & 1
+        kept = gl.reshape(kept.broadcast_to([64, 4, 4, 4, 2]), [64, 128])
+        return gl.convert_layout(kept, layout, assert_trivial=True)
 else:  # pragma: no cover - depends on the installed Triton
-    keep_words = dropped_signs = None  # (the kernels that call them are defined only with Gluon too)
+    # (the kernels that call them are defined only with Gluon too)
+    keep_words = dropped_signs = row_keep_words = row_kept = None

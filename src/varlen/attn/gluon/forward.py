@@ -34,8 +34,12 @@ TMA store where a warpgroup's 64 rows lie in the sequence, by masked stores at i
 raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
 ``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
 
+Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluon/dropout.py``: 8 Philox calls per
+thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
+row sums keep every weight, and the output takes the keep scale with 1 / l.
+
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal
-(either alignment) or windows, GQA; no bias, ALiBi, softcap, dropout, prefix, documents or query
+(either alignment) or windows, GQA, dropout; no bias, ALiBi, softcap, prefix, documents or query
 positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
 TMA-aligned; dense sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
 interpreter); the GPU tests cover every variant it accepts.
@@ -49,7 +53,7 @@ from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator, raw_scores
 from ..triton.masks import Mask, band_keys, in_band, tile_stages
 from ..triton.program import Rows, Seqs, bounds, lse_offset, rows
-from ..triton.scores import LN2
+from ..triton.scores import LN2, Dropout
 from . import common
 from .common import (
     HAVE_GLUON,
@@ -61,6 +65,7 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .dropout import row_keep_words, row_kept
 
 BLOCK_M = 128  # queries per block: 64 per warpgroup
 # Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
@@ -224,9 +229,10 @@ if HAVE_GLUON:
     def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                          item, item_ready, item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q,
                          max_k, n_items, n_blocks, WL, R,
-                         scale, qk_scale, VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr,
-                         HAS_WL: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WG: gl.constexpr):
+                         scale, qk_scale, seed, offset_lo, threshold, keep_scale, VARLEN: gl.constexpr,
+                         BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr,
+                         D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr,
+                         WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
         last partial block) and the lse."""
@@ -272,6 +278,9 @@ if HAVE_GLUON:
                             mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
                         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                            qk_scale, HAS_R, HAS_WL, BN, s_layout)
+                        if DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
+                            words = row_keep_words(seed, offset_lo, threshold, b * H + h, r0, t_lo)
+                            p = gl.where(row_kept(words, s_layout) != 0, p, 0.0)
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
                         # while the second product does. Every product is waited for within its iteration (a
@@ -295,6 +304,9 @@ if HAVE_GLUON:
                                 mbarrier.arrive(q_empty)
                             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
                                                                     shift, WL, R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
+                            if DROPOUT:
+                                words = row_keep_words(seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN)
+                                p_next = gl.where(row_kept(words, s_layout) != 0, p_next, 0.0)
                             o, p = warpgroup_mma_wait(0, deps=(o, p))
                             mbarrier.arrive(v_empty.index(prev))
                             o = o * gl.convert_layout(alpha, row_o)[:, None]
@@ -312,7 +324,10 @@ if HAVE_GLUON:
                     # Rows that saw no key: output 0 and lse -inf.
                     seen = l_i > 0
                     l_safe = gl.where(seen, l_i, 1.0)
-                    o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
+                    if DROPOUT:  # kept weights scaled by 1 / (1 - p), exactly (dropout.dropout_keep_scale)
+                        o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
+                    else:
+                        o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
                     if r0 + 64 <= Lq:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
                         gl.thread_barrier()
@@ -332,7 +347,8 @@ if HAVE_GLUON:
 
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
-                         n_seqs, counter, mask: Mask, scale, qk_scale, F: gl.constexpr, D: gl.constexpr,
+                         n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
+                         F: gl.constexpr, D: gl.constexpr,
                          H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
                          PINGPONG: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 128), 2) x H x n_seqs``
@@ -390,13 +406,13 @@ if HAVE_GLUON:
             (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
                                 seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
-                                mask.right, scale, qk_scale, F.VARLEN,
-                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, PINGPONG, 0)),
+                                mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
+                                F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, BN, PINGPONG, 0)),
             (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
                                 turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
                                 seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
-                                mask.right, scale, qk_scale, F.VARLEN,
-                                F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, BN, PINGPONG, 1)),
+                                mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
+                                F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, BN, PINGPONG, 1)),
             (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
                            v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
                            total_k, max_q, max_k, n_items, n_blocks,
@@ -417,9 +433,9 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv in HEAD_DIMS, no score modifier, dropout or special mask) whose scores stay raw q.k
+    D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) whose scores stay raw q.k
     (``launch.raw_scores``: a non-negative scale)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi, seed) and raw_scores(opts, bias, alibi)
+    return common.plain_call(problem, opts, dtype, bias, alibi, seed, dropout=True) and raw_scores(opts, bias, alibi)
 
 
 def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
@@ -431,16 +447,18 @@ def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
     return not problem.dense or common.sequences_adjacent(q, k, v)
 
 
-def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores) -> None:
+def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -> None:
     """Run the kernel: ``out`` (packed heads, like q) and ``lse`` written; ``mask``, ``scores``: the call's
-    ``Mask`` and ``Scores`` bundles (their scale and log2-unit scale)."""
+    ``Mask`` and ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s
+    keyword arguments."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
     items = cdiv(cdiv(problem.max_q, BLOCK_M), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
-        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, F=feats, D=problem.head_dim, H=problem.heads,
-        HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N, PINGPONG=pingpong(problem.head_dim, feats.HAS_R),
+        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
+        H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
+        PINGPONG=pingpong(problem.head_dim, feats.HAS_R),
         num_warps=4, maxnreg=common.MAX_REGS,
     )

@@ -139,7 +139,8 @@ def launch_forward(q, k, v, bias, alibi, problem, opts, seed, config, tma=None, 
         return out, lse
     if gluon and gluon_forward.applies(problem, opts, q, k, v, bias, alibi, seed):
         gluon_forward.launch(q, k, v, out, lse, problem, seqs(problem, q, k, lse), mask_args(problem, opts, lse),
-                             features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q))
+                             features(problem, opts, bias, alibi, seed), score_args(bias, alibi, opts, q),
+                             dropout_args(seed, opts, problem, lse))
         return out, lse
     tma = (config.tma and use_tma(q, k, v)) if tma is None else tma
     split = runs_split(q.dtype, problem, tma, config.num_stages)  # (float32 at full accuracy: bf16 parts)
