@@ -103,31 +103,49 @@ def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
+# Dropout cases: (p, the generator's Philox offset). A fresh generator's offset is 0; the other one sets both of the
+# offset's words, which the kernels take apart (the low word a counter, the high word folded into the key).
+DROPOUTS = [(0.17, 0), (0.9, 2**32 + 2**31 + 4)]
+
+
+def _draws(offset, g):
+    """The CUDA generator a call draws its dropout seed from (seeded from ``g``), at Philox offset ``offset``."""
+    draws = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**62, (), generator=g)))
+    draws.set_offset(offset)
+    return draws
+
+
+def _reference_dropout(q, k, dtype, dropout_p, draws) -> dict:
+    """The reference's options for the mask a call with ``dropout_p`` will draw from ``draws``
+    (``attention_dropout_mask`` leaves the generator alone)."""
+    if not dropout_p:
+        return {}
+    mask = attention_dropout_mask(_to(q, "cuda", dtype), _to(k, "cuda", dtype), dropout_p, generator=draws)
+    return dict(dropout_mask=mask, dropout_p=dropout_p)
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("dropout_p", [0.17, 0.9])
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask,
-                                                      dropout_p):
+                                                      dropout_p, offset):
     # The Gluon kernel draws the mask itself (gluon/dropout.py), bit for bit the one attention_dropout_mask gives.
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     kernel, gluon_launches = forward_kernel
     _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype, dropout_p,
-                   torch.Generator(device="cuda").manual_seed(int(torch.randint(2**62, (), generator=g))))
+                   _draws(offset, g))
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
     """varlen.attention's output and lse against the float64 reference, by flash-attn's rule; with ``dropout_p``, the
     reference drops what the call draws from the generator ``draws``."""
-    ref_opts = dict(opts)
+    ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))
     if dropout_p:
-        # The mask the call will draw (attention_dropout_mask leaves the generator alone), for the reference.
-        ref_opts.update(dropout_mask=attention_dropout_mask(_to(q, "cuda", dtype), _to(k, "cuda", dtype), dropout_p,
-                                                            generator=draws), dropout_p=dropout_p)
         opts = dict(opts, dropout_p=dropout_p, generator=draws)
     ref_out, ref_lse = attention_reference(*(_to(t, "cuda", torch.float64) for t in (q, k, v)), **ref_opts)
     low_out, low_lse = attention_reference(*(_to(t, "cuda", dtype) for t in (q, k, v)), **ref_opts)
@@ -193,16 +211,16 @@ def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, hea
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("dropout_p", [0.17, 0.9])
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_with_dropout_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask,
-                                                       dropout_p):
+                                                       dropout_p, offset):
     # The Gluon kernel draws the mask itself (gluon/dropout.py), bit for bit the one attention_dropout_mask gives.
-    _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p)
+    _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p, offset)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -224,18 +242,14 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
     assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
 
 
-def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0):
+def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
     dout = torch.randn(rows, generator=g)
     opts = MASKS[mask]
-    ref_opts = dict(opts)
-    draws = torch.Generator(device="cuda").manual_seed(int(torch.randint(2**62, (), generator=g)))
-    if dropout_p:
-        # The mask the call will draw (attention_dropout_mask leaves the generator alone), for the reference.
-        ref_opts.update(dropout_mask=attention_dropout_mask(_to(q, "cuda", dtype), _to(k, "cuda", dtype), dropout_p,
-                                                            generator=draws), dropout_p=dropout_p)
+    draws = _draws(offset, g)
+    ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))
     ref = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], torch.float64, "cuda")
     low = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], dtype, "cuda")
     got = _grads(q, k, v, dout, lambda a, b, c: varlen.attention(a, b, c, **opts, dropout_p=dropout_p,

@@ -20,7 +20,7 @@ Philox key ``(seed, offset)`` (64-bit ints, see ``options.DropoutSeed``) and ``d
   expected output is exact for every p.
 
 In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i, j >> 3, b * H + h, offset & 0xFFFFFFFF)``
-(which keys Philox with the seed's low and high words). The Triton kernels and the Gluon backward
+(which keys Philox with the seed's low and high words). The Triton kernels and the Gluon forward and backward
 (``attn/gluon/dropout.py``) compute exactly this mask, bit for bit, so the PyTorch backend, the reference and
 the kernels agree on every element.
 """
@@ -73,7 +73,8 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     their 64-bit products are taken from int64 multiplies, which wrap modulo 2**64 and so keep every bit (the high
     word is the arithmetic shift by 32, masked). After the first round, which runs on the counters' own broadcast
     shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside c0, c3 beside c2) one
-    tensor ``y``: a round is one multiply, one shift, three XORs and one mask over both. A round swaps which
+    tensor ``y``: a round is one multiply, one shift, two XORs (the partners, then the key words; each as two
+    half-tensor ops) and one mask over both. A round swaps which
     multiplied word sits first, so the multipliers and key words alternate with it. The known-answer and Triton
     tests check it bit for bit.
     """

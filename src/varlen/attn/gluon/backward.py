@@ -383,7 +383,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) with dQ by atomics (not
     deterministic)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi, seed, dropout=True) and not opts.deterministic
+    return common.plain_call(problem, opts, dtype, bias, alibi) and not opts.deterministic
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:

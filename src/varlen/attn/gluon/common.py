@@ -45,15 +45,15 @@ LOADER_REGS = 24
 HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are written for (D = Dv)
 
 
-def plain_call(problem, opts, dtype, bias, alibi, seed, dropout: bool = False) -> bool:
+def plain_call(problem, opts, dtype, bias, alibi) -> bool:
     """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv in
-    :data:`HEAD_DIMS`, no bias, ALiBi, softcap, prefix, documents or query positions, and no dropout unless
-    the kernel takes it (``dropout``)."""
+    :data:`HEAD_DIMS`, no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed: without
+    query positions each sequence draws its own mask, as the kernels do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
     if problem.head_dim not in HEAD_DIMS:
         return False
-    if bias is not None or alibi is not None or (seed is not None and not dropout) or opts.softcap > 0:
+    if bias is not None or alibi is not None or opts.softcap > 0:
         return False
     return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
 

@@ -1,14 +1,17 @@
 """Attention dropout's keep bits in Gluon, laid out as a warpgroup's wgmma accumulator holds them.
 
 The mask is ``varlen.attn.dropout``'s definition, bit for bit: one Philox4x32-10 call per query i and group of
-8 keys gives eight 16-bit numbers, key ``8 g + t`` taking word ``t >> 1``, half ``t & 1``. In a wgmma
-accumulator the 8 keys of a group sit in 8 lanes of a warp, so computing each element's call where it is used
-would repeat every call 8 times. Instead each thread makes 4 calls and packs their 32 keep bits into one word
-(a byte per call); a layout conversion inside each warp hands every lane the 8 words of its 8-lane set, and
-each element takes its bit as a float sign. Two tiles are written here: the backward's (keys x queries) tile of a
-key warpgroup (:func:`keep_words` draws, :func:`dropped_signs` unpacks), and the forward's (queries x keys) tile of
-a query warpgroup (:func:`row_keep_words`, :func:`row_kept`), where a call's 8 keys sit in the 4 lanes of a quad:
-each lane draws the calls of every fourth key group and the quad swaps their words.
+8 keys gives eight 16-bit numbers, key ``8 g + t`` taking word ``t >> 1``, half ``t & 1``. In a wgmma accumulator
+the keys of a group are spread over several lanes of a warp, so computing each element's call where it is used
+would repeat every call. Instead each thread makes a few calls, packs their keep bits (a byte per call) into
+words, and a layout conversion inside each warp hands every lane the words it needs. Two tiles:
+
+- the backward's (keys x queries) tile of a key warpgroup, whose group of 8 keys lies in 8 lanes: 4 calls per
+  thread, one word each, every lane getting the 8 words of its 8-lane set; each element takes its bit as a float
+  sign (:func:`keep_words` draws, :func:`dropped_signs` unpacks);
+- the forward's (queries x keys) tile of a query warpgroup, whose group lies in the 4 lanes of a quad: 8 calls per
+  thread (lane c draws the groups 4 j + c of its two queries), the quad swapping the words; each element takes
+  its bit as 0 or 1 (:func:`row_keep_words`, :func:`row_kept`).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ if HAVE_GLUON:
         signs = (dropped << (31 - 8 * (2 * nlo + e)).to(gl.uint32)) & 0x80000000
         signs = gl.reshape(signs.broadcast_to([8, 8, 4, 2, 4, 2]), [TILE, TILE])
         return gl.convert_layout(signs, layout, assert_trivial=True)
+
     # The forward's S tile: a [64 queries, 128 keys] wgmma accumulator of 4 warps (instr_shape [16, 128, 16]) viewed as
     # 5 dims (r, j, ck, c, e): key = 32 j + 8 ck + 2 c + e, so its Philox call is key group 4 j + ck, and its bit in
     # the call's byte is 2 c + e. Each thread holds queries lane / 4 (and + 8), key pairs 2 c + e with c = lane % 4,

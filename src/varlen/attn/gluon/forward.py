@@ -69,6 +69,7 @@ from .dropout import row_keep_words, row_kept
 
 BLOCK_M = 128  # queries per block: 64 per warpgroup
 # Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
+# (The dropout tile of gluon/dropout.py, row_keep_words and row_kept, is written for 128 keys.)
 BLOCK_N = 128
 
 
@@ -324,7 +325,7 @@ if HAVE_GLUON:
                     # Rows that saw no key: output 0 and lse -inf.
                     seen = l_i > 0
                     l_safe = gl.where(seen, l_i, 1.0)
-                    if DROPOUT:  # kept weights scaled by 1 / (1 - p), exactly (dropout.dropout_keep_scale)
+                    if DROPOUT:  # kept weights scaled by the inverse of the exact keep probability (dropout_keep_scale)
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
@@ -356,7 +357,8 @@ if HAVE_GLUON:
         of the items after the programs' first (``_claim``). Tensors
         as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = D) and, dense,
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
-        times log2(e)."""
+        times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
+        ``F.DROPOUT``)."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
@@ -435,7 +437,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) whose scores stay raw q.k
     (``launch.raw_scores``: a non-negative scale)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi, seed, dropout=True) and raw_scores(opts, bias, alibi)
+    return common.plain_call(problem, opts, dtype, bias, alibi) and raw_scores(opts, bias, alibi)
 
 
 def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
