@@ -12,7 +12,7 @@ forward structure is written out (``../shared/attention-backward-notes.md``), th
   the online softmax in registers, P as the register A operand of O += P V. Each issues a tile's S = Q Kᵀ
   together with the previous tile's O += P V, so the softmax of this tile runs under the second product;
   the two warpgroups drift apart, so one's softmax also runs under the other's products (at D64 without a
-  causal-like mask they take turns to issue them, :func:`pingpong`).
+  causal-like mask or dropout they take turns to issue them, :func:`pingpong`).
 
 One program per SM (168 x 384 registers leave room for one) walks work items (``_work_item``: two query blocks
 of a head, the heaviest and the lightest under a causal mask). Each program's first item is its id; then its
@@ -73,13 +73,14 @@ BLOCK_M = 128  # queries per block: 64 per warpgroup
 BLOCK_N = 128
 
 
-def pingpong(head_dim: int, causal_like: bool) -> bool:
+def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
     """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the
     other's products). H100, bench/NOTES.md: +3-4% at D64 without a right band (a causal or two-sided window
     mask), where a tile's softmax takes as long as its products; -1 to -11% under causal masks (not
     profiled; a guess: the two warpgroups' diagonal tiles differ in work, and strict turns make one wait); at
-    D128 within noise (-2 to +2%), -9% causal at S16k."""
-    return head_dim == 64 and not causal_like
+    D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout, whose draws make each tile's own work
+    the longer part: H200, D64 without a mask, S2k-8k, ping-pong off 175-183 TFLOP/s against 171-178 on."""
+    return head_dim == 64 and not causal_like and not dropout
 
 
 if HAVE_GLUON:
@@ -461,6 +462,6 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
         H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
-        PINGPONG=pingpong(problem.head_dim, feats.HAS_R),
+        PINGPONG=pingpong(problem.head_dim, feats.HAS_R, feats.DROPOUT),
         num_warps=4, maxnreg=common.MAX_REGS,
     )
