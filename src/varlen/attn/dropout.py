@@ -74,9 +74,8 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     word is the arithmetic shift by 32, masked). After the first round, which runs on the counters' own broadcast
     shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside c0, c3 beside c2) one
     tensor ``y``: a round is one multiply, one shift, two XORs (the partners, then the key words; each as two
-    half-tensor ops) and one mask over both. A round swaps which
-    multiplied word sits first, so the multipliers and key words alternate with it. The known-answer and Triton
-    tests check it bit for bit.
+    half-tensor ops) and one mask over both. A round swaps which multiplied word sits first, so the multipliers
+    and key words alternate with it. The known-answer and Triton tests check it bit for bit.
     """
     like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
     c0, c1, c2, c3 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)

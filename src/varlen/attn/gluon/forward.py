@@ -215,6 +215,12 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
+    def _drop(p, seed, offset_lo, threshold, bh, i0, j0, s_layout: gl.constexpr):
+        """``p`` (a ``[64, BN]`` tile in ``s_layout``: queries ``i0 + ..``, keys ``j0 + ..``) with the weights that
+        stream ``bh``'s dropout mask drops set to 0."""
+        return gl.where(row_kept(row_keep_words(seed, offset_lo, threshold, bh, i0, j0), s_layout) != 0, p, 0.0)
+
+    @gluon.jit
     def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Ping-pong: wait until the other warpgroup has issued its products of turn ``n - 1`` (warpgroup 0)
         or ``n`` (warpgroup 1), so that the two issue their products in alternation and one's softmax runs
@@ -281,8 +287,7 @@ if HAVE_GLUON:
                         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                            qk_scale, HAS_R, HAS_WL, BN, s_layout)
                         if DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
-                            words = row_keep_words(seed, offset_lo, threshold, b * H + h, r0, t_lo)
-                            p = gl.where(row_kept(words, s_layout) != 0, p, 0.0)
+                            p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout)
                         p = gl.convert_layout(p.to(dtype), p_layout)
                         # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
                         # while the second product does. Every product is waited for within its iteration (a
@@ -307,8 +312,8 @@ if HAVE_GLUON:
                             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
                                                                     shift, WL, R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
                             if DROPOUT:
-                                words = row_keep_words(seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN)
-                                p_next = gl.where(row_kept(words, s_layout) != 0, p_next, 0.0)
+                                p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
+                                               s_layout)
                             o, p = warpgroup_mma_wait(0, deps=(o, p))
                             mbarrier.arrive(v_empty.index(prev))
                             o = o * gl.convert_layout(alpha, row_o)[:, None]
