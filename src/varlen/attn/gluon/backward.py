@@ -33,10 +33,10 @@ sequence)'s first key block, the heaviest, before any second one (``program.bloc
 
 Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 4
 Philox calls per thread, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits (-P
-where dropped), so no mask stays live: dV takes max(Pᵀ, 0) times the keep scale, and dSᵀ = Pᵀ (scale dPᵀ - delta)
-where kept, -P delta where dropped, from a dPᵀ product started at zero (delta loaded, as at D64). At D128 that
-spills (stack ~250 bytes, against 32 without dropout); the kernel still runs 1.11-1.14x the Triton one there
-(``bench/NOTES.md``).
+where dropped), so no mask stays live: dV takes the kept P from a conversion that clamps at 0 (``relu_low``), and
+dSᵀ, made times 2 / keep_scale (dK and dQ take it back at their ends, dV its keep scale), is
+(Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale: no select. Each tile's instructions are what bounds it (about twice
+the plain tile's), so every one of them counts (``bench/NOTES.md``, "Dropout's instructions").
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), non-deterministic (dQ by atomic reduce);
@@ -67,7 +67,7 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .dropout import dropped_signs, keep_words
+from .dropout import dropped_signs, keep_words, relu_low
 
 BLOCK_N = 128  # keys per program: 64 per warpgroup
 BLOCK_M = 64   # queries per tile of the ring
@@ -93,6 +93,14 @@ if HAVE_GLUON:
         fence_async_shared()
         gl.thread_barrier()
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
+
+    @gluon.jit
+    def _query_vector(row, m0, Lq, other, BM: gl.constexpr, layout: gl.constexpr):
+        """``row[m0 + i]`` for the tile's BM queries (``other`` past ``Lq``), in ``layout``, the query axis of the
+        warpgroup's tile. Loaded one element per thread and redistributed through shared memory: loaded directly in
+        ``layout``, each thread's 16 elements took 16 masked loads, each with its own 64-bit address and predicate."""
+        queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        return gl.convert_layout(gl.load(row + queries, mask=queries < Lq, other=other), layout)
 
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, q_row,
@@ -148,6 +156,12 @@ if HAVE_GLUON:
         # starting value is a value of its own. Equal values would become register copies made after the
         # products' fence, and ptxas then waits for the product in flight before the next one.
         row_zeros = keys.to(gl.float32) * 0.0
+        # With dropout the tile's dS is made times 2 / keep_scale (below), which dK and dQ take back at their ends.
+        if DROPOUT:
+            twice_inv_keep = 2.0 / keep_scale
+            dq_scale = scale * keep_scale * 0.5
+        else:
+            dq_scale = scale
         mbarrier.wait(kv_bar, 0)
         count = 0
         for g in range(GROUP):
@@ -159,16 +173,16 @@ if HAVE_GLUON:
                 stage = count % 2
                 m0 = t_lo + j * BM
                 if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
-                    words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS)
+                    words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
                 if LEAN:
                     # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
                     # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                     # keeps the D128 tile from spilling.
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    lse = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf")) * inv_qk_scale
+                    lse = _query_vector(lse2_row, m0, Lq, float("inf"), BM, gl.SliceLayout(0, kq_layout)) * inv_qk_scale
                     st = row_zeros[:, None] - lse[None, :]
                     if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
-                        delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                        delta = _query_vector(delta_row, m0, Lq, 0.0, BM, gl.SliceLayout(0, kq_layout))
                         dpt = row_zeros[:, None] - delta[None, :]
                     mbarrier.wait(ready.index(stage), (count // 2) & 1)
                     q_tile = q_ring.index(stage)
@@ -195,7 +209,7 @@ if HAVE_GLUON:
                                         gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                         is_async=True)
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    lse2 = gl.load(lse2_row + queries, mask=queries < Lq, other=float("inf"))
+                    lse2 = _query_vector(lse2_row, m0, Lq, float("inf"), BM, gl.SliceLayout(0, kq_layout))
                     st = warpgroup_mma_wait(1, deps=(st,))
                     pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
@@ -203,23 +217,26 @@ if HAVE_GLUON:
                     ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
                 if DROPOUT:
-                    # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P, scaled.
+                    # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
+                    # scale joins dV at the end).
                     pt = (pt.to(gl.uint32, bitcast=True) | dropped_signs(words, kq_layout)).to(gl.float32,
                                                                                               bitcast=True)
-                    pv = gl.maximum(pt, 0.0) * keep_scale
+                    pv = relu_low(pt, dtype)
                 else:
-                    pv = pt
-                dv = warpgroup_mma(gl.convert_layout(pv.to(dtype), a_layout), do_tile, dv, is_async=True)
+                    pv = pt.to(dtype)
+                dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_tile, dv, is_async=True)
                 if LEAN and not DROPOUT:
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
                     ds_low = (pt * dpt).to(dtype)
                 else:
                     queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    delta = gl.load(delta_row + queries, mask=queries < Lq, other=0.0)
+                    delta = _query_vector(delta_row, m0, Lq, 0.0, BM, gl.SliceLayout(0, kq_layout))
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
                     if DROPOUT:
-                        # dS = P (keep_scale dP - delta) where kept, -P delta where dropped (there Pᵀ holds -P).
-                        ds_low = (pt * gl.where(pt > 0, dpt * keep_scale - delta[None, :], delta[None, :])).to(dtype)
+                        # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
+                        # (Pᵀ + |Pᵀ|) dP - |Pᵀ| 2 delta / keep_scale: three operations per element, no select, and
+                        # the kept P (pv) not held until here.
+                        ds_low = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * (delta * twice_inv_keep)[None, :]).to(dtype)
                     else:
                         ds_low = (pt * (dpt - delta[None, :])).to(dtype)
                 dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
@@ -245,7 +262,7 @@ if HAVE_GLUON:
                     mbarrier.arrive(ds_free.index(buf))
                     tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
                     gl.thread_barrier()
-                    _add_dq(dq * scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
+                    _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
                 else:
                     # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
                     # turn the asynchronous accumulators into plain tensors.)
@@ -263,7 +280,7 @@ if HAVE_GLUON:
                                            is_async=True)
                         dq = warpgroup_mma_wait(0, deps=(dq,))
                         mbarrier.arrive(ds_free.index(buf))
-                        _add_dq(dq * scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
+                        _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
                 count += 1
         # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
         # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
@@ -272,7 +289,9 @@ if HAVE_GLUON:
         if count > 1:
             mbarrier.wait(ds_free.index(count % 2), ((count - 2) // 2) & 1)
         tma.store_wait(0)
-        k_w.store((dk * scale).to(dtype))
+        k_w.store((dk * dq_scale).to(dtype))
+        if DROPOUT:
+            dv = dv * keep_scale
         v_w.store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()

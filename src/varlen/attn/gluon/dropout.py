@@ -11,7 +11,10 @@ words, and a layout conversion inside each warp hands every lane the words it ne
   sign (:func:`keep_words` draws, :func:`dropped_signs` unpacks);
 - the forward's (queries x keys) tile of a query warpgroup, whose group lies in the 4 lanes of a quad: 8 calls per
   thread (lane c draws the groups 4 j + c of its two queries), the quad swapping the words; each element takes
-  its bit as 0 or 1 (:func:`row_keep_words`, :func:`row_kept`).
+  its bit as a float sign too (:func:`row_keep_words`, :func:`row_dropped_signs`).
+
+A weight whose sign bit is set (-P) is a dropped one: :func:`relu_low`, the conversion to the products' precision
+with a clamp at 0, drops it for free; the backward's dS uses the sign itself.
 """
 
 from __future__ import annotations
@@ -46,52 +49,66 @@ if HAVE_GLUON:
     def _philox(c0, c1, c2, c3, k0, k1):
         """Philox4x32-10 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``, same constants)."""
         for _ in gl.static_range(_ROUNDS):
-            a = c0
-            c = c2
-            c0 = gl.umulhi(c, 0xCD9E8D57) ^ c1 ^ k0
-            c2 = gl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
-            c1 = gl.mul(c, 0xCD9E8D57, sanitize_overflow=False)
-            c3 = gl.mul(a, 0xD2511F53, sanitize_overflow=False)
+            pa = c2.to(gl.uint64) * 0xCD9E8D57
+            pb = c0.to(gl.uint64) * 0xD2511F53
+            c0 = (pa >> 32).to(gl.uint32) ^ c1 ^ k0
+            c2 = (pb >> 32).to(gl.uint32) ^ c3 ^ k1
+            c1 = pa.to(gl.uint32)
+            c3 = pb.to(gl.uint32)
             k0 = gl.add(k0, 0x9E3779B9, sanitize_overflow=False)
             k1 = gl.add(k1, 0xBB67AE85, sanitize_overflow=False)
         return c0, c1, c2, c3
 
     @gluon.jit
-    def _keep_byte(w0, w1, w2, w3, threshold):
-        """The 8 keep bits of one call's words: bit t is key ``8 g + t``'s (word t >> 1, half t & 1)."""
-        byte = ((w0 & 0xFFFF) >= threshold).to(gl.uint32)
-        byte |= ((w0 >> 16) >= threshold).to(gl.uint32) << 1
-        byte |= ((w1 & 0xFFFF) >= threshold).to(gl.uint32) << 2
-        byte |= ((w1 >> 16) >= threshold).to(gl.uint32) << 3
-        byte |= ((w2 & 0xFFFF) >= threshold).to(gl.uint32) << 4
-        byte |= ((w2 >> 16) >= threshold).to(gl.uint32) << 5
-        byte |= ((w3 & 0xFFFF) >= threshold).to(gl.uint32) << 6
-        byte |= ((w3 >> 16) >= threshold).to(gl.uint32) << 7
-        return byte
+    def _keep_byte(w0, w1, w2, w3, threshold, threshold_hi):
+        """The 8 keep bits of one call's words: bit t is key ``8 g + t``'s (word t >> 1, half t & 1). ``threshold_hi``
+        is ``threshold << 16``, against which a word's high half is compared without taking it out: a compare and a
+        select per bit, the bits added three at a time."""
+        byte = gl.where((w0 & 0xFFFF) >= threshold, 1, 0) + gl.where(w0 >= threshold_hi, 2, 0)
+        byte += gl.where((w1 & 0xFFFF) >= threshold, 4, 0) + gl.where(w1 >= threshold_hi, 8, 0)
+        byte += gl.where((w2 & 0xFFFF) >= threshold, 16, 0) + gl.where(w2 >= threshold_hi, 32, 0)
+        byte += gl.where((w3 & 0xFFFF) >= threshold, 64, 0) + gl.where(w3 >= threshold_hi, 128, 0)
+        return byte.to(gl.uint32, bitcast=True)
 
     @gluon.jit
-    def keep_words(seed, offset_lo, threshold, bh, i0, j0):
-        """The packed keep bits of a ``[64 keys, 64 queries]`` tile: keys ``j0 + ..`` (j0 a multiple of 8), query rows
-        ``i0 + ..``, stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words as one int64;
-        ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws them. Each
-        lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them."""
-        threshold = threshold.to(gl.uint32, bitcast=True)
+    def _key(seed, i0, FRESH: gl.constexpr):
+        """The Philox key's two words from ``seed`` (an int64). ``FRESH``: made from a value the compiler can't fold
+        (``i0``, a tile's first query, is >= 0), so that a loop around the caller computes the round keys anew
+        for each tile instead of holding them across the loop: at D128 the backward spilled them around its
+        products' issue (stack 200-224 -> 144-152 bytes; backward 309 -> 347 TFLOP/s, H200; the forward's causal
+        D128 tile 280 -> 292; the backward's D64 tile, which doesn't spill, lost 2%)."""
         seed64 = seed.to(gl.uint64)
         k0 = (seed64 & 0xFFFFFFFF).to(gl.uint32)
         k1 = ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        if FRESH:
+            fresh = (i0 >> 31).to(gl.uint32, bitcast=True)  # 0
+            k0 = k0 ^ fresh
+            k1 = k1 ^ fresh
+        return k0, k1
+
+    @gluon.jit
+    def keep_words(seed, offset_lo, threshold, bh, i0, j0, FRESH_KEYS: gl.constexpr):
+        """The packed keep bits of a ``[64 keys, 64 queries]`` tile: keys ``j0 + ..`` (j0 a multiple of 8), query rows
+        ``i0 + ..``, stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words as one int64;
+        ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws them. Each
+        lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them. ``FRESH_KEYS``:
+        the Philox round keys made anew for each tile rather than held across the caller's loop (below)."""
+        threshold = threshold.to(gl.uint32, bitcast=True)
+        threshold_hi = threshold << 16
+        k0, k1 = _key(seed, i0, FRESH_KEYS)
         g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MAKE)))[:, None, None]
         n2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MAKE)))[None, :, None]
         c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MAKE)))[None, None, :]
         group = ((j0 // 8 + g) + n2 * 0 + c * 0).to(gl.uint32, bitcast=True)
         first = i0 + 16 * n2 + 2 * c + g * 0
         words = gl.zeros([8, 4, 4], gl.uint32, layout=_MAKE)
-        for call in range(4):  # (the compiler unrolls it and interleaves the calls)
+        for call in gl.static_range(4):
             nlo = call // 2
             e = call % 2
             row = (first + (8 * nlo + e)).to(gl.uint32, bitcast=True)
             w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True),
                                      offset_lo.to(gl.uint32, bitcast=True), k0, k1)
-            words |= _keep_byte(w0, w1, w2, w3, threshold) << (8 * call).to(gl.uint32)
+            words |= _keep_byte(w0, w1, w2, w3, threshold, threshold_hi) << (8 * call)
         return gl.convert_layout(words, _WORDS)
 
     @gluon.jit
@@ -124,47 +141,61 @@ if HAVE_GLUON:
         shape=[64, 4, 4, 4, 2],
     ))
     # The packed words (r, ck), byte j of word ck holding group 4 j + ck: every lane of a quad holds its queries' 8.
-    _ROW_WORDS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, _ROWS5.value))))
+    # (Sliced so that the lane's axis c comes back first: :func:`row_dropped_signs` shifts each word once per lane.)
+    _ROW_WORDS = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(1, gl.SliceLayout(4, _ROWS5.value))))
     # Where they are made: lane c of a quad makes the words of groups 4 j + c, for its two queries.
     _ROW_MAKE = gl.constexpr(gl.DistributedLinearLayout(
         reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
         block_bases=[], shape=[64, 4]))
 
     @gluon.jit
-    def row_keep_words(seed, offset_lo, threshold, bh, i0, j0):
+    def row_keep_words(seed, offset_lo, threshold, bh, i0, j0, FRESH_KEYS: gl.constexpr):
         """The packed keep bits of a ``[64 queries, 128 keys]`` forward tile: query rows ``i0 + ..``, keys ``j0 + ..``
         (j0 a multiple of 8), stream ``bh`` (arguments as :func:`keep_words`). Each thread makes 8 Philox calls; every
-        lane gets its two queries' 8 words (8 registers); :func:`row_kept` unpacks them."""
+        lane gets its two queries' 8 words (8 registers); :func:`row_dropped_signs` unpacks them."""
         threshold = threshold.to(gl.uint32, bitcast=True)
-        seed64 = seed.to(gl.uint64)
-        k0 = (seed64 & 0xFFFFFFFF).to(gl.uint32)
-        k1 = ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32)
+        threshold_hi = threshold << 16
+        k0, k1 = _key(seed, i0, FRESH_KEYS)
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW_MAKE))[:, None]
         ck = gl.arange(0, 4, layout=gl.SliceLayout(0, _ROW_MAKE))[None, :]
         row = (i0 + r + ck * 0).to(gl.uint32, bitcast=True)
         words = gl.zeros([64, 4], gl.uint32, layout=_ROW_MAKE)
-        for j in range(4):  # (the compiler unrolls it and interleaves the calls)
+        for j in gl.static_range(4):
             group = (j0 // 8 + 4 * j + ck + r * 0).to(gl.uint32, bitcast=True)
             w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True), offset_lo.to(gl.uint32, bitcast=True),
                                      k0, k1)
-            words |= _keep_byte(w0, w1, w2, w3, threshold) << (8 * j).to(gl.uint32)
+            words |= _keep_byte(w0, w1, w2, w3, threshold, threshold_hi) << (8 * j)
         return gl.convert_layout(words, _ROW_WORDS)
 
     @gluon.jit
-    def row_kept(words, layout: gl.constexpr):
+    def row_dropped_signs(words, layout: gl.constexpr):
         """``[64 queries, 128 keys]`` uint32 in ``layout`` (a 4-warp wgmma accumulator of instr_shape [16, 128, 16]):
-        1 where the weight is kept, 0 where dropped, from :func:`row_keep_words`. The shifts are constants per
-        register plus one per lane."""
+        the float sign bit (``0x80000000``) where the weight is dropped, 0 where it is kept, from
+        :func:`row_keep_words`. Each word is shifted once per lane (bit 2 c + e of byte j is key 32 j + 8 ck + 2 c +
+        e's), then each element takes its bit with a constant shift."""
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(
+            4, _ROWS5)))))[None, None, :]
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
             4, _ROWS5)))))[None, :, None, None, None]
-        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-            4, _ROWS5)))))[None, None, None, :, None]
         e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, _ROWS5)))))[None, None, None, None, :]
-        shift = (8 * j + 2 * c + e).to(gl.uint32)
-        kept = (gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 3), 4) >> shift) & 1
-        kept = gl.reshape(kept.broadcast_to([64, 4, 4, 4, 2]), [64, 128])
-        return gl.convert_layout(kept, layout, assert_trivial=True)
+        lane_words = gl.expand_dims(words, 2) >> (2 * c).to(gl.uint32)
+        dropped = ~gl.expand_dims(gl.expand_dims(lane_words, 1), 4)
+        signs = (dropped << (31 - 8 * j - e).to(gl.uint32)) & 0x80000000
+        signs = gl.reshape(signs.broadcast_to([64, 4, 4, 4, 2]), [64, 128])
+        return gl.convert_layout(signs, layout, assert_trivial=True)
+
+    @gluon.jit
+    def relu_low(x, dtype: gl.constexpr):
+        """``max(x, 0)`` rounded to ``dtype`` (bf16 or fp16), two elements per instruction (``cvt.rn.relu``): with
+        the dropped weights' sign bits set, the conversion to the products' precision drops them for free."""
+        if dtype == gl.bfloat16:
+            low = gl.inline_asm_elementwise("cvt.rn.relu.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                            is_pure=True, pack=2)
+        else:
+            low = gl.inline_asm_elementwise("cvt.rn.relu.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                            is_pure=True, pack=2)
+        return low
 else:  # pragma: no cover - depends on the installed Triton
     # (the kernels that call them are defined only with Gluon too)
-    keep_words = dropped_signs = row_keep_words = row_kept = None
+    keep_words = dropped_signs = row_keep_words = row_dropped_signs = relu_low = None

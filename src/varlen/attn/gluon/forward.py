@@ -65,11 +65,11 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .dropout import row_keep_words, row_kept
+from .dropout import relu_low, row_dropped_signs, row_keep_words
 
 BLOCK_M = 128  # queries per block: 64 per warpgroup
 # Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
-# (The dropout tile of gluon/dropout.py, row_keep_words and row_kept, is written for 128 keys.)
+# (The dropout tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128 keys.)
 BLOCK_N = 128
 
 
@@ -215,10 +215,12 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _drop(p, seed, offset_lo, threshold, bh, i0, j0, s_layout: gl.constexpr):
-        """``p`` (a ``[64, BN]`` tile in ``s_layout``: queries ``i0 + ..``, keys ``j0 + ..``) with the weights that
-        stream ``bh``'s dropout mask drops set to 0."""
-        return gl.where(row_kept(row_keep_words(seed, offset_lo, threshold, bh, i0, j0), s_layout) != 0, p, 0.0)
+    def _drop(p, seed, offset_lo, threshold, bh, i0, j0, s_layout: gl.constexpr, dtype: gl.constexpr):
+        """``p`` (a ``[64, BN]`` tile in ``s_layout``: queries ``i0 + ..``, keys ``j0 + ..``) in ``dtype``, with the
+        weights that stream ``bh``'s dropout mask drops set to 0: their sign bits set (-p), the conversion to
+        ``dtype`` clamps them (two instructions per element, where a select on the bit took four)."""
+        signs = row_dropped_signs(row_keep_words(seed, offset_lo, threshold, bh, i0, j0, True), s_layout)
+        return relu_low((p.to(gl.uint32, bitcast=True) | signs).to(gl.float32, bitcast=True), dtype)
 
     @gluon.jit
     def _take_turn(turn, n, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -287,8 +289,8 @@ if HAVE_GLUON:
                         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                            qk_scale, HAS_R, HAS_WL, BN, s_layout)
                         if DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
-                            p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout)
-                        p = gl.convert_layout(p.to(dtype), p_layout)
+                            p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout, dtype)
+                        p = gl.convert_layout(p.to(dtype), p_layout)  # (with dropout, already in dtype)
                         # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
                         # while the second product does. Every product is waited for within its iteration (a
                         # product in flight across the loop's back edge makes ptxas serialize every wgmma).
@@ -313,7 +315,7 @@ if HAVE_GLUON:
                                                                     shift, WL, R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
                             if DROPOUT:
                                 p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
-                                               s_layout)
+                                               s_layout, dtype)
                             o, p = warpgroup_mma_wait(0, deps=(o, p))
                             mbarrier.arrive(v_empty.index(prev))
                             o = o * gl.convert_layout(alpha, row_o)[:, None]
