@@ -95,12 +95,18 @@ if HAVE_GLUON:
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
 
     @gluon.jit
-    def _query_vector(row, m0, Lq, other, BM: gl.constexpr, layout: gl.constexpr):
-        """``row[m0 + i]`` for the tile's BM queries (``other`` past ``Lq``), in ``layout``, the query axis of the
-        warpgroup's tile. Loaded one element per thread and redistributed through shared memory: loaded directly in
-        ``layout``, each thread's 16 elements took 16 masked loads, each with its own 64-bit address and predicate."""
+    def _query_vector(ptr, m0, Lq, ok, other, BM: gl.constexpr):
+        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``, and everywhere where ``ok`` is false),
+        one element per thread, to be redistributed where it is used (:func:`_spread`). Loaded in the tile's own
+        layout, each thread's 16 elements took 16 masked loads, with an address and a predicate each."""
         queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        return gl.convert_layout(gl.load(row + queries, mask=queries < Lq, other=other), layout)
+        return gl.load(ptr + queries, mask=(queries < Lq) & ok, other=other)
+
+    @gluon.jit
+    def _spread(vector, layout: gl.constexpr):
+        """A :func:`_query_vector` vector in ``layout`` (the query axis of a warpgroup's tile), through shared
+        memory."""
+        return gl.convert_layout(vector, layout)
 
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, q_row,
@@ -164,6 +170,15 @@ if HAVE_GLUON:
             dq_scale = scale
         mbarrier.wait(kv_bar, 0)
         count = 0
+        q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
+        # The lean tile loads its lse and delta a tile ahead: loaded where they are used, their latency stood
+        # before the tile's products (H200, D128 S4k: 462 -> 495-517 TFLOP/s). With dropout (whose draw covers the
+        # latency) or at D64, the two registers that carries cost more than they save (bench/NOTES.md).
+        AHEAD: gl.constexpr = LEAN and not DROPOUT
+        if AHEAD:
+            row = lse_offset(b, q_start, hk * GROUP, H, total_q, max_q, VARLEN)
+            lse_ahead = _query_vector(LSE2 + row, t_lo, Lq, True, float("inf"), BM)
+            delta_ahead = _query_vector(DELTA + row, t_lo, Lq, True, 0.0, BM)
         for g in range(GROUP):
             h = hk * GROUP + g
             row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
@@ -172,17 +187,28 @@ if HAVE_GLUON:
             for j in range(n_tiles):
                 stage = count % 2
                 m0 = t_lo + j * BM
+                if AHEAD:
+                    lse_raw = lse_ahead
+                    delta_raw = delta_ahead
+                    # The next tile's (after the last, the next head's first).
+                    wrap = (j + 1 == n_tiles).to(gl.int32)
+                    row_next = lse_offset(b, q_start, h + wrap, H, total_q, max_q, VARLEN)
+                    m0_next = t_lo + (j + 1 - wrap * n_tiles) * BM
+                    lse_ahead = _query_vector(LSE2 + row_next, m0_next, Lq, g + wrap < GROUP, float("inf"), BM)
+                    delta_ahead = _query_vector(DELTA + row_next, m0_next, Lq, g + wrap < GROUP, 0.0, BM)
                 if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
                     words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
                 if LEAN:
                     # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
                     # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                     # keeps the D128 tile from spilling.
-                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    lse = _query_vector(lse2_row, m0, Lq, float("inf"), BM, gl.SliceLayout(0, kq_layout)) * inv_qk_scale
+                    if AHEAD:
+                        lse = _spread(lse_raw, q_axis) * inv_qk_scale
+                    else:
+                        lse = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis) * inv_qk_scale
                     st = row_zeros[:, None] - lse[None, :]
                     if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
-                        delta = _query_vector(delta_row, m0, Lq, 0.0, BM, gl.SliceLayout(0, kq_layout))
+                        delta = _spread(delta_raw, q_axis)
                         dpt = row_zeros[:, None] - delta[None, :]
                     mbarrier.wait(ready.index(stage), (count // 2) & 1)
                     q_tile = q_ring.index(stage)
@@ -208,8 +234,7 @@ if HAVE_GLUON:
                     dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                         gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                         is_async=True)
-                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    lse2 = _query_vector(lse2_row, m0, Lq, float("inf"), BM, gl.SliceLayout(0, kq_layout))
+                    lse2 = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis)
                     st = warpgroup_mma_wait(1, deps=(st,))
                     pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
@@ -229,8 +254,7 @@ if HAVE_GLUON:
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
                     ds_low = (pt * dpt).to(dtype)
                 else:
-                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))
-                    delta = _query_vector(delta_row, m0, Lq, 0.0, BM, gl.SliceLayout(0, kq_layout))
+                    delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
                     dpt = warpgroup_mma_wait(1, deps=(dpt,))
                     if DROPOUT:
                         # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
