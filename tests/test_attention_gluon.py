@@ -19,7 +19,7 @@ import torch
 import varlen
 from conftest import ON_GPU
 from utils import record_calls
-from varlen.attn.dropout import attention_dropout_mask
+from varlen.attn.dropout import attention_dropout_mask, dropout_threshold
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -221,6 +221,15 @@ def test_backward_kernels_with_dropout_match_reference(backward_kernel, dtype, D
                                                        dropout_p, offset):
     # The Gluon kernel draws the mask itself (gluon/dropout.py), bit for bit the one attention_dropout_mask gives.
     _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p, offset)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+def test_kernels_with_dropout_threshold_one(backward_kernel, D):
+    # p = 2**-16 makes the mask's threshold 1, an integer Triton specializes as a constant (in the dropout tuple
+    # too): the Gluon forward and backward failed to compile it. (The forward is the Gluon one where it applies.)
+    assert dropout_threshold(2**-16) == 1
+    _check_backward(backward_kernel, torch.bfloat16, D, "jagged", 8, 2, "causal", 2**-16, 0)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

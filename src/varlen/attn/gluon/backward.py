@@ -172,7 +172,7 @@ if HAVE_GLUON:
         count = 0
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         # The lean tile loads its lse and delta a tile ahead: loaded where they are used, their latency stood
-        # before the tile's products (H200, D128 S4k: 462 -> 495-517 TFLOP/s). With dropout (whose draw covers the
+        # before the tile's products (H200, D128 S4k: 458-467 -> 495-517 TFLOP/s). With dropout (whose draw covers the
         # latency) or at D64, the two registers that carries cost more than they save (bench/NOTES.md).
         AHEAD: gl.constexpr = LEAN and not DROPOUT
         if AHEAD:
@@ -181,9 +181,10 @@ if HAVE_GLUON:
             delta_ahead = _query_vector(DELTA + row, t_lo, Lq, True, 0.0, BM)
         for g in range(GROUP):
             h = hk * GROUP + g
-            row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
-            lse2_row = LSE2 + row
-            delta_row = DELTA + row
+            if not AHEAD:
+                row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
+                lse2_row = LSE2 + row
+                delta_row = DELTA + row
             for j in range(n_tiles):
                 stage = count % 2
                 m0 = t_lo + j * BM
@@ -259,7 +260,8 @@ if HAVE_GLUON:
                     if DROPOUT:
                         # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
                         # (Pᵀ + |Pᵀ|) dP - |Pᵀ| 2 delta / keep_scale: three operations per element, no select, and
-                        # the kept P (pv) not held until here.
+                        # the kept P (pv) not held until here. (The factor moves dS's range in the low precision by
+                        # 2 / keep_scale, 2 (1 - p): within fp16's and bf16's, the tests' p = 0.9 included.)
                         ds_low = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * (delta * twice_inv_keep)[None, :]).to(dtype)
                     else:
                         ds_low = (pt * (dpt - delta[None, :])).to(dtype)

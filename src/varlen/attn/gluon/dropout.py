@@ -63,7 +63,7 @@ if HAVE_GLUON:
     def _keep_byte(w0, w1, w2, w3, threshold, threshold_hi):
         """The 8 keep bits of one call's words: bit t is key ``8 g + t``'s (word t >> 1, half t & 1). ``threshold_hi``
         is ``threshold << 16``, against which a word's high half is compared without taking it out: a compare and a
-        select per bit, the bits added three at a time."""
+        select per bit."""
         byte = gl.where((w0 & 0xFFFF) >= threshold, 1, 0) + gl.where(w0 >= threshold_hi, 2, 0)
         byte += gl.where((w1 & 0xFFFF) >= threshold, 4, 0) + gl.where(w1 >= threshold_hi, 8, 0)
         byte += gl.where((w2 & 0xFFFF) >= threshold, 16, 0) + gl.where(w2 >= threshold_hi, 32, 0)
@@ -92,8 +92,9 @@ if HAVE_GLUON:
         ``i0 + ..``, stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words as one int64;
         ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws them. Each
         lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them. ``FRESH_KEYS``:
-        the Philox round keys made anew for each tile rather than held across the caller's loop (below)."""
-        threshold = threshold.to(gl.uint32, bitcast=True)
+        the Philox round keys made anew for each tile rather than held across the caller's loop (:func:`_key`)."""
+        # (A threshold of 1 arrives as a constant: Triton specializes integers equal to 1, in tuples too.)
+        threshold = gl.to_tensor(threshold).to(gl.uint32, bitcast=True)
         threshold_hi = threshold << 16
         k0, k1 = _key(seed, i0, FRESH_KEYS)
         g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MAKE)))[:, None, None]
@@ -153,7 +154,7 @@ if HAVE_GLUON:
         """The packed keep bits of a ``[64 queries, 128 keys]`` forward tile: query rows ``i0 + ..``, keys ``j0 + ..``
         (j0 a multiple of 8), stream ``bh`` (arguments as :func:`keep_words`). Each thread makes 8 Philox calls; every
         lane gets its two queries' 8 words (8 registers); :func:`row_dropped_signs` unpacks them."""
-        threshold = threshold.to(gl.uint32, bitcast=True)
+        threshold = gl.to_tensor(threshold).to(gl.uint32, bitcast=True)  # (1 arrives as a constant: keep_words)
         threshold_hi = threshold << 16
         k0, k1 = _key(seed, i0, FRESH_KEYS)
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW_MAKE))[:, None]
