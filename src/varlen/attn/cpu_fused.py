@@ -94,17 +94,24 @@ def length_buckets(q_lens: list[int], k_lens: list[int], weight: float,
     return ranges[::-1]
 
 
+def bucket_members(problem: Problem, opts: AttentionOptions, q_len: torch.Tensor, k_len: torch.Tensor,
+                   seqs: torch.Tensor, call_cost: float = CALL_COST) -> list[torch.Tensor]:
+    """The sequences ``seqs`` (indices, CPU) in length buckets: sorted by decreasing query length (stable), cut by
+    :func:`length_buckets` with the problem's work per padded (query, key) pair; each bucket's sequence indices."""
+    seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
+    weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
+    ranges = length_buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight, call_cost)
+    return [seqs[i:j] for i, j in ranges]
+
+
 def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype,
                 rows: tuple[int, int]) -> tuple[_Bucket, ...]:
     (cu_q, q_len), (cu_k, k_len) = (sequence_bounds(cu, total, longest) for cu, total, longest in
                                     ((problem.cu_q, rows[0], problem.max_q), (problem.cu_k, rows[1], problem.max_k)))
     # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
     seqs = ((q_len > 0) & (k_len > 0)).nonzero().flatten()
-    seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
-    weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
     buckets = []
-    for i, j in length_buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight):
-        members = seqs[i:j]
+    for members in bucket_members(problem, opts, q_len, k_len, seqs):
         q_rows, q_valid = padded_rows(cu_q[members], q_len[members])
         k_rows, k_valid = padded_rows(cu_k[members], k_len[members])
         # Causal self-attention needs no key mask: a real query i sees keys j <= i, all real; padding

@@ -78,11 +78,14 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     and key words alternate with it. The known-answer and Triton tests check it bit for bit.
     """
     like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
-    c0, c1, c2, c3 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)
-                      for t in counter)
+    c0, c1, c2, c3 = counter
+    # The multiplied words must be tensors (their products are split below); the others may stay Python ints, as
+    # keep_mask_block passes them: a tensor made from one here would be a host-to-device copy on a GPU.
+    c0, c2 = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64, device=like.device)
+              for t in (c0, c2))
     k0, k1 = key
     if rounds == 0:
-        return torch.broadcast_tensors(c0, c1, c2, c3)
+        return torch.broadcast_tensors(*(torch.as_tensor(t, device=like.device) for t in (c0, c1, c2, c3)))
     # Round 1 on the inputs' shapes. y keeps the products whole: their high bits go with the next round's mask.
     p0, p2 = c0 * _ROUND_A, c2 * _ROUND_B
     x = (((p0 >> 32) ^ c3 ^ k1) & _U32, ((p2 >> 32) ^ c1 ^ k0) & _U32)  # the new (c2, c0)

@@ -226,17 +226,14 @@ def _cut(bias: torch.Tensor, dim: int, length: int) -> slice:
 
 
 def _parts(problem: Problem, opts: AttentionOptions, alibi, rows: tuple[int, int]) -> list[_Part]:
-    """The batch cut into buckets of sequences of similar lengths (``cpu_fused.length_buckets``), each padded only
+    """The batch cut into buckets of sequences of similar lengths (``cpu_fused.bucket_members``), each padded only
     to its own longest lengths. Per-sequence options and ALiBi slopes follow their sequences, and each sequence's
     dropout mask stays the one of its index in the whole batch (``dropout_sequences``)."""
     q_start, q_len = sequence_bounds(problem.cu_q, rows[0], problem.max_q)
     k_start, k_len = sequence_bounds(problem.cu_k, rows[1], problem.max_k)
     seqs = (q_len > 0).nonzero().flatten()  # (a sequence without queries has no row to compute)
-    seqs = seqs[torch.argsort(q_len[seqs], descending=True, stable=True)]
-    weight = problem.heads * problem.head_dim * (0.5 if opts.causal else 1.0)
     parts = []
-    for i, j in cpu_fused.length_buckets(q_len[seqs].tolist(), k_len[seqs].tolist(), weight, BUCKET_COST):
-        members = seqs[i:j]
+    for members in cpu_fused.bucket_members(problem, opts, q_len, k_len, seqs, BUCKET_COST):
         lengths_q, lengths_k = q_len[members], k_len[members]
         q_rows, q_valid = cpu_fused.padded_rows(q_start[members], lengths_q)
         k_rows, k_valid = cpu_fused.padded_rows(k_start[members], lengths_k)
