@@ -279,15 +279,20 @@ def suite_bias_dropout(args, rows):
     rows.append(dict(suite="bias & dropout", case="bias (1,H,S,S) with grad, B4 S2048 H16 D128", res=res))
     print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
-    res = {"varlen": time_fwd_bwd(lambda: varlen.attention(q, k, v, dropout_p=0.1), [q, k, v], flops)}
-    for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                     ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def fn(be=be):
-            with sdpa_kernel(be):
-                return F.scaled_dot_product_attention(qt, kt, vt, dropout_p=0.1)
-        res[name] = time_fwd_bwd(fn, [qt, kt, vt], flops)
-    rows.append(dict(suite="bias & dropout", case="dropout 0.1, B4 S2048 H16 D128", res=res))
-    print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
+    # Dropout at S2k, where a step's host time is close to its GPU time, and at S8k, where the kernels bound it.
+    for B_drop, S_drop in ((B, S), (1, 4 * S)):
+        flops = 4 * B_drop * H * S_drop * S_drop * D
+        q, k, v = (torch.randn(B_drop, S_drop, H, D, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3))
+        qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        res = {"varlen": time_fwd_bwd(lambda: varlen.attention(q, k, v, dropout_p=0.1), [q, k, v], flops)}
+        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+                         ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            def fn(be=be):
+                with sdpa_kernel(be):
+                    return F.scaled_dot_product_attention(qt, kt, vt, dropout_p=0.1)
+            res[name] = time_fwd_bwd(fn, [qt, kt, vt], flops)
+        rows.append(dict(suite="bias & dropout", case=f"dropout 0.1, B{B_drop} S{S_drop} H{H} D{D}", res=res))
+        print(json.dumps({"case": rows[-1]["case"], **{n: fmt(r) for n, r in res.items()}}), flush=True)
 
     # Jagged batch with a learnable (1, H, max, max) bias; the padded alternative is SDPA efficient on
     # the padded batch with the bias plus a -inf padding mask (no peer runs this jagged).

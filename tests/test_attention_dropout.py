@@ -11,27 +11,39 @@ import varlen
 from attention_cases import AttnCase, backend_params, main_dtype, run_attention
 from utils import assert_close
 from varlen.attn.dropout import (
+    PHILOX_ROUNDS,
     attention_dropout_mask,
     dropout_keep_mask,
     dropout_keep_scale,
     dropout_threshold,
+    keep_mask_block,
     philox4x32,
 )
 from varlen.attn.reference import attention_reference
+from varlen.attn.triton.scores import HeadDropout, keep_tile
 
-# Random123's known-answer vectors for Philox4x32-10 (kat_vectors): counter, key, output.
+# Random123's known-answer vectors for Philox4x32-7 (the mask's) and -10 (kat_vectors): rounds, counter, key, output.
 PHILOX_KAT = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
-@pytest.mark.parametrize("counter,key,expected", PHILOX_KAT, ids=["zeros", "ones", "pi"])
-def test_philox_known_answers(counter, key, expected):
-    out = philox4x32(tuple(torch.tensor(c) for c in counter), tuple(torch.tensor(k) for k in key))
+@pytest.mark.parametrize("rounds,counter,key,expected", PHILOX_KAT,
+                         ids=[f"{name}-{r}" for r in (7, 10) for name in ("zeros", "ones", "pi")])
+def test_philox_known_answers(rounds, counter, key, expected):
+    out = philox4x32(tuple(torch.tensor(c) for c in counter), tuple(torch.tensor(k) for k in key), rounds=rounds)
     assert tuple(int(w) for w in out) == expected
+
+
+def test_mask_rounds_are_seven():
+    assert PHILOX_ROUNDS == 7
 
 
 @triton.jit
@@ -56,23 +68,24 @@ def test_philox_matches_triton_randint4x(device):
     _randint4x_kernel[(1,)](out, offsets, seed, N=64)
     zero = torch.zeros_like(offsets, dtype=torch.int64)
     expected = philox4x32((_u32(offsets), zero, zero, zero),
-                          (torch.tensor(seed & 0xFFFFFFFF), torch.tensor(seed >> 32)))
+                          (torch.tensor(seed & 0xFFFFFFFF), torch.tensor(seed >> 32)), rounds=10)
     assert torch.equal(_u32(out).view(64, 4), torch.stack(expected, dim=-1).to(out.device))
 
 
 @triton.jit
 def _keep_mask_kernel(out_ptr, seed, offset_lo, threshold, H, max_q, max_k, BLOCK_Q: tl.constexpr,
                       BLOCK_K: tl.constexpr):
-    """The mask as a kernel computes it (``seed`` already holds ``seed ^ (offset_hi << 32)``)."""
+    """The mask as the module docstring defines it, one element at a time (``seed`` already holds ``seed ^
+    (offset_hi << 32)``)."""
     bh = tl.program_id(0)
     i = tl.arange(0, BLOCK_Q)[:, None]
     j = tl.arange(0, BLOCK_K)[None, :]
     zero = tl.zeros([BLOCK_Q, BLOCK_K], dtype=tl.int32)
-    r0, r1, r2, r3 = tl.philox(seed, i + zero, (j >> 3) + zero, bh + zero, offset_lo + zero)
-    word = (j >> 1) & 3
+    r0, r1, r2, r3 = tl.philox(seed, (i >> 1) + zero, (j >> 3) + zero, bh + zero, offset_lo + zero, n_rounds=7)
+    word = j & 3
     r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-    r16 = (r >> (16 * (j & 1)).to(tl.uint32)) & 0xFFFF
-    keep = r16 >= threshold
+    r8 = (r >> (8 * (2 * (i & 1) + ((j >> 2) & 1))).to(tl.uint32)) & 0xFF
+    keep = r8 >= threshold
     mask = (i < max_q) & (j < max_k)
     tl.store(out_ptr + bh * max_q * max_k + i * max_k + j, keep.to(tl.int8), mask=mask)
 
@@ -92,33 +105,58 @@ def test_keep_mask_matches_triton_philox(seed, offset, device):
     assert torch.equal(out.view(B, H, max_q, max_k).bool(), expected)
 
 
+@triton.jit
+def _keep_tile_kernel(out_ptr, seed, offset_lo, threshold, row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``scores.keep_tile`` of stream 0, rows from ``row0``, keys from ``BLOCK_N * program_id(0)``."""
+    d = HeadDropout(seed, offset_lo, threshold, 1.0, 0, row0)
+    n0 = BLOCK_N * tl.program_id(0)
+    keep = keep_tile(d, 0, n0, BLOCK_M, BLOCK_N)
+    i = tl.arange(0, BLOCK_M)[:, None]
+    j = n0 + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(out_ptr + i * BLOCK_N * tl.num_programs(0) + j, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("row0", [0, 1, 7, 2**31 - 9])
+def test_keep_tile_matches_the_mask(row0, device):
+    """The Triton kernels' tile of keep bits, whose rows start at any row (a query offset: odd, or past 2**31, where
+    an int32 row is negative), against the PyTorch mask."""
+    seed, offset, p, BLOCK_M, BLOCK_N = 0xFEDCBA9876543210, 2**32 + 12, 0.37, 16, 16
+    out = torch.full((BLOCK_M, 2 * BLOCK_N), -1, dtype=torch.int8, device=device)
+    _keep_tile_kernel[(2,)](out, seed ^ ((offset >> 32) << 32), offset & 0xFFFFFFFF, dropout_threshold(p), row0,
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    expected = keep_mask_block(seed, offset, 1, 1, (0, BLOCK_M), 2 * BLOCK_N, p, device,
+                               row_offset=torch.tensor([row0], device=device))
+    assert torch.equal(out.bool(), expected[0, 0])
+
+
 def test_dropout_threshold():
     assert dropout_threshold(0.0) == 0
-    assert dropout_threshold(0.5) == 32768
-    assert dropout_threshold(0.1) == 6554
-    assert dropout_threshold(1 - 2**-20) == 65535
+    assert dropout_threshold(2**-10) == 0  # below half a level: keeps everything
+    assert dropout_threshold(0.5) == 128
+    assert dropout_threshold(0.1) == 26  # 25.6 rounded
+    assert dropout_threshold(1 - 2**-20) == 255
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 0.9])
 def test_keep_rate(p, device):
-    """The keep rate is 1 - threshold / 65536, within 5 binomial standard deviations."""
+    """The keep rate is 1 - threshold / 256, within 5 binomial standard deviations."""
     mask = dropout_keep_mask(4, 8, 64, 61, p, seed=1234, offset=8, device=device)
     n = mask.numel()
-    keep = 1 - dropout_threshold(p) / 65536
+    keep = 1 - dropout_threshold(p) / 256
     sigma = math.sqrt(keep * (1 - keep) / n)
     assert abs(mask.sum().item() / n - keep) <= 5 * sigma + 1e-12  # an exact count, not a float32 mean
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.99999, 1 - 2**-18])
 def test_keep_scale_inverts_the_exact_keep_probability(p):
-    assert dropout_keep_scale(p) * (65536 - dropout_threshold(p)) == 65536
+    assert dropout_keep_scale(p) * (256 - dropout_threshold(p)) == 256
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.gpu_only)])
 def test_expected_output_is_unbiased_near_one(backend, device):
-    """At p = 0.99999 the 16-bit test keeps 2**-16 of the weights, not 1e-5: scaling the kept ones by
-    1 / (1 - p) made the expected output 1.53x the undropped one. Uniform attention over values of 1:
-    the mean output is (kept / weights) * scale, 1 in expectation (about 512 kept: 4.4% noise)."""
+    """At p = 0.99999 the 8-bit test keeps 2**-8 of the weights, not 1e-5: scaling the kept ones by
+    1 / (1 - p) would make the expected output 391x the undropped one. Uniform attention over values of 1:
+    the mean output is (kept / weights) * scale, 1 in expectation (about 131k kept: 0.3% noise)."""
     B, S, H = 4, 1024, 8
     q = torch.zeros(B, S, H, 16, device=device)
     k = torch.randn(B, S, H, 16, device=device)
@@ -142,10 +180,11 @@ def test_masks_are_independent(device):
         "heads": (mask[:, 0], mask[:, 1]),
         "heads far apart": (mask[:, 0], mask[:, 3]),
         "batches": (mask[0], mask[1]),
-        "neighbouring keys (one Philox call)": (mask[..., 0::2], mask[..., 1::2]),
-        "keys 2 apart (another word)": (mask[..., 0::4], mask[..., 2::4]),
+        "neighbouring keys (one Philox call, another word)": (mask[..., 0::2], mask[..., 1::2]),
+        "keys 4 apart (one word, another byte)": (mask[..., 0:92], mask[..., 4:96]),
         "neighbouring key groups": (mask[..., 0:88], mask[..., 8:96]),
-        "neighbouring rows": (mask[:, :, :-1], mask[:, :, 1:]),
+        "rows of one call (another byte)": (mask[:, :, 0::2], mask[:, :, 1::2]),
+        "rows of neighbouring calls": (mask[:, :, 1:-1:2], mask[:, :, 2::2]),
         "successive offsets": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42, offset=4, device=device)),
         "offsets 2**32 apart": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42, offset=2**32, device=device)),
         "seeds differing in the high word": (mask, dropout_keep_mask(3, 4, 96, 96, p, seed=42 + 2**32, offset=0,
@@ -160,6 +199,18 @@ def test_keep_mask_of_rows_is_a_slice(device):
     big = dropout_keep_mask(2, 3, 40, 50, 0.3, seed=9, offset=12, device=device)
     small = dropout_keep_mask(2, 3, 17, 13, 0.3, seed=9, offset=12, device=device)
     assert torch.equal(big[:, :, :17, :13], small)
+
+
+def test_keep_mask_of_odd_and_shifted_rows(device):
+    """Blocks of rows starting at an odd row, or shifted per sequence (``query_offset``), which cut the Philox
+    calls' row pairs, are slices of the whole mask."""
+    B, H, p = 3, 2, 0.3
+    whole = dropout_keep_mask(B, H, 24, 21, p, seed=5, offset=8, device=device)
+    assert torch.equal(keep_mask_block(5, 8, B, H, (3, 10), 21, p, device), whole[:, :, 3:10])
+    shift = torch.tensor([3, 0, 6], device=device)
+    block = keep_mask_block(5, 8, B, H, (1, 8), 21, p, device, row_offset=shift)
+    for b in range(B):
+        assert torch.equal(block[b], whole[b, :, 1 + shift[b]:8 + shift[b]])
 
 
 # ------------------------------------------------------------------------- masks of attention calls

@@ -223,13 +223,44 @@ def test_backward_kernels_with_dropout_match_reference(backward_kernel, dtype, D
     _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p, offset)
 
 
+def _mask_revealing_inputs(D, dropout_p, offset, seed):
+    """Dense inputs whose output and dV show every keep bit of the mask the call draws: q = 0 makes the weights
+    uniform (1 / D over D keys), v one-hot per key (o[i, j] = keep[i, j] * scale / D) and dO one-hot per query
+    (dV[j, i] = keep[i, j] * scale / D); and that mask (``attention_dropout_mask``)."""
+    B, H = 2, 3
+    eye = torch.eye(D, device="cuda", dtype=torch.bfloat16)
+    q = torch.zeros(B, D, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, D, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = eye[None, :, None, :].expand(B, D, H, D).contiguous().requires_grad_()
+    dout = eye[None, :, None, :].expand(B, D, H, D).contiguous()
+    draws = torch.Generator(device="cuda").manual_seed(seed)
+    draws.set_offset(offset)
+    keep = attention_dropout_mask(q, k, dropout_p, generator=draws)
+    return q, k, v, dout, draws, keep
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS + [(0.5, 8)])
+def test_kernels_draw_the_mask_exactly(forward_kernel, backward_kernel, D, dropout_p, offset):
+    # The comparisons with the reference allow an error that a few wrong keep bits of a large tile could hide in;
+    # these inputs show each bit, in the output (the forward) and in dV (the backward).
+    q, k, v, dout, draws, keep = _mask_revealing_inputs(D, dropout_p, offset, seed=D + offset)
+    out = varlen.attention(q, k, v, dropout_p=dropout_p, generator=draws)
+    (dv,) = torch.autograd.grad(out, (v,), dout)
+    for name, launches in (("forward", forward_kernel), ("backward", backward_kernel)):
+        assert bool(launches[1]) == (launches[0] == "gluon"), f"the {name}'s {launches[0]} kernel did not run"
+    assert torch.equal(out.float().permute(0, 2, 1, 3) > 0, keep)
+    assert torch.equal(dv.float().permute(0, 2, 3, 1) > 0, keep)
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 def test_kernels_with_dropout_threshold_one(backward_kernel, D):
-    # p = 2**-16 makes the mask's threshold 1, an integer Triton specializes as a constant (in the dropout tuple
+    # p = 2**-8 makes the mask's threshold 1, an integer Triton specializes as a constant (in the dropout tuple
     # too): the Gluon forward and backward failed to compile it. (The forward is the Gluon one where it applies.)
-    assert dropout_threshold(2**-16) == 1
-    _check_backward(backward_kernel, torch.bfloat16, D, "jagged", 8, 2, "causal", 2**-16, 0)
+    assert dropout_threshold(2**-8) == 1
+    _check_backward(backward_kernel, torch.bfloat16, D, "jagged", 8, 2, "causal", 2**-8, 0)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

@@ -307,7 +307,7 @@ def test_attn_probs_are_the_probabilities_with_the_calls_drop_mask(case, device)
         out, _, s_dmask = flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **options)
         q_seqs, k_seqs = list(q), list(k)
         # S_dmask describes the call: its kept probabilities, scaled, times v give the output.
-        # Kept weights are scaled by 1 / (1 - p) with p rounded to 2**-16 (dropout_keep_scale).
+        # Kept weights are scaled by 1 / (1 - p) with p rounded to 2**-8 (dropout_keep_scale).
         kept = torch.where(torch.signbit(s_dmask), 0.0, s_dmask) * dropout_keep_scale(p)
         assert_close(out, torch.einsum("bhij,bjhd->bihd", kept, v.repeat_interleave(H // Hkv, dim=2)), name="out")
     assert s_dmask.shape == (B, H, max_q, max_k) and s_dmask.dtype == q.dtype and not s_dmask.requires_grad

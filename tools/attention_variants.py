@@ -49,7 +49,7 @@ FEATURES = {
     "bias_deterministic": dict(bias="1HQK", deterministic=True),  # the recompute kernel _bwd_dbias_kernel
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
-    "dropout_threshold_one": dict(dropout=2**-16),  # the mask's threshold 1: an integer Triton makes a constant
+    "dropout_threshold_one": dict(dropout=2**-8),  # the mask's threshold 1: an integer Triton makes a constant
     "positions": dict(causal=True, positions=True, dropout=0.1),
 }
 # (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,

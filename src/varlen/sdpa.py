@@ -52,7 +52,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             Nested inputs (a varlen extension): broadcastable to ``(B, Hq, max_L, max_S)``, entry
             ``[b, h, i, j]`` being query i and key j of sequence b (entries past the lengths are ignored).
         dropout_p: drop probability of the attention weights (kept ones scaled by ``1 / (1 - p)``, p
-            rounded to a multiple of 2**-16), drawn from torch's default generator for the device; pass 0.0
+            rounded to a multiple of 2**-8), drawn from torch's default generator for the device; pass 0.0
             in evaluation. A float, or as in torch a 0-dim float or integer tensor, read on the host (a
             device-to-host copy on a GPU).
         is_causal: top-left causal mask (query i sees keys ``j <= i``, per sequence for nested inputs).

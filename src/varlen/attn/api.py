@@ -68,11 +68,11 @@ def attention(
             gradient of its own shape and dtype when it requires grad) or bool (True keeps).
         alibi_slopes: ``(H,)`` or ``(B, H)``: adds ``-slope * |i + shift - j|`` to the scores.
         softcap: when > 0, scores become ``softcap * tanh(s / softcap)`` before bias and masking.
-        dropout_p: probability of dropping an attention weight (training); the kept ones are scaled
-            by ``1 / (1 - dropout_p)`` (dropout_p rounded to a multiple of 2**-16: see
-            ``varlen.attn.dropout``). The mask is a function of a seed and offset drawn from
-            ``generator`` (torch's default when None): the same generator state gives the same mask,
-            and the backward replays it. Pass 0.0 in evaluation.
+        dropout_p: probability of dropping an attention weight (training); the kept ones are scaled by ``1 / (1 -
+            dropout_p)`` (dropout_p rounded to a multiple of 2**-8, as FlashAttention 2 draws it: 0.1 drops 26 /
+            256, and below 1/512 nothing; see ``varlen.attn.dropout``). The mask is a function of a seed and offset
+            drawn from ``generator`` (torch's default when None): the same generator state gives the same mask, and
+            the backward replays it. Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when
             ``torch.are_deterministic_algorithms_enabled()``).
         prefix_len: an int or an integer tensor ``(B,)``: the first ``prefix_len[b]`` keys of sequence b

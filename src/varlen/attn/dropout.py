@@ -4,28 +4,36 @@ Definition. The keep bit of attention weight ``(b, h, i, j)`` (batch index b, qu
 ``[0, H)``, query position i and key position j within sequence b) is a pure function of the call's
 Philox key ``(seed, offset)`` (64-bit ints, see ``options.DropoutSeed``) and ``dropout_p``:
 
-- one Philox4x32-10 call (Random123) per row i and group of 8 keys, with all words uint32 and
-  arithmetic mod 2**32::
+- one Philox4x32-7 call (Random123's Philox4x32 with 7 rounds) per pair of query rows ``i >> 1`` and group
+  of 8 keys ``j >> 3``, with all words uint32 and arithmetic mod 2**32::
 
-      counter = (i, j >> 3, b * H + h, offset & 0xFFFFFFFF)
+      counter = (i >> 1, j >> 3, b * H + h, offset & 0xFFFFFFFF)
       key     = (seed & 0xFFFFFFFF, ((seed >> 32) ^ (offset >> 32)) & 0xFFFFFFFF)
 
-  each of the 10 rounds: ``(hi0, lo0) = mulhilo(0xD2511F53, c0)``, ``(hi1, lo1) = mulhilo(0xCD9E8D57,
+  each of the 7 rounds: ``(hi0, lo0) = mulhilo(0xD2511F53, c0)``, ``(hi1, lo1) = mulhilo(0xCD9E8D57,
   c2)``, ``c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)``, then ``k0 += 0x9E3779B9``, ``k1 += 0xBB67AE85``;
-- ``word = out[(j >> 1) & 3]``, ``r16 = (word >> (16 * (j & 1))) & 0xFFFF``;
-- keep iff ``r16 >= dropout_threshold(dropout_p)`` (``t = min(round(p * 65536), 65535)``): the keep
-  probability is exactly ``(65536 - t) / 65536``, ``1 - p`` rounded to a multiple of 2**-16; kept weights
-  are scaled by its inverse, ``dropout_keep_scale(dropout_p) = 65536 / (65536 - t)`` (not ``1 / (1 -
-  p)``, which differs from it by up to 2**-17 / (1 - p) relative: 1.5x at p = 0.99999), so that the
-  expected output is exact for every p.
+- its 16 bytes serve the 16 weights of the two rows and 8 keys: ``word = out[j & 3]``, ``byte = 2 * (i & 1) +
+  ((j >> 2) & 1)``, ``r8 = (word >> (8 * byte)) & 0xFF``;
+- keep iff ``r8 >= dropout_threshold(dropout_p)`` (``t = min(round(p * 256), 255)``): the keep probability is
+  exactly ``(256 - t) / 256``, ``1 - p`` rounded to a multiple of 2**-8; kept weights are scaled by its inverse,
+  ``dropout_keep_scale(dropout_p) = 256 / (256 - t)`` (not ``1 / (1 - p)``), so that the expected output is
+  exact for every p. A call asking for p = 0.1 drops 26 / 256 = 0.1016 of the weights.
 
-In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i, j >> 3, b * H + h, offset & 0xFFFFFFFF)``
-(which keys Philox with the seed's low and high words). The Triton kernels and the Gluon forward and backward
-(``attn/gluon/dropout.py``) compute exactly this mask, bit for bit, so the PyTorch backend, the reference and
-the kernels agree on every element.
+These are FlashAttention 2's parameters (Philox4x32-7, 8-bit thresholds, one call for 16 weights), not its bit
+layout: its masks are other bits. Random123 finds 7 rounds Crush-resistant (TestU01's BigCrush passes). In the
+Gluon kernels the draw takes about a third of the integer work of the earlier 10-round, 16-bit, 8-weights-per-call
+one, which is what bounded the dropout backward on Hopper (``bench/NOTES.md``, "FlashAttention 2's draw"). A p
+below 1/512 rounds to 0: nothing is dropped.
+
+In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i >> 1, j >> 3, b * H + h, offset & 0xFFFFFFFF,
+n_rounds=7)`` (which keys Philox with the seed's low and high words). The Triton kernels and the Gluon forward
+and backward (``attn/gluon/dropout.py``) compute exactly this mask, bit for bit, so the PyTorch backend, the
+reference and the kernels agree on every element.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -37,23 +45,24 @@ _U32 = 0xFFFFFFFF
 _U64_LIMIT = 2**64
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _BUMP_A, _BUMP_B = 0x9E3779B9, 0xBB67AE85
-PHILOX_ROUNDS = 10
-KEYS_PER_CALL = 8  # 4 words of 32 bits, 16 bits per key
+PHILOX_ROUNDS = 7
+KEYS_PER_CALL = 8  # per query row: a call's 4 words of 32 bits serve two rows, 8 bits per weight
+THRESHOLD_LEVELS = 256  # 8-bit random numbers
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The 16-bit threshold: a weight is kept iff its random 16-bit number is ``>=`` this.
+    """The 8-bit threshold: a weight is kept iff its random 8-bit number is ``>=`` this.
 
-    ``min(round(p * 65536), 65535)`` with Python's ``round`` (half to even); 0 keeps everything.
+    ``min(round(p * 256), 255)`` with Python's ``round`` (half to even); 0 (any p up to 1/512) keeps everything.
     Kernels receive this host int rather than recomputing it, so every implementation agrees.
     """
-    return min(round(dropout_p * 65536), 65535)
+    return min(round(dropout_p * THRESHOLD_LEVELS), THRESHOLD_LEVELS - 1)
 
 
 def dropout_keep_scale(dropout_p: float) -> float:
-    """The factor kept weights are scaled by: the inverse of the exact keep probability of the 16-bit test,
-    ``65536 / (65536 - dropout_threshold(dropout_p))``, ``1 / (1 - p)`` for p a multiple of 2**-16."""
-    return 65536.0 / (65536 - dropout_threshold(dropout_p))
+    """The factor kept weights are scaled by: the inverse of the exact keep probability of the 8-bit test,
+    ``256 / (256 - dropout_threshold(dropout_p))``, ``1 / (1 - p)`` for p a multiple of 2**-8."""
+    return THRESHOLD_LEVELS / (THRESHOLD_LEVELS - dropout_threshold(dropout_p))
 
 
 def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch.Tensor],
@@ -63,19 +72,19 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     Args:
         counter: four int64 tensors or Python ints with values in ``[0, 2**32)``, at least one a tensor.
         key: two int64 tensors or Python ints with values in ``[0, 2**32)``.
-        rounds: 10 for Philox4x32-10.
+        rounds: 7 for the mask's Philox4x32-7, 10 for Random123's default Philox4x32-10.
 
     Returns:
         The four output words, int64 tensors with values in ``[0, 2**32)``.
 
-    This runs on every weight of a CPU call with dropout (once per 8 weights), twice: in the forward and in the
-    backward, so it is written for few tensor ops. Each round multiplies two words (c0 and c2) by 32-bit constants;
-    their 64-bit products are taken from int64 multiplies, which wrap modulo 2**64 and so keep every bit (the high
-    word is the arithmetic shift by 32, masked). After the first round, which runs on the counters' own broadcast
-    shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside c0, c3 beside c2) one
-    tensor ``y``: a round is one multiply, one shift, two XORs (the partners, then the key words; each as two
-    half-tensor ops) and one mask over both. A round swaps which multiplied word sits first, so the multipliers
-    and key words alternate with it. The known-answer and Triton tests check it bit for bit.
+    This runs on every weight of a CPU call with dropout (once per 16 weights, per 8 with a query offset), twice: in
+    the forward and in the backward, so it is written for few tensor ops. Each round multiplies two words (c0 and
+    c2) by 32-bit constants; their 64-bit products are taken from int64 multiplies, which wrap modulo 2**64 and so
+    keep every bit (the high word is the arithmetic shift by 32, masked). After the first round, which runs on the
+    counters' own broadcast shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside
+    c0, c3 beside c2) one tensor ``y``: a round is one multiply, one shift, two XORs (the partners, then the key
+    words; each as two half-tensor ops) and one mask over both. A round swaps which multiplied word sits first, so
+    the multipliers and key words alternate with it. The known-answer and Triton tests check it bit for bit.
     """
     like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
     c0, c1, c2, c3 = counter
@@ -126,20 +135,37 @@ def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[
     i0, i1 = rows
     groups = -(-max_k // KEYS_PER_CALL)
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)
-    c0 = (ar(i1 - i0) + i0).view(1, 1, -1, 1)
-    if row_offset is not None:
-        c0 = c0 + row_offset.to(torch.int64).view(-1, 1, 1, 1)
-    c0 = c0 & _U32
+    if row_offset is None:  # one call per pair of rows, the pairs covering [i0, i1)
+        first_pair = i0 >> 1
+        rows_abs = None
+        c0 = (ar(((i1 + 1) >> 1) - first_pair) + first_pair).view(1, 1, -1, 1)
+    else:  # rows shifted per sequence, so pairs differ between them: one call per row
+        rows_abs = ((ar(i1 - i0) + i0).view(1, 1, -1, 1) + row_offset.to(torch.int64).view(-1, 1, 1, 1)) & _U32
+        c0 = rows_abs >> 1
     c1 = ar(groups).view(1, 1, 1, -1)
     b = ar(batch) if sequences is None else sequences.to(torch.int64)
     c2 = (b.view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
     # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy.
     c3, k0, k1 = offset & _U32, seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32
-    words = torch.stack(philox4x32((c0, c1, c2, c3), (k0, k1)), dim=-1)  # (batch, heads, rows, groups, 4)
-    # Key j = 8 * group + 2 * w + half reads the 16-bit half `half` of word w.
-    threshold = dropout_threshold(dropout_p)
-    keep = torch.stack([(words & 0xFFFF) >= threshold, (words >> 16) >= threshold], dim=-1)
-    return keep.flatten(-3)[..., :max_k]
+    out = philox4x32((c0, c1, c2, c3), (k0, k1))
+    # The words' low 32 bits side by side, (batch, heads, calls, groups, 4), and their bytes as a uint8 view (no
+    # shifts): byte b of word w at 4 w + b.
+    words = torch.empty((*torch.broadcast_shapes(*(w.shape for w in out)), 4), dtype=torch.int32, device=out[0].device)
+    for w, word in enumerate(out):
+        words[..., w] = word
+    octets = words.view(torch.uint8).unflatten(-1, (4, 4))
+    if sys.byteorder == "big":
+        octets = octets.flip(-1)
+    # Byte 2 * e + t2 of word w is row 2 * pair + e, key 8 * group + 4 * t2 + w.
+    keep = (octets >= dropout_threshold(dropout_p)).unflatten(-1, (2, 2))  # (batch, heads, calls, groups, w, e, t2)
+    if rows_abs is None:
+        keep = keep.permute(0, 1, 2, 5, 3, 6, 4).flatten(-3).flatten(2, 3)  # rows 2 * pair + e, keys 8 g + 4 t2 + w
+        start = i0 - 2 * first_pair
+        keep = keep[:, :, start:start + i1 - i0]
+    else:
+        odd = (rows_abs & 1).bool().view(*rows_abs.shape, 1, 1)  # (batch, 1, rows, 1, 1, 1)
+        keep = torch.where(odd, keep[..., 1, :], keep[..., 0, :]).transpose(-1, -2).flatten(-3)
+    return keep[..., :max_k]
 
 
 def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p: float, *, seed: int,

@@ -33,7 +33,7 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         alibi_slopes: ``(H,)`` or ``(B, H)``.
         dropout_mask: bool keep mask ``(B, H, max_q, max_k)`` (dense: ``(B, H, Sq, Sk)``), applied to
             the probabilities, kept ones scaled by ``dropout_keep_scale(dropout_p)`` (``1 / (1 - dropout_p)``
-            with dropout_p rounded to a multiple of 2**-16, as the mask draws it); None for no dropout. Get a
+            with dropout_p rounded to a multiple of 2**-8, as the mask draws it); None for no dropout. Get a
             call's mask with ``varlen.attn.dropout.attention_dropout_mask``.
         dropout_p: the drop probability the mask was drawn with.
 

@@ -31,7 +31,7 @@ program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; `
 Order: jagged sequences longest first; dense calls under a causal mask with few programs start every (head,
 sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``).
 
-Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 4
+Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 2
 Philox calls per thread, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits (-P
 where dropped), so no mask stays live: dV takes the kept P from a conversion that clamps at 0 (``relu_low``), and
 dSᵀ, made times 2 / keep_scale (dK and dQ take it back at their ends, dV its keep scale), is

@@ -1,17 +1,18 @@
 """Attention dropout's keep bits in Gluon, laid out as a warpgroup's wgmma accumulator holds them.
 
-The mask is ``varlen.attn.dropout``'s definition, bit for bit: one Philox4x32-10 call per query i and group of
-8 keys gives eight 16-bit numbers, key ``8 g + t`` taking word ``t >> 1``, half ``t & 1``. In a wgmma accumulator
-the keys of a group are spread over several lanes of a warp, so computing each element's call where it is used
-would repeat every call. Instead each thread makes a few calls, packs their keep bits (a byte per call) into
-words, and a layout conversion inside each warp hands every lane the words it needs. Two tiles:
+The mask is ``varlen.attn.dropout``'s definition, bit for bit: one Philox4x32-7 call per pair of queries
+(2 p, 2 p + 1) and group of 8 keys gives sixteen 8-bit numbers, query ``2 p + e``, key ``8 g + 4 t2 + w`` taking
+byte ``2 e + t2`` of word ``w``. In a wgmma accumulator the weights of a call are spread over several lanes of a
+warp, so computing each element's call where it is used would repeat every call. Instead each thread makes a few
+calls, compares all four bytes of a word with the threshold at once (:func:`_dropped_bits`), packs the calls'
+16 bits into words, and a layout conversion inside each warp hands every lane the words it needs. Two tiles:
 
-- the backward's (keys x queries) tile of a key warpgroup, whose group of 8 keys lies in 8 lanes: 4 calls per
-  thread, one word each, every lane getting the 8 words of its 8-lane set; each element takes its bit as a float
-  sign (:func:`keep_words` draws, :func:`dropped_signs` unpacks);
-- the forward's (queries x keys) tile of a query warpgroup, whose group lies in the 4 lanes of a quad: 8 calls per
-  thread (lane c draws the groups 4 j + c of its two queries), the quad swapping the words; each element takes
-  its bit as a float sign too (:func:`row_keep_words`, :func:`row_dropped_signs`).
+- the backward's (keys x queries) tile of a key warpgroup, whose group of 8 keys lies in 8 lanes: 2 calls per
+  thread (4 of its queries), one word, every lane getting the 8 words of its 8-lane set; each element takes its
+  bit as a float sign (:func:`keep_words` draws, :func:`dropped_signs` unpacks);
+- the forward's (queries x keys) tile of a query warpgroup, whose group lies in the 4 lanes of a quad: 4 calls per
+  thread (groups 4 j + c of a pair of queries), the quad swapping the words; each element takes its bit as a
+  float sign too (:func:`row_keep_words`, :func:`row_dropped_signs`).
 
 A weight whose sign bit is set (-P) is a dropped one: :func:`relu_low`, the conversion to the products' precision
 with a clamp at 0, drops it for free; the backward's dS uses the sign itself.
@@ -47,7 +48,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _philox(c0, c1, c2, c3, k0, k1):
-        """Philox4x32-10 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``, same constants)."""
+        """Philox4x32-7 on uint32 values (Random123; ``varlen.attn.dropout.philox4x32``, same constants)."""
         for _ in gl.static_range(_ROUNDS):
             pa = c2.to(gl.uint64) * 0xCD9E8D57
             pb = c0.to(gl.uint64) * 0xD2511F53
@@ -60,15 +61,35 @@ if HAVE_GLUON:
         return c0, c1, c2, c3
 
     @gluon.jit
-    def _keep_byte(w0, w1, w2, w3, threshold, threshold_hi):
-        """The 8 keep bits of one call's words: bit t is key ``8 g + t``'s (word t >> 1, half t & 1). ``threshold_hi``
-        is ``threshold << 16``, against which a word's high half is compared without taking it out: a compare and a
-        select per bit."""
-        byte = gl.where((w0 & 0xFFFF) >= threshold, 1, 0) + gl.where(w0 >= threshold_hi, 2, 0)
-        byte += gl.where((w1 & 0xFFFF) >= threshold, 4, 0) + gl.where(w1 >= threshold_hi, 8, 0)
-        byte += gl.where((w2 & 0xFFFF) >= threshold, 16, 0) + gl.where(w2 >= threshold_hi, 32, 0)
-        byte += gl.where((w3 & 0xFFFF) >= threshold, 64, 0) + gl.where(w3 >= threshold_hi, 128, 0)
-        return byte.to(gl.uint32, bitcast=True)
+    def _dropped_bits(w0, w1, w2, w3, thresholds, thresholds_low7):
+        """The 16 drop bits of one call's words: bit ``8 b + 7 - w`` is set where byte b of word w is below the
+        threshold. Byte x < t exactly when (255 - x) + t carries out of 8 bits, so the four bytes of a word are
+        compared at once: their low 7 bits are added without crossing bytes (``thresholds`` is t in every byte,
+        ``thresholds_low7`` the same with each byte's top bit cleared), and the carry out of each byte is the
+        majority of the two top bits and the carry into them, in bit 7."""
+        nw0 = ~w0
+        nw1 = ~w1
+        nw2 = ~w2
+        nw3 = ~w3
+        c0 = (nw0 & thresholds) | ((nw0 | thresholds) & ((nw0 & 0x7F7F7F7F) + thresholds_low7))
+        c1 = (nw1 & thresholds) | ((nw1 | thresholds) & ((nw1 & 0x7F7F7F7F) + thresholds_low7))
+        c2 = (nw2 & thresholds) | ((nw2 | thresholds) & ((nw2 & 0x7F7F7F7F) + thresholds_low7))
+        c3 = (nw3 & thresholds) | ((nw3 | thresholds) & ((nw3 & 0x7F7F7F7F) + thresholds_low7))
+        return ((c0 & 0x80808080) | ((c1 >> 1) & 0x40404040) | ((c2 >> 2) & 0x20202020)
+                | ((c3 >> 3) & 0x10101010))
+
+    @gluon.jit
+    def _call_bits(c0, c1, c2, c3, k0, k1, thresholds, thresholds_low7):
+        """The 16 drop bits (:func:`_dropped_bits`) of the Philox call on counter (c0, c1, c2, c3)."""
+        w0, w1, w2, w3 = _philox(c0, c1, c2, c3, k0, k1)
+        return _dropped_bits(w0, w1, w2, w3, thresholds, thresholds_low7)
+
+    @gluon.jit
+    def _thresholds(threshold):
+        """The 8-bit threshold in every byte of a word, and the same with each byte's top bit cleared."""
+        # (A threshold of 1 arrives as a constant: Triton specializes integers equal to 1, in tuples too.)
+        thresholds = gl.to_tensor(threshold).to(gl.uint32, bitcast=True) * 0x01010101
+        return thresholds, thresholds & 0x7F7F7F7F
 
     @gluon.jit
     def _key(seed, i0, FRESH: gl.constexpr):
@@ -88,51 +109,52 @@ if HAVE_GLUON:
 
     @gluon.jit
     def keep_words(seed, offset_lo, threshold, bh, i0, j0, FRESH_KEYS: gl.constexpr):
-        """The packed keep bits of a ``[64 keys, 64 queries]`` tile: keys ``j0 + ..`` (j0 a multiple of 8), query rows
-        ``i0 + ..``, stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words as one int64;
-        ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws them. Each
-        lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them. ``FRESH_KEYS``:
-        the Philox round keys made anew for each tile rather than held across the caller's loop (:func:`_key`)."""
-        # (A threshold of 1 arrives as a constant: Triton specializes integers equal to 1, in tuples too.)
-        threshold = gl.to_tensor(threshold).to(gl.uint32, bitcast=True)
-        threshold_hi = threshold << 16
+        """The packed drop bits of a ``[64 keys, 64 queries]`` tile: keys ``j0 + ..`` (j0 a multiple of 8), query
+        rows ``i0 + ..`` (i0 even), stream ``bh`` (``b * H + h``) of the Philox key (``seed``: the key's two words
+        as one int64; ``offset_lo``: the counter's fourth word, int32 bits), as ``triton.scores.keep_tile`` draws
+        them. Each lane gets the 8 words of its 8-lane set (8 registers); :func:`dropped_signs` unpacks them.
+        ``FRESH_KEYS``: the Philox round keys made anew for each tile rather than held across the caller's loop
+        (:func:`_key`)."""
+        thresholds, thresholds_low7 = _thresholds(threshold)
         k0, k1 = _key(seed, i0, FRESH_KEYS)
         g = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _MAKE)))[:, None, None]
         n2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, _MAKE)))[None, :, None]
         c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, _MAKE)))[None, None, :]
         group = ((j0 // 8 + g) + n2 * 0 + c * 0).to(gl.uint32, bitcast=True)
-        first = i0 + 16 * n2 + 2 * c + g * 0
+        # The thread's queries 16 n2 + 2 c + 8 nlo + e: the pairs (i0 + 16 n2 + 2 c) / 2 + 4 nlo.
+        first_pair = i0 // 2 + 8 * n2 + c + g * 0
         words = gl.zeros([8, 4, 4], gl.uint32, layout=_MAKE)
-        for call in gl.static_range(4):
-            nlo = call // 2
-            e = call % 2
-            row = (first + (8 * nlo + e)).to(gl.uint32, bitcast=True)
-            w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True),
-                                     offset_lo.to(gl.uint32, bitcast=True), k0, k1)
-            words |= _keep_byte(w0, w1, w2, w3, threshold, threshold_hi) << (8 * call)
+        for nlo in gl.static_range(2):
+            pair = (first_pair + 4 * nlo).to(gl.uint32, bitcast=True)
+            # Bit 16 e + 8 t2 + 7 - w - 4 nlo: query 8 nlo + e, key 4 t2 + w of the group.
+            words |= _call_bits(pair, group, bh.to(gl.uint32, bitcast=True), offset_lo.to(gl.uint32, bitcast=True),
+                                k0, k1, thresholds, thresholds_low7) >> (4 * nlo)
         return gl.convert_layout(words, _WORDS)
 
     @gluon.jit
     def dropped_signs(words, layout: gl.constexpr):
         """``[64 keys, 64 queries]`` uint32 in ``layout`` (a 4-warp wgmma accumulator of instr_shape
         [16, 64, 16]): the float sign bit (``0x80000000``) where the weight is dropped, 0 where it is kept, from
-        :func:`keep_words`. The bit positions are constants per register and one shift per lane (no per-element
-        index arithmetic)."""
+        :func:`keep_words`. The bit positions are one shift per lane (the key t = 4 t2 + w of the group) and
+        constants per register (the query 8 nlo + e): no per-element index arithmetic."""
         t = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
             4, gl.SliceLayout(5, _TILE6))))))[None, :, None, None, None, None]
         nlo = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             4, gl.SliceLayout(5, _TILE6))))))[None, None, None, :, None, None]
         e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, gl.SliceLayout(4, _TILE6))))))[None, None, None, None, None, :]
-        dropped = ~(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 3), 5) >> t.to(gl.uint32))
-        signs = (dropped << (31 - 8 * (2 * nlo + e)).to(gl.uint32)) & 0x80000000
+        # Bit 16 e + 8 t2 + 7 - w - 4 nlo: down by 8 t2 + 3 - w per lane leaves it at 16 e + 4 - 4 nlo.
+        lane_shift = (8 * (t >> 2) + 3 - (t & 3)).to(gl.uint32)
+        lane_words = gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 1), 3), 5) >> lane_shift
+        signs = (lane_words << (27 - 16 * e + 4 * nlo).to(gl.uint32)) & 0x80000000
         signs = gl.reshape(signs.broadcast_to([8, 8, 4, 2, 4, 2]), [TILE, TILE])
         return gl.convert_layout(signs, layout, assert_trivial=True)
 
-    # The forward's S tile: a [64 queries, 128 keys] wgmma accumulator of 4 warps (instr_shape [16, 128, 16]) viewed as
-    # 5 dims (r, j, ck, c, e): key = 32 j + 8 ck + 2 c + e, so its Philox call is key group 4 j + ck, and its bit in
-    # the call's byte is 2 c + e. Each thread holds queries lane / 4 (and + 8), key pairs 2 c + e with c = lane % 4,
-    # all 16 groups; warps take 16 queries each. Bases in the accumulator's register order (no conversion).
+    # The forward's S tile: a [64 queries, 128 keys] wgmma accumulator of 4 warps (instr_shape [16, 128, 16]) viewed
+    # as 5 dims (r, j, ck, c, e): key = 32 j + 8 ck + 2 c + e, so its Philox call is that of key group 4 j + ck and
+    # the query's pair, and its key within the group is 2 c + e. Each thread holds queries lane / 4 (and + 8), key
+    # pairs 2 c + e with c = lane % 4, all 16 groups; warps take 16 queries each. Bases in the accumulator's
+    # register order (no conversion).
     _ROWS5 = gl.constexpr(gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 0, 0, 1], [8, 0, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0], [0, 1, 0, 0, 0],
                    [0, 2, 0, 0, 0]],
@@ -141,48 +163,60 @@ if HAVE_GLUON:
         block_bases=[],
         shape=[64, 4, 4, 4, 2],
     ))
-    # The packed words (r, ck), byte j of word ck holding group 4 j + ck: every lane of a quad holds its queries' 8.
+    # The packed words (r, ck), word ck holding groups 4 j + ck: every lane of a quad holds its queries' 8.
     # (Sliced so that the lane's axis c comes back first: :func:`row_dropped_signs` shifts each word once per lane.)
     _ROW_WORDS = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(1, gl.SliceLayout(4, _ROWS5.value))))
-    # Where they are made: lane c of a quad makes the words of groups 4 j + c, for its two queries.
+    # Where they are made, (pair, e, ck): lane c of a quad makes the words of groups 4 j + c for its pair of queries
+    # 2 pair + e, both in its registers.
     _ROW_MAKE = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
-        block_bases=[], shape=[64, 4]))
+        reg_bases=[[0, 1, 0]], lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[8, 0, 0], [16, 0, 0]], block_bases=[], shape=[32, 2, 4]))
 
     @gluon.jit
     def row_keep_words(seed, offset_lo, threshold, bh, i0, j0, FRESH_KEYS: gl.constexpr):
-        """The packed keep bits of a ``[64 queries, 128 keys]`` forward tile: query rows ``i0 + ..``, keys ``j0 + ..``
-        (j0 a multiple of 8), stream ``bh`` (arguments as :func:`keep_words`). Each thread makes 8 Philox calls; every
-        lane gets its two queries' 8 words (8 registers); :func:`row_dropped_signs` unpacks them."""
-        threshold = gl.to_tensor(threshold).to(gl.uint32, bitcast=True)  # (1 arrives as a constant: keep_words)
-        threshold_hi = threshold << 16
+        """The packed drop bits of a ``[64 queries, 128 keys]`` forward tile: query rows ``i0 + ..`` (i0 even), keys
+        ``j0 + ..`` (j0 a multiple of 8), stream ``bh`` (arguments as :func:`keep_words`). Each thread makes 4 Philox
+        calls; every lane gets its two queries' 8 words (8 registers); :func:`row_dropped_signs` unpacks them."""
+        thresholds, thresholds_low7 = _thresholds(threshold)
         k0, k1 = _key(seed, i0, FRESH_KEYS)
-        r = gl.arange(0, 64, layout=gl.SliceLayout(1, _ROW_MAKE))[:, None]
-        ck = gl.arange(0, 4, layout=gl.SliceLayout(0, _ROW_MAKE))[None, :]
-        row = (i0 + r + ck * 0).to(gl.uint32, bitcast=True)
-        words = gl.zeros([64, 4], gl.uint32, layout=_ROW_MAKE)
-        for j in gl.static_range(4):
-            group = (j0 // 8 + 4 * j + ck + r * 0).to(gl.uint32, bitcast=True)
-            w0, w1, w2, w3 = _philox(row, group, bh.to(gl.uint32, bitcast=True), offset_lo.to(gl.uint32, bitcast=True),
-                                     k0, k1)
-            words |= _keep_byte(w0, w1, w2, w3, threshold, threshold_hi) << (8 * j)
+        calls: gl.constexpr = gl.SliceLayout(1, _ROW_MAKE)
+        pair = gl.arange(0, 32, layout=gl.SliceLayout(1, calls))[:, None]
+        ck = gl.arange(0, 4, layout=gl.SliceLayout(0, calls))[None, :]
+        counter = (i0 // 2 + pair + ck * 0).to(gl.uint32, bitcast=True)
+        bh = bh.to(gl.uint32, bitcast=True)
+        offset_lo = offset_lo.to(gl.uint32, bitcast=True)
+        group = (j0 // 8 + ck + pair * 0).to(gl.uint32, bitcast=True)
+        bits0 = _call_bits(counter, group, bh, offset_lo, k0, k1, thresholds, thresholds_low7)
+        bits1 = _call_bits(counter, group + 4, bh, offset_lo, k0, k1, thresholds, thresholds_low7)
+        bits2 = _call_bits(counter, group + 8, bh, offset_lo, k0, k1, thresholds, thresholds_low7)
+        bits3 = _call_bits(counter, group + 12, bh, offset_lo, k0, k1, thresholds, thresholds_low7)
+        # Bit 16 e + 8 t2 + 7 - w of group 4 j + ck's call is query e, key 4 t2 + w of the group. Groups j = 1, 3
+        # go 4 lower (between j = 0's and 2's bits), then j = 2, 3 into the high half of query e's word.
+        low = bits0 | (bits1 >> 4)
+        high = bits2 | (bits3 >> 4)
+        even = gl.expand_dims((low & 0xFFFF) | (high << 16), 1)
+        odd = gl.expand_dims((low >> 16) | (high & 0xFFFF0000), 1)
+        e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, _ROW_MAKE)))[None, :, None]
+        words = gl.reshape(gl.where(e == 0, even, odd), [64, 4])
         return gl.convert_layout(words, _ROW_WORDS)
 
     @gluon.jit
     def row_dropped_signs(words, layout: gl.constexpr):
         """``[64 queries, 128 keys]`` uint32 in ``layout`` (a 4-warp wgmma accumulator of instr_shape [16, 128, 16]):
         the float sign bit (``0x80000000``) where the weight is dropped, 0 where it is kept, from
-        :func:`row_keep_words`. Each word is shifted once per lane (bit 2 c + e of byte j is key 32 j + 8 ck + 2 c +
-        e's), then each element takes its bit with a constant shift."""
+        :func:`row_keep_words`. Key 32 j + 8 ck + 2 c + e is bit 16 (j >> 1) - 4 (j & 1) + 8 (c >> 1) + 7 - 2 (c & 1)
+        - e of word ck: each word is shifted once per lane (by c's part), then each element takes its bit with a
+        constant shift."""
         c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(1, gl.SliceLayout(
             4, _ROWS5)))))[None, None, :]
         j = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
             4, _ROWS5)))))[None, :, None, None, None]
         e = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, _ROWS5)))))[None, None, None, None, :]
-        lane_words = gl.expand_dims(words, 2) >> (2 * c).to(gl.uint32)
-        dropped = ~gl.expand_dims(gl.expand_dims(lane_words, 1), 4)
-        signs = (dropped << (31 - 8 * j - e).to(gl.uint32)) & 0x80000000
+        # Down by 8 (c >> 1) + 2 - 2 (c & 1) per lane leaves the bit at 16 (j >> 1) - 4 (j & 1) + 5 - e.
+        lane_words = gl.expand_dims(words, 2) >> (8 * (c >> 1) + 2 - 2 * (c & 1)).to(gl.uint32)
+        lane_words = gl.expand_dims(gl.expand_dims(lane_words, 1), 4)
+        signs = (lane_words << (26 - 16 * (j >> 1) + 4 * (j & 1) + e).to(gl.uint32)) & 0x80000000
         signs = gl.reshape(signs.broadcast_to([64, 4, 4, 4, 2]), [64, 128])
         return gl.convert_layout(signs, layout, assert_trivial=True)
 

@@ -34,7 +34,7 @@ TMA store where a warpgroup's 64 rows lie in the sequence, by masked stores at i
 raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
 ``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
 
-Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluon/dropout.py``: 8 Philox calls per
+Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluon/dropout.py``: 4 Philox calls per
 thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 

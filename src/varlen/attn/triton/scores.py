@@ -21,11 +21,12 @@ import collections
 import torch
 
 from ..._triton import tl, triton
-from ..dropout import dropout_keep_scale, dropout_threshold
+from ..dropout import PHILOX_ROUNDS, dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+_PHILOX_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
 # Runtime values (host bundles); placeholders where a modifier is off. Strides are fields of their own, not a
 # nested tuple: Triton 3.6 loses the value of a stride specialized to 1 two tuples deep.
@@ -211,16 +212,21 @@ def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     """``[BLOCK_M, BLOCK_N]`` dropout keep bits of queries ``m0 + i`` and keys ``n0 + j`` (n0 a multiple
     of 8; rows counted from ``d.row0``): the definition in ``varlen.attn.dropout``.
 
-    One Philox call per query and 8 keys gives four 32-bit words, that is eight 16-bit numbers, laid
-    out so that key ``8 g + t`` takes word ``t >> 1``, half ``t & 1``.
+    One Philox4x32-7 call per pair of query rows and 8 keys gives four 32-bit words, sixteen bytes:
+    row ``2 p + e``, key ``8 g + 4 t2 + w`` takes byte ``2 e + t2`` of word ``w``. Each row makes its pair's
+    call here (rows may start at an odd ``d.row0``), keeping its own half of the bytes: 7 rounds per 8 weights
+    where the earlier draw took 10 (the Gluon kernels make each call once).
     """
     G: tl.constexpr = BLOCK_N // 8
     i = d.row0 + m0 + tl.arange(0, BLOCK_M)[:, None]
     g = n0 // 8 + tl.arange(0, G)[None, :]
     zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
-    r0, r1, r2, r3 = tl.philox(d.seed, i + zero, g + zero, d.bh + zero, d.offset_lo + zero)
-    # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c: flattening the last two dims orders
-    # the words 0..3; the halves then go innermost.
-    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
-    halves = tl.join(words & 0xFFFF, words >> 16)
-    return tl.reshape(halves, [BLOCK_M, BLOCK_N]) >= d.threshold
+    pair = i.to(tl.uint32, bitcast=True) >> 1  # (rows past 2**31, from a query offset, are uint32 too)
+    r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
+                               n_rounds=_PHILOX_ROUNDS)
+    # The row's two bytes of each word (byte 2 e + t2): e = i & 1 picks the half.
+    half = (16 * (i & 1)).to(tl.uint32)
+    # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c (w, innermost of the key); t2 goes outside it.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3)) >> half[:, :, None, None]
+    bytes = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # [.., a, c, t2]
+    return tl.reshape(tl.permute(bytes, (0, 1, 4, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
