@@ -162,7 +162,7 @@ def test_expected_output_is_unbiased_near_one(backend, device):
     k = torch.randn(B, S, H, 16, device=device)
     v = torch.ones(B, S, H, 16, device=device)
     out = varlen.attention(q, k, v, dropout_p=0.99999, backend=backend)
-    assert abs(out[..., 0].double().mean().item() - 1) < 0.2
+    assert abs(out[..., 0].double().mean().item() - 1) < 0.02  # 7 standard deviations
 
 
 def _correlation(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -181,7 +181,7 @@ def test_masks_are_independent(device):
         "heads far apart": (mask[:, 0], mask[:, 3]),
         "batches": (mask[0], mask[1]),
         "neighbouring keys (one Philox call, another word)": (mask[..., 0::2], mask[..., 1::2]),
-        "keys 4 apart (one word, another byte)": (mask[..., 0:92], mask[..., 4:96]),
+        "keys 4 apart (the same word's other byte, or the next call)": (mask[..., 0:92], mask[..., 4:96]),
         "neighbouring key groups": (mask[..., 0:88], mask[..., 8:96]),
         "rows of one call (another byte)": (mask[:, :, 0::2], mask[:, :, 1::2]),
         "rows of neighbouring calls": (mask[:, :, 1:-1:2], mask[:, :, 2::2]),
