@@ -82,8 +82,8 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     c2) by 32-bit constants; their 64-bit products are taken from int64 multiplies, which wrap modulo 2**64 and so
     keep every bit (the high word is the arithmetic shift by 32, masked). After the first round, which runs on the
     counters' own broadcast shapes, the two multiplied words share one tensor ``x`` and their partners (c1 beside
-    c0, c3 beside c2) one tensor ``y``: a round is one multiply, one shift, two XORs (the partners, then the key
-    words; each as two half-tensor ops) and one mask over both. A round swaps which multiplied word sits first, so
+    c0, c3 beside c2) one tensor ``y``: a round is one multiply, one shift, two XORs (the partners, flipped, then
+    the round's key words from one table) and one mask over both. A round swaps which multiplied word sits first, so
     the multipliers and key words alternate with it. The known-answer and Triton tests check it bit for bit.
     """
     like = next(t for t in (*counter, *key) if isinstance(t, torch.Tensor))
@@ -102,19 +102,20 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     shape = torch.broadcast_shapes(*(t.shape for t in (*x, *y)))
     x = torch.stack([t.expand(shape) for t in x])
     y = torch.stack([t.expand(shape) for t in y])
-    # While x holds (c2, c0) its multipliers are (B, A); while it holds (c0, c2), (A, B).
-    multipliers = [torch.tensor(pair, dtype=torch.int64, device=like.device).view((2,) + (1,) * len(shape))
-                   for pair in ((_ROUND_B, _ROUND_A), (_ROUND_A, _ROUND_B))]
+    # While x holds (c2, c0) its multipliers are (B, A) and its key words (k0, k1); while it holds (c0, c2), (A, B)
+    # and (k1, k0). One table of the rounds' key words (a single copy to the device).
+    ones = (1,) * len(shape)
+    multipliers = torch.tensor([(_ROUND_B, _ROUND_A), (_ROUND_A, _ROUND_B)], dtype=torch.int64,
+                               device=like.device).view((2, 2) + ones)
+    round_keys = [((k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32) for r in range(1, rounds)]
+    round_keys = torch.tensor([pair if r % 2 == 1 else pair[::-1] for r, pair in enumerate(round_keys, 1)],
+                              dtype=torch.int64, device=like.device).view((rounds - 1, 2) + ones)
     for r in range(1, rounds):
-        swapped = r % 2 == 1  # x holds (c2, c0), y (c3, c1); else (c0, c2) and (c1, c3)
-        k0_r, k1_r = (k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32
-        products = x * multipliers[0 if swapped else 1]
+        products = x * multipliers[0 if r % 2 == 1 else 1]
         x = products >> 32
         # new c0 = hi(c2) ^ c1 ^ k0 and new c2 = hi(c0) ^ c3 ^ k1: each high word meets the other pair's partner.
-        x[0] ^= y[1]
-        x[1] ^= y[0]
-        x[0] ^= k0_r if swapped else k1_r
-        x[1] ^= k1_r if swapped else k0_r
+        x ^= y.flip(0)
+        x ^= round_keys[r - 1]
         x &= _U32
         y = products
     y = y & _U32
@@ -156,15 +157,18 @@ def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[
     octets = words.view(torch.uint8).unflatten(-1, (4, 4))
     if sys.byteorder == "big":
         octets = octets.flip(-1)
-    # Byte 2 * e + t2 of word w is row 2 * pair + e, key 8 * group + 4 * t2 + w.
-    keep = (octets >= dropout_threshold(dropout_p)).unflatten(-1, (2, 2))  # (batch, heads, calls, groups, w, e, t2)
+    # Byte 2 e + t2 of word w is row 2 pair + e, key 8 group + 4 t2 + w: each byte compared where it lands in
+    # (batch, heads, calls, e, groups, t2, w), whose flattening is (rows, keys) (a permutation of the compared
+    # bytes instead, with w innermost moving out, took 40x a contiguous copy's time).
+    threshold = dropout_threshold(dropout_p)
+    keep = torch.stack([torch.stack([octets[..., 2 * e + t2] >= threshold for t2 in (0, 1)], dim=-2)
+                        for e in (0, 1)], dim=3)
     if rows_abs is None:
-        keep = keep.permute(0, 1, 2, 5, 3, 6, 4).flatten(-3).flatten(2, 3)  # rows 2 * pair + e, keys 8 g + 4 t2 + w
         start = i0 - 2 * first_pair
-        keep = keep[:, :, start:start + i1 - i0]
+        keep = keep.flatten(-3).flatten(2, 3)[:, :, start:start + i1 - i0]
     else:
         odd = (rows_abs & 1).bool().view(*rows_abs.shape, 1, 1)  # (batch, 1, rows, 1, 1, 1)
-        keep = torch.where(odd, keep[..., 1, :], keep[..., 0, :]).transpose(-1, -2).flatten(-3)
+        keep = torch.where(odd, keep[:, :, :, 1], keep[:, :, :, 0]).flatten(-3)
     return keep[..., :max_k]
 
 
