@@ -27,7 +27,8 @@ its defaults and conventions (those of the flash-attn 2.7 / 2.8 releases):
   not differentiable: for tests and debugging at small sizes.
 - ``flash_attn.bert_padding``'s ``unpad_input`` / ``pad_input`` are ``varlen.bert_padding``'s.
 
-Differences from flash-attn: dropout draws another random stream (same distribution and scaling); a
+Differences from flash-attn: dropout draws other bits (Philox4x32-7 and 8-bit thresholds as flash-attn, kept
+weights scaled by the inverse of the exact keep rate, 256 / (256 - t), where flash-attn uses 1 / (1 - p)); a
 query that sees no key gets lse ``-inf`` (flash-attn gives ``+inf``), output 0 in both; the lse is
 differentiable; fp32/fp64 inputs and any head dim work. ``cu_seqlens`` and ``max_seqlen`` on a GPU are
 trusted without a device-to-host check, as in flash-attn, but wrong ones never make a kernel touch memory

@@ -70,7 +70,7 @@ def attention(
         softcap: when > 0, scores become ``softcap * tanh(s / softcap)`` before bias and masking.
         dropout_p: probability of dropping an attention weight (training); the kept ones are scaled by ``1 / (1 -
             dropout_p)`` (dropout_p rounded to a multiple of 2**-8, as FlashAttention 2 draws it: 0.1 drops 26 /
-            256, and below 1/512 nothing; see ``varlen.attn.dropout``). The mask is a function of a seed and offset
+            256, and up to 1/512 nothing; see ``varlen.attn.dropout``). The mask is a function of a seed and offset
             drawn from ``generator`` (torch's default when None): the same generator state gives the same mask, and
             the backward replays it. Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when

@@ -23,7 +23,7 @@ These are FlashAttention 2's parameters (Philox4x32-7, 8-bit thresholds, one cal
 layout: its masks are other bits. Random123 finds 7 rounds Crush-resistant (TestU01's BigCrush passes). In the
 Gluon kernels the draw takes about a third of the integer work of the earlier 10-round, 16-bit, 8-weights-per-call
 one, which is what bounded the dropout backward on Hopper (``bench/NOTES.md``, "FlashAttention 2's draw"). A p
-below 1/512 rounds to 0: nothing is dropped.
+up to 1/512 rounds to 0: nothing is dropped.
 
 In Triton this is ``tl.philox(seed ^ ((offset >> 32) << 32), i >> 1, j >> 3, b * H + h, offset & 0xFFFFFFFF,
 n_rounds=7)`` (which keys Philox with the seed's low and high words). The Triton kernels and the Gluon forward
@@ -71,7 +71,7 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
     Args:
         counter: four int64 tensors or Python ints with values in ``[0, 2**32)``, at least one a tensor.
-        key: two int64 tensors or Python ints with values in ``[0, 2**32)``.
+        key: two Python ints (or one-element int64 tensors, read on the host) with values in ``[0, 2**32)``.
         rounds: 7 for the mask's Philox4x32-7, 10 for Random123's default Philox4x32-10.
 
     Returns:
@@ -103,7 +103,7 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     x = torch.stack([t.expand(shape) for t in x])
     y = torch.stack([t.expand(shape) for t in y])
     # While x holds (c2, c0) its multipliers are (B, A) and its key words (k0, k1); while it holds (c0, c2), (A, B)
-    # and (k1, k0). One table of the rounds' key words (a single copy to the device).
+    # and (k1, k0). One table of the rounds' key words, made from the keys' values (one copy to the device).
     ones = (1,) * len(shape)
     multipliers = torch.tensor([(_ROUND_B, _ROUND_A), (_ROUND_A, _ROUND_B)], dtype=torch.int64,
                                device=like.device).view((2, 2) + ones)
