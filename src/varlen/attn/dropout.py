@@ -151,7 +151,7 @@ def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[
     out = philox4x32((c0, c1, c2, c3), (k0, k1))
     # The words' low 32 bits side by side, (batch, heads, calls, groups, 4), and their bytes as a uint8 view (no
     # shifts): byte b of word w at 4 w + b.
-    words = torch.empty((*torch.broadcast_shapes(*(w.shape for w in out)), 4), dtype=torch.int32, device=out[0].device)
+    words = torch.empty((*out[0].shape, 4), dtype=torch.int32, device=out[0].device)  # (the four share a shape)
     for w, word in enumerate(out):
         words[..., w] = word
     octets = words.view(torch.uint8).unflatten(-1, (4, 4))

@@ -123,12 +123,13 @@ if HAVE_GLUON:
         group = ((j0 // 8 + g) + n2 * 0 + c * 0).to(gl.uint32, bitcast=True)
         # The thread's queries 16 n2 + 2 c + 8 nlo + e: the pairs (i0 + 16 n2 + 2 c) / 2 + 4 nlo.
         first_pair = i0 // 2 + 8 * n2 + c + g * 0
+        bh = bh.to(gl.uint32, bitcast=True)
+        offset_lo = offset_lo.to(gl.uint32, bitcast=True)
         words = gl.zeros([8, 4, 4], gl.uint32, layout=_MAKE)
         for nlo in gl.static_range(2):
             pair = (first_pair + 4 * nlo).to(gl.uint32, bitcast=True)
             # Bit 16 e + 8 t2 + 7 - w - 4 nlo: query 8 nlo + e, key 4 t2 + w of the group.
-            words |= _call_bits(pair, group, bh.to(gl.uint32, bitcast=True), offset_lo.to(gl.uint32, bitcast=True),
-                                k0, k1, thresholds, thresholds_low7) >> (4 * nlo)
+            words |= _call_bits(pair, group, bh, offset_lo, k0, k1, thresholds, thresholds_low7) >> (4 * nlo)
         return gl.convert_layout(words, _WORDS)
 
     @gluon.jit
