@@ -52,7 +52,8 @@ def test_ragged_softmax_matches_reference(backend, dtype, inner, device, poison_
 
 
 # Forced plans: the split path with chunks, row loops and column edges inside a tile; the cooperative path
-# with one tile per sequence (the interpreter runs it: nobody waits) and, on the GPU, with many.
+# with one tile per sequence (the interpreter runs it: nobody waits) and, on the GPU, with many. The cooperative
+# forward that reads its chunks twice (chunk_rows > block_t): REREAD_PLANS.
 PLANS = [softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=64),
          softmax_ops.SoftmaxPlan(block_t=4, block_f=4, chunk_rows=8),
          softmax_ops.SoftmaxPlan(block_t=512, block_f=1, chunk_rows=None),
@@ -60,6 +61,14 @@ PLANS = [softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=64),
          pytest.param(softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=16, cooperative=True),
                       marks=pytest.mark.gpu_only)]
 PLAN_IDS = ["split-64", "split-8", "single-narrow", "cooperative-one-tile", "cooperative-16"]
+
+
+REREAD_PLANS = [softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=512, cooperative=True),
+                pytest.param(softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=64, cooperative=True),
+                             marks=pytest.mark.gpu_only),
+                pytest.param(softmax_ops.SoftmaxPlan(block_t=4, block_f=4, chunk_rows=8, cooperative=True),
+                             marks=pytest.mark.gpu_only)]
+REREAD_IDS = ["reread-one-chunk", "reread-64", "reread-8"]
 
 
 @pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
@@ -76,6 +85,19 @@ def test_plans_match_reference(plan, device, poison_empty):
     assert_close(dx.view_as(values), ref_dx)
 
 
+@pytest.mark.parametrize("plan", REREAD_PLANS, ids=REREAD_IDS)
+def test_reread_plans_match_reference(plan, device, poison_empty):
+    """The forward only: the backward holds its chunk (a re-reading plan is refused there)."""
+    lengths = [0, 1, 17, 300, 40, 0] if plan.block_t > 4 else [0, 1, 17, 30, 0]
+    x = random_jagged(lengths, (3,), dtype=torch.float64, device=device)
+    values = 30 * x.values  # large logits: the max shift matters
+    cols = values.reshape(x.total, -1)
+    y = softmax_ops.softmax_fwd_triton(cols, x.offsets, x.max_len, plan)
+    assert_close(y.view_as(values), reference(values, lengths)[0])
+    with pytest.raises(ValueError, match="plan: the cooperative backward holds its chunk in one tile"):
+        softmax_ops.softmax_bwd_triton(y, torch.ones_like(y), x.offsets, x.max_len, plan)
+
+
 def test_automatic_plan_choice(device):
     # Interpreter / small: one tile per sequence. Too long for one tile: cooperative on a GPU while a sequence
     # has at most half as many tiles as there are SMs, else split (chunks on a GPU).
@@ -90,7 +112,10 @@ def test_automatic_plan_choice(device):
             assert plan.block_t * plan.block_f * elem_size * inputs == softmax_ops.COOPERATIVE_TILE_BYTES
             assert plan.chunk_rows == plan.block_t
             assert -(-4096 // plan.block_t) <= softmax_ops.cooperative_max_chunks(device)
-    assert not softmax_ops.softmax_plan(64, 4096, 1024, 2, device).cooperative  # 16-bit forward: split is faster
+    plan = softmax_ops.softmax_plan(64, 4096, 1024, 2, device)  # 16-bit forward: chunks read twice
+    assert plan.cooperative == ON_GPU
+    if ON_GPU:
+        assert (plan.chunk_rows, plan.block_t) == (softmax_ops.REREAD_CHUNK_ROWS, softmax_ops.REREAD_BLOCK_T)
 
 
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
@@ -148,7 +173,7 @@ def test_infinities(backend, device):
     assert_close(y, ref)
 
 
-@pytest.mark.parametrize("plan", PLANS[:2], ids=["split-64", "split-8"])
+@pytest.mark.parametrize("plan", PLANS[:2] + REREAD_PLANS, ids=["split-64", "split-8"] + REREAD_IDS)
 def test_infinities_split_plans(plan, device):
     """-inf across chunks and tile rows: slots that see only -inf, columns whose max arrives late, and a
     column of -inf only (NaN, as torch.softmax)."""
@@ -225,8 +250,8 @@ def test_bad_inputs(device):
                          ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
-    """Single tile, cooperative (float32, and 16-bit backward: up to 8K-16K rows), split across many programs
-    (a few long sequences), and one very long sequence."""
+    """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows; 16-bit forward, chunks read
+    twice: up to 33K rows), split across many programs (a few long sequences), and one very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)

@@ -4,8 +4,8 @@
     python tools/compile_check.py --verbose tools/jagged_variants.py
 
 Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
-``cooperative`` path (float32 forward and every backward; the 16-bit forward takes ``split`` there) and the
-``split`` path, 1024 columns as ``bench/jagged_ops.py``. The plans are those of a 132-SM GPU
+``cooperative`` path (tiles held in registers: float32 forward and every backward; chunks read twice: the 16-bit
+forward) and the ``split`` path, 1024 columns as ``bench/jagged_ops.py``. The plans are those of a 132-SM GPU
 (``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
 """
 

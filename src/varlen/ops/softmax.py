@@ -15,15 +15,17 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
   The input is read twice, so this path can reach at most 2/3 (forward) or 3/5 (backward) of copy
   bandwidth; the second kernel runs its programs in reverse order so its first reads hit the chunks
   still in L2. Chunks are sized so that a few long sequences still fill every SM.
-* ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` tiles): one program
-  per (sequence, tile of rows, column block) keeps its tile in registers, publishes the tile's statistics,
-  waits until every tile of its (sequence, column block) has published, combines them in tile order and
-  writes its tile: each input read once, as ``single`` (float32 forward and every backward; the 16-bit
-  forward ran slower this way than split, see :func:`_cooperative_plan`). Programs take their
-  tiles in the order they start (a claim counter), a sequence's tiles one after another, so the tiles a
-  program waits for are held by programs already running or about to start; it never waits for one that
-  can't start while the GPU holds at least as many programs as a sequence has tiles (the bound). The
-  interpreter runs programs one at a time, where a wait never ends: it takes ``split`` instead.
+* ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` chunks): one program
+  per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
+  until every chunk of its (sequence, column block) has published, combines them in chunk order and
+  writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile), so
+  each input is read once, as ``single``; the 16-bit forward reads its chunk again for the write, moments
+  after the first read, from L2 (held in registers, it ran slower than split: see
+  :func:`_cooperative_plan`). Programs take their chunks in the order they start
+  (a claim counter), a sequence's chunks one after another, so the chunks a program waits for are held
+  by programs already running or about to start; it never waits for one that can't start while the GPU
+  holds at least as many programs as a sequence has chunks (the bound). The interpreter runs programs one
+  at a time, where a wait never ends: it takes ``split`` instead.
 
 Over an inner dim, each row of ``values`` is independent: ``torch.softmax`` on ``values``, with its
 own fused backward.
@@ -75,19 +77,13 @@ def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr,
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
-def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
-                          stride_xr, stride_xc,
-                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
-    # Online max and sum of exponentials of one chunk of one sequence, per column. Each (row, column) slot of
-    # the tile keeps its own running max and sum, so the loop does no cross-thread reduction (a reduction
-    # over rows crosses warps: shared memory and a barrier per tile); the rows are combined once, after it.
-    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
-        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
-    if lo >= length:
-        return
-    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
-    col_ok = cols < n_cols
+@triton.jit
+def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
+                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Per column, the max and the sum of exp(x - max) over rows ``[lo, hi)`` of the sequence starting at row
+    ``start``, by online max and sum. Each (row, column) slot of the tile keeps its own running max and sum,
+    so the loop does no cross-thread reduction (a reduction over rows crosses warps: shared memory and a
+    barrier per tile); the rows are combined once, after it."""
     m_slot = tl.full([BLOCK_T, BLOCK_F], float("-inf"), ACC)
     s_slot = tl.zeros([BLOCK_T, BLOCK_F], ACC)
     for t0 in range(lo, hi, BLOCK_T):
@@ -102,7 +98,38 @@ def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunk
         m_slot = m_new
     m = tl.max(m_slot, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(s_slot * tl.exp(m_slot - shift[None, :]), 0)
+    return m, tl.sum(s_slot * tl.exp(m_slot - shift[None, :]), 0)
+
+
+@triton.jit
+def _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr,
+                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    """y = exp(x - m) / s over rows ``[lo, hi)`` of the sequence starting at row ``start``, from the
+    sequence's max ``m`` and sum ``s`` per column."""
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    inv_s = 1.0 / s  # one division per column, not per element
+    for t0 in range(lo, hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        mask = (rows < hi)[:, None] & col_ok[None, :]
+        v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                    other=float("-inf")).to(ACC)
+        out = tl.exp(v - shift[None, :]) * inv_s[None, :]
+        tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
+def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
+                          stride_xr, stride_xc,
+                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+    # The statistics of one chunk of one sequence, per column.
+    b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
+        tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
+    if lo >= length:
+        return
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
+    m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F)
     idx = b_chunk.to(tl.int64) * n_cols + cols
     tl.store(part_max + idx, m, mask=col_ok)
     tl.store(part_sum + idx, s, mask=col_ok)
@@ -132,16 +159,7 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - shift) + s_c * tl.exp(m_c - shift)
         m = m_new
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    inv_s = 1.0 / s  # one division per column, not per element
-    for t0 in range(lo, hi, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = (rows < hi)[:, None] & col_ok[None, :]
-        v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
-                    other=float("-inf")).to(ACC)
-        out = tl.exp(v - shift[None, :]) * inv_s[None, :]
-        tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty),
-                 mask=mask)
+    _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T, BLOCK_F)
 
 
 @triton.jit
@@ -227,6 +245,33 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     factor = tl.where((m == float("-inf")) & (m_all != float("-inf")), 0.0, factor)
     out = p * factor[None, :]
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["total", "n_chunks"])
+def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks,
+                                       n_col_tiles, stride_xr, stride_xc, stride_yr, ACC: tl.constexpr,
+                                       CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                                       SLICE: tl.constexpr):
+    # As _softmax_cooperative_kernel, but the chunk (CHUNK rows, in tiles of BLOCK_T) is read twice instead of
+    # held: statistics, publish, wait, combine, then the write, whose reads of a chunk read moments before come
+    # from L2. The 16-bit forward: every way of holding its tile ran slower than the split path (bench/NOTES.md).
+    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
+                                                                   n_col_tiles, CHUNK)
+    if chunk >= n_live:
+        return
+    lo = chunk.to(tl.int64) * CHUNK
+    hi = tl.minimum(lo + CHUNK, length)
+    cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
+    col_ok = cols < n_cols
+    m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F)
+    first = b.to(tl.int64) * n_chunks
+    idx = (first + chunk) * n_cols + cols
+    tl.store(part_max + idx, m, mask=col_ok)
+    tl.store(part_sum + idx, s, mask=col_ok)
+    _wait_for_group(tickets, group, n_live)
+    m_all, s_all = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+    _write_chunk(x, y, start, lo, hi, cols, col_ok, m_all, s_all, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T,
+                 BLOCK_F)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -328,7 +373,8 @@ class SoftmaxPlan:
 
     ``chunk_rows`` None means the ``single`` path (``block_t`` >= the longest length); otherwise the
     ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``), or with ``cooperative``
-    the ``cooperative`` path, one tile of ``block_t`` rows per program (``chunk_rows == block_t``).
+    the ``cooperative`` path, one chunk per program: held in registers where ``chunk_rows == block_t``,
+    read twice in tiles of ``block_t`` rows where it is a larger multiple (the forward only).
     """
 
     block_t: int
@@ -344,6 +390,10 @@ class SoftmaxPlan:
 COOPERATIVE_TILE_BYTES = 65536
 COOPERATIVE_COLS = 64
 COMBINE_SLICE = 16
+# The 16-bit forward's cooperative chunks, read twice (statistics, then the write) in tiles of 32 rows: the best
+# of an H200 sweep over 128-1024 rows, 16-64-row tiles of 64-128 columns and 4 or 8 warps (bench/NOTES.md).
+REREAD_CHUNK_ROWS = 512
+REREAD_BLOCK_T = 32
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
@@ -356,18 +406,23 @@ def cooperative_max_chunks(device: torch.device) -> int:
 def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
                       device: torch.device) -> SoftmaxPlan | None:
     """Tiles of 64 columns holding 64 KiB of input, 4 warps, where a sequence's tiles fit
-    :func:`cooperative_max_chunks`. None off the GPU or under the interpreter (whose programs run one at a
-    time: a wait would never end), and for the 16-bit forward, which ran at 45% of copy bandwidth this way at
-    best (16K-element tiles; 35% at 64 KiB) against the split path's 52% (H100; float32 forward 77% vs 62%,
-    backward bf16 68% vs 58%, float32 86% vs 60%). The 16-bit backward's tile spills about 300 bytes at 4
-    warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
-    if device.type != "cuda" or interpreter_enabled() or (inputs == 1 and elem_size < 4):
+    :func:`cooperative_max_chunks`; for the 16-bit forward, chunks of ``REREAD_CHUNK_ROWS`` rows read twice in
+    tiles of ``REREAD_BLOCK_T``. None off the GPU or under the interpreter (whose programs run one at a time: a
+    wait would never end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%,
+    backward bf16 68% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
+    elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200
+    (bench/NOTES.md). The 16-bit backward's tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``)
+    and still ran fastest (8 warps: 54%)."""
+    if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
-    block_t = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
-    if cdiv(max_len, block_t) > cooperative_max_chunks(device):
+    if inputs == 1 and elem_size < 4:
+        block_t, chunk_rows = REREAD_BLOCK_T, REREAD_CHUNK_ROWS
+    else:
+        block_t = chunk_rows = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
+    if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
         return None
-    return SoftmaxPlan(block_t, block_f, block_t, 4, cooperative=True)
+    return SoftmaxPlan(block_t, block_f, chunk_rows, 4, cooperative=True)
 
 
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
@@ -431,6 +486,12 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
+    if plan.cooperative and plan.chunk_rows > plan.block_t:
+        _softmax_cooperative_reread_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
+                                                          _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
+                                                          n_col_tiles, x.stride(0), x.stride(1), y.stride(0),
+                                                          CHUNK=plan.chunk_rows, SLICE=COMBINE_SLICE, **tiles)
+        return y
     if plan.cooperative:
         _softmax_cooperative_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
                                                    _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
@@ -454,6 +515,9 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if dx.numel() == 0:
         return dx
     plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2)
+    if plan.cooperative and plan.chunk_rows != plan.block_t:
+        raise ValueError(f"plan: the cooperative backward holds its chunk in one tile (chunk_rows == block_t); got "
+                         f"chunk_rows {plan.chunk_rows} and block_t {plan.block_t}")
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
