@@ -113,9 +113,19 @@ def test_automatic_plan_choice(device):
             assert plan.chunk_rows == plan.block_t
             assert -(-4096 // plan.block_t) <= softmax_ops.cooperative_max_chunks(device)
     plan = softmax_ops.softmax_plan(64, 4096, 1024, 2, device)  # 16-bit forward: chunks read twice
-    assert plan.cooperative == ON_GPU
+    assert plan.cooperative == plan.rereads == ON_GPU
     if ON_GPU:
         assert (plan.chunk_rows, plan.block_t) == (softmax_ops.REREAD_CHUNK_ROWS, softmax_ops.REREAD_BLOCK_T)
+        assert plan.block_f == softmax_ops.COOPERATIVE_COLS
+        # As many chunks as the bound allows, and one row more: split.
+        longest = softmax_ops.cooperative_max_chunks(device) * softmax_ops.REREAD_CHUNK_ROWS
+        assert softmax_ops.softmax_plan(2, longest, 1024, 2, device).rereads
+        assert not softmax_ops.softmax_plan(2, longest + 1, 1024, 2, device).cooperative
+        # Fewer columns than a block: tiles and chunks keep their elements.
+        plan = softmax_ops.softmax_plan(2, 20000, 4, 2, device)
+        assert plan.rereads and plan.block_f == 4
+        assert plan.block_t * plan.block_f == softmax_ops.REREAD_BLOCK_T * softmax_ops.COOPERATIVE_COLS
+        assert plan.chunk_rows * plan.block_f == softmax_ops.REREAD_CHUNK_ROWS * softmax_ops.COOPERATIVE_COLS
 
 
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
@@ -125,7 +135,7 @@ def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypa
     x = random_jagged([3, 20], (2,), dtype=torch.float64, device=device)
     assert not softmax_ops.softmax_plan(64, 4096, 1024, 4, device).cooperative
     plan = softmax_ops.SoftmaxPlan(block_t=16, block_f=2, chunk_rows=16, cooperative=True)
-    with pytest.raises(ValueError, match="plan: the cooperative path's 2 tiles per sequence would wait"):
+    with pytest.raises(ValueError, match="plan: the cooperative path's 2 chunks per sequence would wait"):
         softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, plan)
 
 
@@ -246,12 +256,13 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [0, 1, 17, 1000, 4096, 0], [4096, 12000], [1, 70000]],
-                         ids=str)
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [0, 1, 17, 1000, 4096, 0], [4096, 12000], [33000, 5],
+                                     [1, 70000]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows; 16-bit forward, chunks read
-    twice: up to 33K rows), split across many programs (a few long sequences), and one very long sequence."""
+    twice: up to 33K rows, 33000 near that bound), split across many programs (a few long sequences), and one
+    very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
@@ -259,3 +270,17 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     ref_y, ref_dx = reference(x.values, lengths, g)
     assert_close(y.values, ref_y, dtype)
     assert_close(x.values.grad, ref_dx, dtype)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("inner", [(1,), (3,), (40,)], ids=str)
+def test_gpu_narrow_columns(inner, device, poison_empty):
+    """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements."""
+    lengths = [0, 9000, 12000, 1]
+    x = random_jagged(lengths, inner, dtype=torch.bfloat16, device=device, requires_grad=True)
+    g = torch.randn_like(x.values)
+    y = varlen.softmax(x, 1)
+    y.values.backward(g)
+    ref_y, ref_dx = reference(x.values, lengths, g)
+    assert_close(y.values, ref_y, torch.bfloat16)
+    assert_close(x.values.grad, ref_dx, torch.bfloat16)

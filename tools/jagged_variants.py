@@ -5,7 +5,7 @@
 
 Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
 ``cooperative`` path (tiles held in registers: float32 forward and every backward; chunks read twice: the 16-bit
-forward) and the ``split`` path, 1024 columns as ``bench/jagged_ops.py``. The plans are those of a 132-SM GPU
+forward) and the ``split`` path, 1024 columns as ``bench/jagged_ops.py`` and 3 and 1. The plans are those of a 132-SM GPU
 (``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
 """
 
@@ -20,20 +20,22 @@ softmax = importlib.import_module("varlen.ops.softmax")  # the module, not varle
 # The plans are chosen for an H100; these tensors are CPU ones.
 GPU = torch.device("cuda")
 varlen.tiling.sm_count = softmax.sm_count = lambda device: 132
-N_COLS = 1024
+# The benchmark's width, and narrow ones (blocks of fewer than 64 columns, whose tiles scale their rows).
+WIDTHS = (1024, 3, 1)
 
 
 def main():
     offsets = torch.tensor([0, 100, 4096])
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        x = torch.zeros(4096, N_COLS, dtype=dtype)
-        size = x.element_size()
-        for max_len in (4, 4096, 70000):
-            fwd = softmax.softmax_plan(2, max_len, N_COLS, size, GPU)
-            bwd = softmax.softmax_plan(2, max_len, N_COLS, size, GPU, inputs=2)
-            print(f"{dtype} max_len {max_len}: {fwd}, {bwd}", flush=True)
-            y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
-            softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
+        for n_cols in WIDTHS:
+            x = torch.zeros(4096, n_cols, dtype=dtype)
+            size = x.element_size()
+            for max_len in (4, 4096, 70000):
+                fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU)
+                bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2)
+                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {bwd}", flush=True)
+                y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
+                softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
 
 
 if __name__ == "__main__":

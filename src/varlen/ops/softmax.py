@@ -20,8 +20,7 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
   writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile), so
   each input is read once, as ``single``; the 16-bit forward reads its chunk again for the write, moments
-  after the first read, from L2 (held in registers, it ran slower than split: see
-  :func:`_cooperative_plan`). Programs take their chunks in the order they start
+  after the first read (held in registers, it ran slower than split: see :func:`_cooperative_plan`). Programs take their chunks in the order they start
   (a claim counter), a sequence's chunks one after another, so the chunks a program waits for are held
   by programs already running or about to start; it never waits for one that can't start while the GPU
   holds at least as many programs as a sequence has chunks (the bound). The interpreter runs programs one
@@ -163,24 +162,24 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
 
 
 @triton.jit
-def _claim_tile(tickets, offsets, total, n_chunks, n_col_tiles, BLOCK_T: tl.constexpr):
-    """The tile a cooperative program takes, in the order programs start: the sequence b, the column tile, the
-    group (b, column tile) whose tiles wait for each other, the tile's index in it, the sequence's first row
-    and length, and the number of tiles holding rows (at most ``n_chunks``: a sequence longer than the host's
-    max_len, from wrong offsets, has no tiles past it)."""
+def _claim_chunk(tickets, offsets, total, n_chunks, n_col_tiles, CHUNK_ROWS: tl.constexpr):
+    """The chunk (``CHUNK_ROWS`` rows of one column block) a cooperative program takes, in the order programs
+    start: the sequence b, the column tile, the group (b, column tile) whose chunks wait for each other, the
+    chunk's index in it, the sequence's first row and length, and the number of chunks holding rows (at most
+    ``n_chunks``: a sequence longer than the host's max_len, from wrong offsets, has no chunks past it)."""
     item = tl.atomic_add(tickets, 1)
     chunk = item % n_chunks
     group = item // n_chunks
     b = group // n_col_tiles
     start, length = sequence_rows(offsets, b, total)
-    n_live = tl.minimum(tl.cdiv(length, BLOCK_T), n_chunks).to(tl.int32)
+    n_live = tl.minimum(tl.cdiv(length, CHUNK_ROWS), n_chunks).to(tl.int32)
     return b, group % n_col_tiles, group, chunk, start, length, n_live
 
 
 @triton.jit
 def _wait_for_group(tickets, group, n_live):
-    """Count this tile's statistics as published (after every thread's stores: the barrier), then wait until
-    all ``n_live`` tiles of the group have published theirs."""
+    """Count this chunk's statistics as published (after every thread's stores: the barrier), then wait until
+    all ``n_live`` chunks of the group have published theirs."""
     tl.debug_barrier()
     done = tl.atomic_add(tickets + 1 + group, 1) + 1
     while done < n_live:
@@ -190,10 +189,10 @@ def _wait_for_group(tickets, group, n_live):
 @triton.jit
 def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC: tl.constexpr,
                    BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
-    """The max and sum of exponentials per column of a (sequence, column block) from its ``n_live`` tiles'
-    partials, combined in tile order (so every tile gets the same), ``SLICE`` tiles' partials loaded at once:
-    one load after another per tile would wait out L2's latency ``n_live`` times. Read from L2 (.cg): the
-    other tiles' partials were written by other SMs."""
+    """The max and sum of exponentials per column of a (sequence, column block) from its ``n_live`` chunks'
+    partials, combined in chunk order (so every chunk gets the same), ``SLICE`` chunks' partials loaded at once:
+    one load after another per chunk would wait out L2's latency ``n_live`` times. Read from L2 (.cg): the
+    other chunks' partials were written by other SMs."""
     m = tl.full([BLOCK_F], float("-inf"), ACC)
     s = tl.zeros([BLOCK_F], ACC)
     for c0 in range(0, n_live, SLICE):
@@ -218,7 +217,7 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     # go to the partials, the sequence's are combined from all of them (in tile order: every tile gets the
     # same), then the tile is rescaled per column and written. x is read once and each element takes one exp
     # (taking exp(x - max) again after the wait made the 16-bit tile bound by the exp unit).
-    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
+    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
@@ -250,17 +249,18 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks,
                                        n_col_tiles, stride_xr, stride_xc, stride_yr, ACC: tl.constexpr,
-                                       CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                                       CHUNK_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                                        SLICE: tl.constexpr):
-    # As _softmax_cooperative_kernel, but the chunk (CHUNK rows, in tiles of BLOCK_T) is read twice instead of
-    # held: statistics, publish, wait, combine, then the write, whose reads of a chunk read moments before come
-    # from L2. The 16-bit forward: every way of holding its tile ran slower than the split path (bench/NOTES.md).
-    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
-                                                                   n_col_tiles, CHUNK)
+    # As _softmax_cooperative_kernel, but the chunk (CHUNK_ROWS rows, in tiles of BLOCK_T) is read twice instead of
+    # held: statistics, publish, wait, combine, then the write, which reads the chunk again moments after the
+    # first read (meant to find it in L2; not measured). The 16-bit forward: every way of holding its tile ran
+    # slower than the split path (bench/NOTES.md).
+    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
+                                                                   n_col_tiles, CHUNK_ROWS)
     if chunk >= n_live:
         return
-    lo = chunk.to(tl.int64) * CHUNK
-    hi = tl.minimum(lo + CHUNK, length)
+    lo = chunk.to(tl.int64) * CHUNK_ROWS
+    hi = tl.minimum(lo + CHUNK_ROWS, length)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = cols < n_cols
     m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F)
@@ -340,7 +340,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
                                     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                                     SLICE: tl.constexpr):
     # As _softmax_cooperative_kernel: y and dy of one tile in registers, sum y * dy shared by the sequence's tiles.
-    b, col_tile, group, chunk, start, length, n_live = _claim_tile(tickets, offsets, total, n_chunks,
+    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
@@ -383,6 +383,11 @@ class SoftmaxPlan:
     num_warps: int = 4
     cooperative: bool = False
 
+    @property
+    def rereads(self) -> bool:
+        """Whether a cooperative plan reads its chunks twice (``chunk_rows > block_t``) rather than holding them."""
+        return self.cooperative and self.chunk_rows != self.block_t
+
 
 # Bytes of input one cooperative program holds in registers (its tile of each input), its columns, and how many
 # tiles' partials it loads at once to combine them: the best of an H100 sweep (bench/NOTES.md) over tiles of
@@ -397,7 +402,7 @@ REREAD_BLOCK_T = 32
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
-    """The most tiles one sequence may have on the cooperative path: they wait for each other, so all must run
+    """The most chunks one sequence may have on the cooperative path: they wait for each other, so all must run
     at once. Half the SMs (each holds at least one program), so that two such launches on different streams
     still can't hold every SM with waiting programs."""
     return sm_count(device) // 2
@@ -407,7 +412,8 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
                       device: torch.device) -> SoftmaxPlan | None:
     """Tiles of 64 columns holding 64 KiB of input, 4 warps, where a sequence's tiles fit
     :func:`cooperative_max_chunks`; for the 16-bit forward, chunks of ``REREAD_CHUNK_ROWS`` rows read twice in
-    tiles of ``REREAD_BLOCK_T``. None off the GPU or under the interpreter (whose programs run one at a time: a
+    tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower
+    blocks were not measured). None off the GPU or under the interpreter (whose programs run one at a time: a
     wait would never end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%,
     backward bf16 68% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
     elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200
@@ -417,7 +423,8 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
     if inputs == 1 and elem_size < 4:
-        block_t, chunk_rows = REREAD_BLOCK_T, REREAD_CHUNK_ROWS
+        narrow = COOPERATIVE_COLS // block_f
+        block_t, chunk_rows = REREAD_BLOCK_T * narrow, REREAD_CHUNK_ROWS * narrow
     else:
         block_t = chunk_rows = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
     if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
@@ -456,9 +463,9 @@ def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> t
     n_col_tiles = cdiv(n_cols, plan.block_f)
     n_chunks = 1 if plan.chunk_rows is None else max(1, cdiv(max_len, plan.chunk_rows))
     if plan.cooperative and n_chunks > 1 and interpreter_enabled():
-        raise ValueError(f"plan: the cooperative path's {n_chunks} tiles per sequence would wait for each other "
-                         "forever under Triton's interpreter (it runs one program at a time); use one tile per "
-                         "sequence (block_t >= max_len) or the split path")
+        raise ValueError(f"plan: the cooperative path's {n_chunks} chunks per sequence would wait for each other "
+                         "forever under Triton's interpreter (it runs one program at a time); use one chunk per "
+                         f"sequence (chunk_rows >= max_len {max_len}) or the split path")
     return n_col_tiles, n_chunks, batch * n_chunks * n_col_tiles
 
 
@@ -486,11 +493,11 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
-    if plan.cooperative and plan.chunk_rows > plan.block_t:
+    if plan.rereads:
         _softmax_cooperative_reread_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
                                                           _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
                                                           n_col_tiles, x.stride(0), x.stride(1), y.stride(0),
-                                                          CHUNK=plan.chunk_rows, SLICE=COMBINE_SLICE, **tiles)
+                                                          CHUNK_ROWS=plan.chunk_rows, SLICE=COMBINE_SLICE, **tiles)
         return y
     if plan.cooperative:
         _softmax_cooperative_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
@@ -515,7 +522,7 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if dx.numel() == 0:
         return dx
     plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2)
-    if plan.cooperative and plan.chunk_rows != plan.block_t:
+    if plan.rereads:
         raise ValueError(f"plan: the cooperative backward holds its chunk in one tile (chunk_rows == block_t); got "
                          f"chunk_rows {plan.chunk_rows} and block_t {plan.block_t}")
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
