@@ -106,24 +106,27 @@ def test_keep_mask_matches_triton_philox(seed, offset, device):
 
 
 @triton.jit
-def _keep_tile_kernel(out_ptr, seed, offset_lo, threshold, row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _keep_tile_kernel(out_ptr, seed, offset_lo, threshold, row0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      ODD_ROWS: tl.constexpr):
     """``scores.keep_tile`` of stream 0, rows from ``row0``, keys from ``BLOCK_N * program_id(0)``."""
     d = HeadDropout(seed, offset_lo, threshold, 1.0, 0, row0)
     n0 = BLOCK_N * tl.program_id(0)
-    keep = keep_tile(d, 0, n0, BLOCK_M, BLOCK_N)
+    keep = keep_tile(d, 0, n0, BLOCK_M, BLOCK_N, ODD_ROWS)
     i = tl.arange(0, BLOCK_M)[:, None]
     j = n0 + tl.arange(0, BLOCK_N)[None, :]
     tl.store(out_ptr + i * BLOCK_N * tl.num_programs(0) + j, keep.to(tl.int8))
 
 
-@pytest.mark.parametrize("row0", [0, 1, 7, 2**31 - 9])
-def test_keep_tile_matches_the_mask(row0, device):
-    """The Triton kernels' tile of keep bits, whose rows start at any row (a query offset: odd, or past 2**31, where
-    an int32 row is negative), against the PyTorch mask."""
+@pytest.mark.parametrize("row0, odd_rows", [(0, False), (6, False), (2**31 - 10, False),
+                                            (0, True), (1, True), (7, True), (2**31 - 9, True)])
+def test_keep_tile_matches_the_mask(row0, odd_rows, device):
+    """The Triton kernels' tile of keep bits against the PyTorch mask: rows that start even (one Philox call per
+    pair of rows), and rows that start at any row (``ODD_ROWS``, under a query offset: odd, or past 2**31, where an
+    int32 row is negative)."""
     seed, offset, p, BLOCK_M, BLOCK_N = 0xFEDCBA9876543210, 2**32 + 12, 0.37, 16, 16
     out = torch.full((BLOCK_M, 2 * BLOCK_N), -1, dtype=torch.int8, device=device)
     _keep_tile_kernel[(2,)](out, seed ^ ((offset >> 32) << 32), offset & 0xFFFFFFFF, dropout_threshold(p), row0,
-                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, ODD_ROWS=odd_rows)
     expected = keep_mask_block(seed, offset, 1, 1, (0, BLOCK_M), 2 * BLOCK_N, p, device,
                                row_offset=torch.tensor([row0], device=device))
     assert torch.equal(out.bool(), expected[0, 0])

@@ -125,7 +125,7 @@ def _ds_tile(q, do, lse2, delta, k, v, m0, n0, seq: Seq, m: SeqMask, hs: HeadSco
     p = tl.exp2(s - lse2[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=T.DOT_PRECISION)
     if F.DROPOUT:
-        dp = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), dp * hd.keep_scale, 0.0)
+        dp = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N, F.POSITIONS), dp * hd.keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
     return ds, softcap_grad(ds, t, F)
 
@@ -179,7 +179,7 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
         else:
             dpt = tl.dot(v_parts[0], tl.trans(do_parts[0]), input_precision=T.DOT_PRECISION)
         if F.DROPOUT:
-            keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N))
+            keept = tl.trans(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N, F.POSITIONS))
             pt_kept = tl.where(keept, pt * hd.keep_scale, 0.0)
             dpt = tl.where(keept, dpt * hd.keep_scale, 0.0)
         else:

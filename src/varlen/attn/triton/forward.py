@@ -62,7 +62,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_descs, v_descs, K: Rows, V: Rows, start, end,
             p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if F.DROPOUT:
-            p = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N), p, 0.0)
+            p = tl.where(keep_tile(hd, m0, n0, T.BLOCK_M, T.BLOCK_N, F.POSITIONS), p, 0.0)
         v = load_parts(v_descs, n0, seq.Lk, V.stride_s, T.DV, T.BLOCK_N, T.BLOCK_DV, MASKED, T.TMA, SPLIT)
         if SPLIT:
             acc = acc * alpha[:, None] + dot6(bf16_parts(p), v)

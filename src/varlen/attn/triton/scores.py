@@ -208,25 +208,37 @@ def score_tile(qk, rows, cols, Lq, Lk, m: SeqMask, hs: HeadScores, F: tl.constex
 
 # ------------------------------------------------------------------------------------- dropout
 @triton.jit
-def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ODD_ROWS: tl.constexpr):
     """``[BLOCK_M, BLOCK_N]`` dropout keep bits of queries ``m0 + i`` and keys ``n0 + j`` (n0 a multiple
     of 8; rows counted from ``d.row0``): the definition in ``varlen.attn.dropout``.
 
     One Philox4x32-7 call per pair of query rows and 8 keys gives four 32-bit words, sixteen bytes:
-    row ``2 p + e``, key ``8 g + 4 t2 + w`` takes byte ``2 e + t2`` of word ``w``. Each row makes its pair's
-    call here (rows may start at an odd ``d.row0``), keeping its own half of the bytes: 7 rounds per 8 weights
-    where the earlier draw took 10 (the Gluon kernels make each call once).
+    row ``2 p + e``, key ``8 g + 4 t2 + w`` takes byte ``2 e + t2`` of word ``w``. Where the tile's rows start
+    even (``d.row0 + m0``; ``m0`` is a multiple of the even ``BLOCK_M``), each pair's call is made once and both
+    its rows take their bytes: 7 rounds per 16 weights. ``ODD_ROWS`` (rows counted from a query offset, which may
+    be odd): each row makes its pair's call and keeps its own half of the bytes, 7 rounds per 8 weights.
     """
     G: tl.constexpr = BLOCK_N // 8
-    i = d.row0 + m0 + tl.arange(0, BLOCK_M)[:, None]
     g = n0 // 8 + tl.arange(0, G)[None, :]
-    zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
-    pair = i.to(tl.uint32, bitcast=True) >> 1  # (rows past 2**31, from a query offset, are uint32 too)
-    r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
-                               n_rounds=_PHILOX_ROUNDS)
-    # The row's two bytes of each word (byte 2 e + t2): e = i & 1 picks the half.
-    half = (16 * (i & 1)).to(tl.uint32)
-    # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c (w, innermost of the key); t2 goes outside it.
-    words = tl.join(tl.join(r0, r2), tl.join(r1, r3)) >> half[:, :, None, None]
-    bytes = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # [.., a, c, t2]
-    return tl.reshape(tl.permute(bytes, (0, 1, 4, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
+    if ODD_ROWS:
+        i = d.row0 + m0 + tl.arange(0, BLOCK_M)[:, None]
+        zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
+        pair = i.to(tl.uint32, bitcast=True) >> 1  # (rows past 2**31, from a query offset, are uint32 too)
+        r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
+                                   n_rounds=_PHILOX_ROUNDS)
+        # The row's two bytes of each word (byte 2 e + t2): e = i & 1 picks the half.
+        half = (16 * (i & 1)).to(tl.uint32)
+        # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c (w, innermost of the key); t2 goes outside it.
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3)) >> half[:, :, None, None]
+        bytes = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # [.., a, c, t2]
+        return tl.reshape(tl.permute(bytes, (0, 1, 4, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
+    else:
+        P: tl.constexpr = BLOCK_M // 2
+        pair = ((d.row0 + m0) // 2 + tl.arange(0, P)[:, None]).to(tl.uint32, bitcast=True)
+        zero = tl.zeros([P, G], dtype=tl.int32)
+        r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
+                                   n_rounds=_PHILOX_ROUNDS)
+        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [.., a, c]: word 2a + c, as above
+        halves = tl.join(words, words >> 16)  # [.., a, c, e]: row 2 p + e's half
+        bytes = tl.join(halves & 0xFF, (halves >> 8) & 0xFF)  # [P, G, a, c, e, t2]
+        return tl.reshape(tl.permute(bytes, (0, 4, 1, 5, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
