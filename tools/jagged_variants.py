@@ -5,8 +5,8 @@
 
 Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
 ``cooperative`` path (tiles held in registers: float32 forward and every backward; chunks read twice: the 16-bit
-forward) and the ``split`` path, 1024 columns as ``bench/jagged_ops.py`` and 3 and 1. The plans are those of a 132-SM GPU
-(``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
+forward) and the ``split`` path, at 1024 columns as ``bench/jagged_ops.py`` and at 3 and 1. The plans are those of a
+132-SM GPU (``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
 """
 
 import importlib

@@ -20,11 +20,12 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
   writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile), so
   each input is read once, as ``single``; the 16-bit forward reads its chunk again for the write, moments
-  after the first read (held in registers, it ran slower than split: see :func:`_cooperative_plan`). Programs take their chunks in the order they start
-  (a claim counter), a sequence's chunks one after another, so the chunks a program waits for are held
-  by programs already running or about to start; it never waits for one that can't start while the GPU
-  holds at least as many programs as a sequence has chunks (the bound). The interpreter runs programs one
-  at a time, where a wait never ends: it takes ``split`` instead.
+  after the first read (held in registers, it ran slower than split: see :func:`_cooperative_plan`).
+  Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
+  another, so the chunks a program waits for are held by programs already running or about to start; it
+  never waits for one that can't start while the GPU holds at least as many programs as a sequence has
+  chunks (the bound). The interpreter runs programs one at a time, where a wait never ends: it takes
+  ``split`` instead.
 
 Over an inner dim, each row of ``values`` is independent: ``torch.softmax`` on ``values``, with its
 own fused backward.
