@@ -213,10 +213,11 @@ def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     of 8; rows counted from ``d.row0``): the definition in ``varlen.attn.dropout``.
 
     One Philox4x32-7 call per pair of query rows and 8 keys gives four 32-bit words, sixteen bytes:
-    row ``2 p + e``, key ``8 g + 4 t2 + w`` takes byte ``2 e + t2`` of word ``w``. Where the tile's rows start
-    even (``d.row0 + m0``; ``m0`` is a multiple of the even ``BLOCK_M``), each pair's call is made once and both
-    its rows take their bytes: 7 rounds per 16 weights. ``ODD_ROWS`` (rows counted from a query offset, which may
-    be odd): each row makes its pair's call and keeps its own half of the bytes, 7 rounds per 8 weights.
+    row ``2 p + e``, key ``8 g + 4 t2 + w`` takes byte ``2 e + t2`` of word ``w``. Without ``ODD_ROWS`` the
+    tile's first row ``d.row0 + m0`` must be even (so it is without a query offset: ``row0`` is 0 and ``m0`` a
+    multiple of the even ``BLOCK_M``): each pair's call is made once and both its rows take their bytes, 7 rounds
+    per 16 weights. ``ODD_ROWS`` (rows counted from a query offset, which may be odd): each row makes its pair's
+    call and keeps its own half of the bytes, 7 rounds per 8 weights.
     """
     G: tl.constexpr = BLOCK_N // 8
     g = n0 // 8 + tl.arange(0, G)[None, :]
