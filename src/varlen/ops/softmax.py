@@ -210,6 +210,19 @@ def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC:
     return m, s
 
 
+@triton.jit
+def _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols, col_ok,
+                   ACC: tl.constexpr, BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
+    """Publish this chunk's max and sum of exponentials per column, wait for the other chunks of its group, and
+    return the sequence's (:func:`_group_max_sum`)."""
+    first = b.to(tl.int64) * n_chunks
+    idx = (first + chunk) * n_cols + cols
+    tl.store(part_max + idx, m, mask=col_ok)
+    tl.store(part_sum + idx, s, mask=col_ok)
+    _wait_for_group(tickets, group, n_live)
+    return _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+
+
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                 stride_xr, stride_xc, stride_yr,
@@ -232,12 +245,8 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     # A column with no finite max (all -inf) shifts by 0 so exp never sees -inf - -inf.
     shift = tl.where(m == float("-inf"), 0.0, m)
     p = tl.exp(v - shift[None, :])
-    first = b.to(tl.int64) * n_chunks
-    idx = (first + chunk) * n_cols + cols
-    tl.store(part_max + idx, m, mask=col_ok)
-    tl.store(part_sum + idx, tl.sum(p, 0), mask=col_ok)
-    _wait_for_group(tickets, group, n_live)
-    m_all, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+    m_all, s = _share_max_sum(m, tl.sum(p, 0), part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols,
+                              cols, col_ok, ACC, BLOCK_F, SLICE)
     # exp(x - max) = p * exp(shift - max), one exp and one division per column. A column all -inf in this tile
     # (p = 0) but finite elsewhere gets 0: its factor could overflow. All -inf everywhere keeps 0 * (1 / 0)
     # = NaN, as torch.softmax gives.
@@ -265,12 +274,8 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = cols < n_cols
     m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F)
-    first = b.to(tl.int64) * n_chunks
-    idx = (first + chunk) * n_cols + cols
-    tl.store(part_max + idx, m, mask=col_ok)
-    tl.store(part_sum + idx, s, mask=col_ok)
-    _wait_for_group(tickets, group, n_live)
-    m_all, s_all = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
+    m_all, s_all = _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
+                                  col_ok, ACC, BLOCK_F, SLICE)
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m_all, s_all, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T,
                  BLOCK_F)
 
@@ -494,17 +499,12 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
-    if plan.rereads:
-        _softmax_cooperative_reread_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
-                                                          _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
-                                                          n_col_tiles, x.stride(0), x.stride(1), y.stride(0),
-                                                          CHUNK_ROWS=plan.chunk_rows, SLICE=COMBINE_SLICE, **tiles)
-        return y
     if plan.cooperative:
-        _softmax_cooperative_kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum,
-                                                   _tickets(batch, n_col_tiles, x.device), n_cols, n_chunks,
-                                                   n_col_tiles, x.stride(0), x.stride(1), y.stride(0),
-                                                   SLICE=COMBINE_SLICE, **tiles)
+        kernel, chunk = ((_softmax_cooperative_reread_kernel, dict(CHUNK_ROWS=plan.chunk_rows)) if plan.rereads
+                         else (_softmax_cooperative_kernel, {}))
+        kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum, _tickets(batch, n_col_tiles, x.device), n_cols,
+                              n_chunks, n_col_tiles, x.stride(0), x.stride(1), y.stride(0), SLICE=COMBINE_SLICE,
+                              **chunk, **tiles)
         return y
     _softmax_stats_kernel[(n_programs,)](x, offsets, total, part_max, part_sum, n_cols, n_chunks, plan.chunk_rows,
                                          n_col_tiles, x.stride(0), x.stride(1), **tiles)

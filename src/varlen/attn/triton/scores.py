@@ -223,23 +223,20 @@ def keep_tile(d: HeadDropout, m0, n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     g = n0 // 8 + tl.arange(0, G)[None, :]
     if ODD_ROWS:
         i = d.row0 + m0 + tl.arange(0, BLOCK_M)[:, None]
-        zero = tl.zeros([BLOCK_M, G], dtype=tl.int32)
         pair = i.to(tl.uint32, bitcast=True) >> 1  # (rows past 2**31, from a query offset, are uint32 too)
-        r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
-                                   n_rounds=_PHILOX_ROUNDS)
-        # The row's two bytes of each word (byte 2 e + t2): e = i & 1 picks the half.
-        half = (16 * (i & 1)).to(tl.uint32)
-        # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c (w, innermost of the key); t2 goes outside it.
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3)) >> half[:, :, None, None]
-        bytes = tl.join(words & 0xFF, (words >> 8) & 0xFF)  # [.., a, c, t2]
-        return tl.reshape(tl.permute(bytes, (0, 1, 4, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
     else:
-        P: tl.constexpr = BLOCK_M // 2
-        pair = ((d.row0 + m0) // 2 + tl.arange(0, P)[:, None]).to(tl.uint32, bitcast=True)
-        zero = tl.zeros([P, G], dtype=tl.int32)
-        r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero,
-                                   n_rounds=_PHILOX_ROUNDS)
-        words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [.., a, c]: word 2a + c, as above
-        halves = tl.join(words, words >> 16)  # [.., a, c, e]: row 2 p + e's half
+        pair = ((d.row0 + m0) // 2 + tl.arange(0, BLOCK_M // 2)[:, None]).to(tl.uint32, bitcast=True)
+    zero = tl.zeros([pair.shape[0], G], dtype=tl.int32)
+    r0, r1, r2, r3 = tl.philox(d.seed, pair + zero, g + zero, d.bh + zero, d.offset_lo + zero, n_rounds=_PHILOX_ROUNDS)
+    # join(join(r0, r2), join(r1, r3))[..., a, c] is word 2a + c (w, innermost of the key); t2 goes outside it.
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))
+    if ODD_ROWS:
+        # The row's two bytes of each word (byte 2 e + t2): e = i & 1 picks the half.
+        halves = words >> (16 * (i & 1)).to(tl.uint32)[:, :, None, None]
+        bytes = tl.join(halves & 0xFF, (halves >> 8) & 0xFF)  # [BLOCK_M, G, a, c, t2]
+        bytes = tl.permute(bytes, (0, 1, 4, 2, 3))
+    else:
+        halves = tl.join(words, words >> 16)  # [P, G, a, c, e]: row 2 p + e's half
         bytes = tl.join(halves & 0xFF, (halves >> 8) & 0xFF)  # [P, G, a, c, e, t2]
-        return tl.reshape(tl.permute(bytes, (0, 4, 1, 5, 2, 3)), [BLOCK_M, BLOCK_N]) >= d.threshold
+        bytes = tl.permute(bytes, (0, 4, 1, 5, 2, 3))
+    return tl.reshape(bytes, [BLOCK_M, BLOCK_N]) >= d.threshold
