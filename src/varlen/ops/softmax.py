@@ -79,14 +79,15 @@ def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr,
 
 @triton.jit
 def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
-                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr = None):
     """Per column, the max and the sum of exp(x - max) over rows ``[lo, hi)`` of the sequence starting at row
     ``start``, by online max and sum. Each (row, column) slot of the tile keeps its own running max and sum,
     so the loop does no cross-thread reduction (a reduction over rows crosses warps: shared memory and a
-    barrier per tile); the rows are combined once, after it."""
+    barrier per tile); the rows are combined once, after it. ``STAGES``: tiles loaded ahead by Triton's software
+    pipelining (None: the loop isn't pipelined)."""
     m_slot = tl.full([BLOCK_T, BLOCK_F], float("-inf"), ACC)
     s_slot = tl.zeros([BLOCK_T, BLOCK_F], ACC)
-    for t0 in range(lo, hi, BLOCK_T):
+    for t0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         mask = (rows < hi)[:, None] & col_ok[None, :]
         v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
@@ -102,20 +103,35 @@ def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
 
 
 @triton.jit
+def _write_tile(x, y, start, t0, hi, cols, col_ok, shift, inv_s, stride_xr, stride_xc, stride_yr,
+                ACC: tl.constexpr, BLOCK_T: tl.constexpr):
+    """y = exp(x - shift) * inv_s over rows ``[t0, t0 + BLOCK_T)`` (below ``hi``) of the sequence at ``start``."""
+    rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    mask = (rows < hi)[:, None] & col_ok[None, :]
+    v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
+                other=float("-inf")).to(ACC)
+    out = tl.exp(v - shift[None, :]) * inv_s[None, :]
+    tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr,
-                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr = None,
+                 REVERSE: tl.constexpr = False):
     """y = exp(x - m) / s over rows ``[lo, hi)`` of the sequence starting at row ``start``, from the
-    sequence's max ``m`` and sum ``s`` per column."""
+    sequence's max ``m`` and sum ``s`` per column; ``STAGES`` as :func:`_chunk_stats`'s. ``REVERSE``: the last
+    tile first (a chunk read moments ago: its last tiles are the likeliest still in L2)."""
     shift = tl.where(m == float("-inf"), 0.0, m)
     inv_s = 1.0 / s  # one division per column, not per element
-    for t0 in range(lo, hi, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        mask = (rows < hi)[:, None] & col_ok[None, :]
-        v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
-                    other=float("-inf")).to(ACC)
-        out = tl.exp(v - shift[None, :]) * inv_s[None, :]
-        tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty),
-                 mask=mask)
+    if REVERSE:
+        n_tiles = tl.cdiv(hi - lo, BLOCK_T)
+        for i in tl.range(0, n_tiles, num_stages=STAGES):
+            _write_tile(x, y, start, lo + (n_tiles - 1 - i) * BLOCK_T, hi, cols, col_ok, shift, inv_s, stride_xr,
+                        stride_xc, stride_yr, ACC, BLOCK_T)
+    else:
+        for t0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
+            _write_tile(x, y, start, t0, hi, cols, col_ok, shift, inv_s, stride_xr, stride_xc, stride_yr, ACC,
+                        BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
@@ -260,11 +276,12 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
 def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks,
                                        n_col_tiles, stride_xr, stride_xc, stride_yr, ACC: tl.constexpr,
                                        CHUNK_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-                                       SLICE: tl.constexpr):
+                                       SLICE: tl.constexpr, STAGES: tl.constexpr):
     # As _softmax_cooperative_kernel, but the chunk (CHUNK_ROWS rows, in tiles of BLOCK_T) is read twice instead of
-    # held: statistics, publish, wait, combine, then the write, which reads the chunk again moments after the
-    # first read (meant to find it in L2; not measured). The 16-bit forward: every way of holding its tile ran
-    # slower than the split path (bench/NOTES.md).
+    # held: statistics, publish, wait, combine, then the write, which reads the chunk again, last tile first. Meant
+    # to find the chunk in L2, it mostly doesn't (H100, ncu: DRAM reads 2.06x the input in order, 1.97x reversed;
+    # 256-row chunks 1.1x but slower: bench/NOTES.md). The 16-bit forward: every way of holding its tile ran
+    # slower than the split path.
     b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
                                                                     n_col_tiles, CHUNK_ROWS)
     if chunk >= n_live:
@@ -273,11 +290,11 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     hi = tl.minimum(lo + CHUNK_ROWS, length)
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = cols < n_cols
-    m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F)
+    m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F, STAGES)
     m_all, s_all = _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
                                   col_ok, ACC, BLOCK_F, SLICE)
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m_all, s_all, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T,
-                 BLOCK_F)
+                 BLOCK_F, STAGES, True)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -405,6 +422,9 @@ COMBINE_SLICE = 16
 # of an H200 sweep over 128-1024 rows, 16-64-row tiles of 64-128 columns and 4 or 8 warps (bench/NOTES.md).
 REREAD_CHUNK_ROWS = 512
 REREAD_BLOCK_T = 32
+# Both of its loops pipelined by Triton, 4 tiles deep: H100, 56.7% -> 58.2% of copy against 1 (unpipelined);
+# 3 deep 56.1%, 2 deep lower (bench/NOTES.md).
+REREAD_STAGES = 4
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
@@ -422,9 +442,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     blocks were not measured). None off the GPU or under the interpreter (whose programs run one at a time: a
     wait would never end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%,
     backward bf16 68% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
-    elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200
-    (bench/NOTES.md). The 16-bit backward's tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``)
-    and still ran fastest (8 warps: 54%)."""
+    elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200, and 61%
+    on the H100 with its loops pipelined and the re-read last tile first (bench/NOTES.md). The 16-bit backward's
+    tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
@@ -500,7 +520,8 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
     if plan.cooperative:
-        kernel, chunk = ((_softmax_cooperative_reread_kernel, dict(CHUNK_ROWS=plan.chunk_rows)) if plan.rereads
+        reread = dict(CHUNK_ROWS=plan.chunk_rows, STAGES=REREAD_STAGES)
+        kernel, chunk = ((_softmax_cooperative_reread_kernel, reread) if plan.rereads
                          else (_softmax_cooperative_kernel, {}))
         kernel[(n_programs,)](x, y, offsets, total, part_max, part_sum, _tickets(batch, n_col_tiles, x.device), n_cols,
                               n_chunks, n_col_tiles, x.stride(0), x.stride(1), y.stride(0), SLICE=COMBINE_SLICE,
