@@ -43,7 +43,12 @@ BWD_HEAVY = [BC(K(64, 128, 8, 3, tma=False), None, configs.DQ_TMA),
              BC(K(64, 128, 8, 2, tma=False), None, configs.DQ_TMA),
              BC(K(64, 64, 4, 2), None, configs.DQ_TMA),
              BC(K(64, 64, 4, 3), None, configs.DQ_TMA),
-             BC(K(64, 64, 4, 2), K(64, 64, 4, 2), configs.DQ_SEPARATE)]
+             BC(K(64, 64, 4, 2), K(64, 64, 4, 2), configs.DQ_SEPARATE),
+             BC(K(64, 64, 4, 3), K(64, 64, 4, 2), configs.DQ_SEPARATE),
+             BC(K(64, 128, 8, 2, tma=False), K(64, 64, 4, 2), configs.DQ_SEPARATE),
+             BC(K(128, 64, 8, 2), K(64, 64, 4, 2), configs.DQ_SEPARATE),
+             BC(K(64, 64, 4, 2), K(128, 64, 8, 2), configs.DQ_SEPARATE),
+             BC(K(64, 64, 4, 2), K(64, 128, 4, 2), configs.DQ_SEPARATE)]
 
 
 # float32 tiles: 4-byte operands take twice the shared memory of bf16 ones, and "tf32x3" dots (float32

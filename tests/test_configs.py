@@ -50,9 +50,29 @@ def test_float32_tables_are_the_sweeps_best(precision, D):
     assert q == max(separate, key=separate.get).q
 
 
+@pytest.mark.parametrize("feature", ["bias", "bias1H", "dropout"])
+def test_heavy_tables_are_the_sweeps_best(feature):
+    """The D128 tiles next to a bias (full or broadcast over batches) or dropout are rows of the sweep they cite,
+    within the rows' rounding (1 TFLOP/s) of its best, forward and backward."""
+    rows = [r for r in _rows(configs.HEAVY_SWEEP) if r["feature"] == feature and int(r["D"]) == 128]
+    assert {r["capability"] for r in rows} == {"9.0"}
+    t = configs.SM90
+    for kind in ("fwd", "bwd"):
+        timed = {_config(r["config"]): int(r["tflops"]) for r in rows
+                 if r["kind"] == kind and r["tflops"].lstrip("-").isdigit()}
+        if kind == "fwd":
+            chosen = (t.forward_dropout if feature == "dropout" else t.forward_bias)[128]
+        else:
+            kv, q, mode = (t.backward_dropout if feature == "dropout" else t.backward_bias)[128]
+            # (in-kernel dQ rows were timed without dQ tiles)
+            chosen = configs.BackwardConfig(kv, q if mode == configs.DQ_SEPARATE else None, mode)
+        assert timed[chosen] >= max(timed.values()) - 1
+
+
 def test_sources_are_named_and_other_gpus_fall_back_to_sm90():
     assert (SWEEPS / pathlib.Path(configs.FP32_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.FP32_PARTS_SWEEP).name).exists()
+    assert (SWEEPS / pathlib.Path(configs.HEAVY_SWEEP).name).exists()
     assert "untuned" in configs.UNTUNED and "NOTES.md" in configs.H200_SWEEPS
     assert configs.tables(torch.device("cpu")) is configs.SM90
 

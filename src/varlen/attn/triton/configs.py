@@ -50,6 +50,9 @@ FP32_SWEEP = "bench/results/sweeps/fp32_h100_2026-11-22.csv"
 # float32 at full accuracy, forward and backward, with bf16 parts (splits_bf16): its own sweep, which replaced
 # FP32_SWEEP's "tf32x3" rows (those timed Triton's tf32x3 dots and the backward's earlier 3xTF32 form).
 FP32_PARTS_SWEEP = "bench/results/sweeps/fp32_parts_h100_2026-11-25.csv"
+# The bias and dropout tiles re-swept on an H100 after the bias loads were vectorized and broadcast-bias gradients
+# moved to a heads-last grid (bench/attention_sweep.py --focus heavy, B4 S2048 H16 D128).
+HEAVY_SWEEP = "bench/results/sweeps/heavy_h100_2026-11-26.csv"
 UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
 
 
@@ -82,7 +85,9 @@ class Tables:
     # the largest tiles overflow the 227 KiB of shared memory of sm_90. H200_SWEEPS at B4 S2048 H16 D128 (--focus
     # heavy): a bias runs best with 128x64 forward tiles and a separate dQ kernel (222 TFLOP/s backward vs 156
     # with in-kernel dQ), dropout with 64x64 forward tiles and in-kernel dQ (237 vs 197: the Philox bits are then
-    # drawn once per tile, not twice). D64 and D256 entries: UNTUNED (D128's choice, resized to fit).
+    # drawn once per tile, not twice). HEAVY_SWEEP (H100) kept every D128 choice: backward with a (B,H,S,S) bias
+    # 218 vs 161 in-kernel, (1,H,S,S) 180 vs 142, dropout (the Triton kernel) 246 vs 233 separate. D64 and D256
+    # entries: UNTUNED (D128's choice, resized to fit).
     forward_bias: dict
     forward_dropout: dict
     backward_bias: dict
