@@ -105,13 +105,22 @@ def test_automatic_plan_choice(device):
     assert plan.chunk_rows is None and plan.block_t >= 1000
     plan = softmax_ops.softmax_plan(2, 300_000, 1024, 2, device)
     assert plan.chunk_rows is not None and plan.chunk_rows % plan.block_t == 0 and not plan.cooperative
-    for elem_size, inputs in ((4, 1), (4, 2), (2, 2)):  # float32 forward and backward, 16-bit backward
+    for elem_size, inputs in ((4, 1), (4, 2)):  # float32 forward and backward
         plan = softmax_ops.softmax_plan(64, 4096, 1024, elem_size, device, inputs=inputs)
         assert plan.cooperative == ON_GPU
         if ON_GPU:
             assert plan.block_t * plan.block_f * elem_size * inputs == softmax_ops.COOPERATIVE_TILE_BYTES
             assert plan.chunk_rows == plan.block_t
             assert -(-4096 // plan.block_t) <= softmax_ops.cooperative_max_chunks(device)
+    # 16-bit backward: 128-row tiles while a sequence's fit the bound, then 256-row ones, then split.
+    most = softmax_ops.cooperative_max_chunks(device) if ON_GPU else 1
+    rows = softmax_ops.HELD_16_BLOCK_T
+    for max_len, block_t in ((4096, rows), (most * rows, rows), (most * rows + 1, 2 * rows),
+                             (2 * most * rows, 2 * rows), (2 * most * rows + 1, None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 1024, 2, device, inputs=2)
+        assert plan.cooperative == (ON_GPU and block_t is not None)
+        if plan.cooperative:
+            assert plan.block_t == plan.chunk_rows == block_t and plan.block_f == softmax_ops.COOPERATIVE_COLS
     plan = softmax_ops.softmax_plan(64, 4096, 1024, 2, device)  # 16-bit forward: chunks read twice
     assert plan.cooperative == plan.rereads == ON_GPU
     if ON_GPU:
@@ -260,9 +269,9 @@ def test_bad_inputs(device):
                                      [1, 70000]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
-    """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows; 16-bit forward, chunks read
-    twice: up to 33K rows, 33000 near that bound), split across many programs (a few long sequences), and one
-    very long sequence."""
+    """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows, the 16-bit backward in tiles of
+    128 rows up to 8448 and 256 beyond; 16-bit forward, chunks read twice: up to 33K rows, 33000 near that bound),
+    split across many programs (a few long sequences), and one very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
@@ -274,9 +283,10 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("inner", [(1,), (3,), (40,)], ids=str)
-def test_gpu_narrow_columns(inner, device, poison_empty):
-    """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements."""
-    lengths = [0, 9000, 12000, 1]
+@pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
+def test_gpu_narrow_columns(inner, lengths, device, poison_empty):
+    """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements; the
+    16-bit backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count)."""
     x = random_jagged(lengths, inner, dtype=torch.bfloat16, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)

@@ -18,9 +18,10 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
 * ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` chunks): one program
   per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
-  writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile), so
-  each input is read once, as ``single``; the 16-bit forward reads its chunk again for the write, moments
-  after the first read (held in registers, it ran slower than split: see :func:`_cooperative_plan`).
+  writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile; 16-bit
+  inputs as their own 16-bit values), so each input is read once, as ``single``; the 16-bit forward reads
+  its chunk again for the write, moments after the first read (held in registers, it ran slower than
+  split: see :func:`_cooperative_plan`).
   Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
   another, so the chunks a program waits for are held by programs already running or about to start; it
   never waits for one that can't start while the GPU holds at least as many programs as a sequence has
@@ -357,12 +358,22 @@ def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chu
         tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot)).to(dx.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _opaque(v):
+    """``v`` unchanged, through an instruction the compiler can't see through (a ``mov`` per two 16-bit values): a
+    value computed from it later can't be replaced by the same value computed earlier and kept alive."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+
+
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets, n_cols, n_chunks, n_col_tiles,
                                     stride_yr, stride_dyr, stride_dyc, stride_dxr,
                                     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-                                    SLICE: tl.constexpr):
+                                    SLICE: tl.constexpr, HOLD_16: tl.constexpr):
     # As _softmax_cooperative_kernel: y and dy of one tile in registers, sum y * dy shared by the sequence's tiles.
+    # HOLD_16: 16-bit inputs are held across the wait as their own 16-bit values and converted again after it
+    # (through _opaque, else the compiler keeps the float32 values of the first conversion: twice the registers,
+    # which spilled 300 bytes at 256-row tiles; H100: 68% -> 78% of copy with 128-row tiles, bench/NOTES.md).
     b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
                                                                     n_col_tiles, BLOCK_T)
     if chunk >= n_live:
@@ -371,10 +382,11 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     cols = (col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64))[None, :]
     col_ok = cols < n_cols
     mask = (rows < start + length) & col_ok
-    yv = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0).to(ACC)
-    g = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0).to(ACC)
+    y_held = tl.load(y + rows * stride_yr + cols, mask=mask, other=0.0)
+    g_held = tl.load(dy + rows * stride_dyr + cols * stride_dyc, mask=mask, other=0.0)
     first = b.to(tl.int64) * n_chunks
-    tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(yv * g, 0)[None, :], mask=col_ok)
+    tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(y_held.to(ACC) * g_held.to(ACC), 0)[None, :],
+             mask=col_ok)
     _wait_for_group(tickets, group, n_live)
     # The partials of SLICE tiles at once, added in tile order (as _group_max_sum).
     dot = tl.zeros([1, BLOCK_F], ACC)
@@ -382,7 +394,11 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
         c = (c0 + tl.arange(0, SLICE))[:, None]
         dot += tl.sum(tl.load(part_dot + (first + c) * n_cols + cols, mask=(c < n_live) & col_ok, other=0.0,
                               cache_modifier=".cg"), 0)[None, :]
-    tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot)).to(dx.dtype.element_ty), mask=mask)
+    if HOLD_16:
+        y_held = _opaque(y_held)
+        g_held = _opaque(g_held)
+    yv = y_held.to(ACC)
+    tl.store(dx + rows * stride_dxr + cols, (yv * (g_held.to(ACC) - dot)).to(dx.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -425,6 +441,10 @@ REREAD_BLOCK_T = 32
 # Both of its loops pipelined by Triton, 4 tiles deep: H100, 56.7% -> 58.2% of copy against 1 (unpipelined);
 # 3 deep 56.1%, 2 deep lower (bench/NOTES.md).
 REREAD_STAGES = 4
+# The 16-bit backward holds its tile as the inputs' 16-bit values: 128 rows (32 KiB of input) where a sequence's
+# tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
+# 64 x 64 60% at 4 warps, 71% at 2; sequences of 4K-16K rows, 256 x 64: 73.5%; bench/NOTES.md).
+HELD_16_BLOCK_T = 128
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
@@ -440,17 +460,20 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     :func:`cooperative_max_chunks`; for the 16-bit forward, chunks of ``REREAD_CHUNK_ROWS`` rows read twice in
     tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower
     blocks were not measured). None off the GPU or under the interpreter (whose programs run one at a time: a
-    wait would never end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%,
-    backward bf16 68% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
+    wait would never end); the 16-bit backward, tiles of ``HELD_16_BLOCK_T`` rows (twice that where they would
+    pass the bound). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%, backward bf16
+    78% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
     elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200, and 61%
-    on the H100 with its loops pipelined and the re-read last tile first (bench/NOTES.md). The 16-bit backward's
-    tile spills about 300 bytes at 4 warps (``tools/jagged_variants.py``) and still ran fastest (8 warps: 54%)."""
+    on the H100 with its loops pipelined and the re-read last tile first (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
     if inputs == 1 and elem_size < 4:
         narrow = COOPERATIVE_COLS // block_f
         block_t, chunk_rows = REREAD_BLOCK_T * narrow, REREAD_CHUNK_ROWS * narrow
+    elif elem_size < 4:
+        fits = cdiv(max_len, HELD_16_BLOCK_T) <= cooperative_max_chunks(device)
+        block_t = chunk_rows = HELD_16_BLOCK_T if fits else 2 * HELD_16_BLOCK_T
     else:
         block_t = chunk_rows = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
     if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
@@ -557,10 +580,13 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
     if plan.cooperative:
+        # (The interpreter has no inline assembly; it runs one-tile cooperative plans only, which wait for nothing.)
+        holds_16_bit = y.element_size() == dy.element_size() == 2 and not interpreter_enabled()
         _softmax_bwd_cooperative_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot,
                                                        _tickets(batch, n_col_tiles, y.device), n_cols, n_chunks,
                                                        n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1),
-                                                       dx.stride(0), SLICE=COMBINE_SLICE, **tiles)
+                                                       dx.stride(0), SLICE=COMBINE_SLICE, HOLD_16=holds_16_bit,
+                                                       **tiles)
         return dx
     _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,
                                            n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1), **tiles)
