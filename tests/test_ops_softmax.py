@@ -112,15 +112,6 @@ def test_automatic_plan_choice(device):
             assert plan.block_t * plan.block_f * elem_size * inputs == softmax_ops.COOPERATIVE_TILE_BYTES
             assert plan.chunk_rows == plan.block_t
             assert -(-4096 // plan.block_t) <= softmax_ops.cooperative_max_chunks(device)
-    # 16-bit backward: 128-row tiles while a sequence's fit the bound, then 256-row ones, then split.
-    most = softmax_ops.cooperative_max_chunks(device) if ON_GPU else 1
-    rows = softmax_ops.HELD_16_BLOCK_T
-    for max_len, block_t in ((4096, rows), (most * rows, rows), (most * rows + 1, 2 * rows),
-                             (2 * most * rows, 2 * rows), (2 * most * rows + 1, None)):
-        plan = softmax_ops.softmax_plan(64, max_len, 1024, 2, device, inputs=2)
-        assert plan.cooperative == (ON_GPU and block_t is not None)
-        if plan.cooperative:
-            assert plan.block_t == plan.chunk_rows == block_t and plan.block_f == softmax_ops.COOPERATIVE_COLS
     plan = softmax_ops.softmax_plan(64, 4096, 1024, 2, device)  # 16-bit forward: chunks read twice
     assert plan.cooperative == plan.rereads == ON_GPU
     if ON_GPU:
@@ -135,6 +126,23 @@ def test_automatic_plan_choice(device):
         assert plan.rereads and plan.block_f == 4
         assert plan.block_t * plan.block_f == softmax_ops.REREAD_BLOCK_T * softmax_ops.COOPERATIVE_COLS
         assert plan.chunk_rows * plan.block_f == softmax_ops.REREAD_CHUNK_ROWS * softmax_ops.COOPERATIVE_COLS
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+def test_16_bit_backward_tiles_at_the_bound(sms, monkeypatch):
+    """The 16-bit backward's cooperative tiles: 128 rows while a sequence's fit the bound, then 256, then split;
+    the plan of a GPU with ``sms`` SMs (H100: 132), chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: sms)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: sms)  # (the split plan's chunks)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    most, rows = sms // 2, softmax_ops.HELD_16_BLOCK_T
+    for max_len, block_t in ((4096, rows), (most * rows, rows), (most * rows + 1, 2 * rows),
+                             (2 * most * rows, 2 * rows), (2 * most * rows + 1, None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 1024, 2, gpu, inputs=2)
+        assert plan.cooperative == (block_t is not None), max_len
+        if block_t is not None:
+            assert plan.block_t == plan.chunk_rows == block_t and plan.block_f == softmax_ops.COOPERATIVE_COLS
 
 
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
@@ -282,11 +290,12 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("inner", [(1,), (3,), (40,)], ids=str)
+@pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (20,), (40,)], ids=str)
 @pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
 def test_gpu_narrow_columns(inner, lengths, device, poison_empty):
     """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements; the
-    16-bit backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count)."""
+    16-bit backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count), with
+    rows of 16-byte multiples and not (20, 40 columns)."""
     x = random_jagged(lengths, inner, dtype=torch.bfloat16, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)

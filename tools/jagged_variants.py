@@ -4,9 +4,10 @@
     python tools/compile_check.py --verbose tools/jagged_variants.py
 
 Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
-``cooperative`` path (tiles held in registers: float32 forward and every backward; chunks read twice: the 16-bit
-forward) and the ``split`` path, at 1024 columns as ``bench/jagged_ops.py`` and at 3 and 1. The plans are those of a
-132-SM GPU (``softmax_plan`` for a CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
+``cooperative`` path (tiles held in registers: float32 forward and every backward, the 16-bit one in tiles of 128
+rows at 4096 and 256 at 12000; chunks read twice: the 16-bit forward) and the ``split`` path, at 1024 columns as
+``bench/jagged_ops.py`` and at 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a CUDA device,
+its SM count stood in for). Outputs stay unwritten (nothing is run).
 """
 
 import importlib
@@ -30,7 +31,7 @@ def main():
         for n_cols in WIDTHS:
             x = torch.zeros(4096, n_cols, dtype=dtype)
             size = x.element_size()
-            for max_len in (4, 4096, 70000):
+            for max_len in (4, 4096, 12000, 70000):
                 fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU)
                 bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2)
                 print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {bwd}", flush=True)

@@ -117,7 +117,7 @@ def _write_tile(x, y, start, t0, hi, cols, col_ok, shift, inv_s, stride_xr, stri
 
 @triton.jit
 def _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr,
-                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, STAGES: tl.constexpr = None,
+                 ACC: tl.constexpr, BLOCK_T: tl.constexpr, STAGES: tl.constexpr = None,
                  REVERSE: tl.constexpr = False):
     """y = exp(x - m) / s over rows ``[lo, hi)`` of the sequence starting at row ``start``, from the
     sequence's max ``m`` and sum ``s`` per column; ``STAGES`` as :func:`_chunk_stats`'s. ``REVERSE``: the last
@@ -176,7 +176,7 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.exp(m - shift) + s_c * tl.exp(m_c - shift)
         m = m_new
-    _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T, BLOCK_F)
+    _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T)
 
 
 @triton.jit
@@ -280,7 +280,7 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
                                        SLICE: tl.constexpr, STAGES: tl.constexpr):
     # As _softmax_cooperative_kernel, but the chunk (CHUNK_ROWS rows, in tiles of BLOCK_T) is read twice instead of
     # held: statistics, publish, wait, combine, then the write, which reads the chunk again, last tile first. Meant
-    # to find the chunk in L2, it mostly doesn't (H100, ncu: DRAM reads 2.06x the input in order, 1.97x reversed;
+    # to find the chunk in L2, it mostly doesn't (H100, ncu: DRAM reads 2.06x the input in order, 1.99x reversed;
     # 256-row chunks 1.1x but slower: bench/NOTES.md). The 16-bit forward: every way of holding its tile ran
     # slower than the split path.
     b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
@@ -295,7 +295,7 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     m_all, s_all = _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
                                   col_ok, ACC, BLOCK_F, SLICE)
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m_all, s_all, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T,
-                 BLOCK_F, STAGES, True)
+                 STAGES, True)
 
 
 @triton.jit(do_not_specialize=["total"])
@@ -361,7 +361,9 @@ def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chu
 @triton.jit
 def _opaque(v):
     """``v`` unchanged, through an instruction the compiler can't see through (a ``mov`` per two 16-bit values): a
-    value computed from it later can't be replaced by the same value computed earlier and kept alive."""
+    value computed from it later can't be replaced by the same value computed earlier and kept alive. 16-bit values
+    only, an even number of them in the tile (PTX: NVIDIA GPUs only)."""
+    tl.static_assert(v.dtype.primitive_bitwidth == 16, "_opaque takes 16-bit values")
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
 
 
@@ -428,9 +430,9 @@ class SoftmaxPlan:
         return self.cooperative and self.chunk_rows != self.block_t
 
 
-# Bytes of input one cooperative program holds in registers (its tile of each input), its columns, and how many
-# tiles' partials it loads at once to combine them: the best of an H100 sweep (bench/NOTES.md) over tiles of
-# 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
+# Bytes of input one float32 cooperative program holds in registers (its tile of each input), its columns (every
+# cooperative plan's), and how many tiles' partials it loads at once to combine them: the best of an H100 sweep
+# (bench/NOTES.md) over tiles of 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
 COOPERATIVE_TILE_BYTES = 65536
 COOPERATIVE_COLS = 64
 COMBINE_SLICE = 16
@@ -439,7 +441,8 @@ COMBINE_SLICE = 16
 REREAD_CHUNK_ROWS = 512
 REREAD_BLOCK_T = 32
 # Both of its loops pipelined by Triton, 4 tiles deep: H100, 56.7% -> 58.2% of copy against 1 (unpipelined);
-# 3 deep 56.1%, 2 deep lower (bench/NOTES.md).
+# 3 deep 56.1%, 2 deep lower (bench/NOTES.md). Triton pipelines 64-column blocks of 16-byte-aligned rows only
+# (cp.async copies 4 to 16 bytes): narrower blocks load one tile at a time.
 REREAD_STAGES = 4
 # The 16-bit backward holds its tile as the inputs' 16-bit values: 128 rows (32 KiB of input) where a sequence's
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
@@ -456,15 +459,15 @@ def cooperative_max_chunks(device: torch.device) -> int:
 
 def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
                       device: torch.device) -> SoftmaxPlan | None:
-    """Tiles of 64 columns holding 64 KiB of input, 4 warps, where a sequence's tiles fit
-    :func:`cooperative_max_chunks`; for the 16-bit forward, chunks of ``REREAD_CHUNK_ROWS`` rows read twice in
-    tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower
-    blocks were not measured). None off the GPU or under the interpreter (whose programs run one at a time: a
-    wait would never end); the 16-bit backward, tiles of ``HELD_16_BLOCK_T`` rows (twice that where they would
-    pass the bound). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%, backward bf16
-    78% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K
-    elements per tile; 35% at 64 KiB), below split's 52%; read twice, 50% against split's 44% on an H200, and 61%
-    on the H100 with its loops pipelined and the re-read last tile first (bench/NOTES.md)."""
+    """Blocks of 64 columns, 4 warps, where a sequence's tiles fit :func:`cooperative_max_chunks`: float32 tiles
+    holding 64 KiB of input; the 16-bit backward's of ``HELD_16_BLOCK_T`` rows (twice that where those would pass
+    the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles of
+    ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower blocks were
+    not measured). None off the GPU or under the interpreter (whose programs run one at a time: a wait would never
+    end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%, backward bf16 78% vs 58%,
+    float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K elements per tile; 35% at 64
+    KiB), below split's 52%; read twice, 50% against split's 44% on an H200, and 61% on the H100 with its loops
+    pipelined and the re-read last tile first (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
@@ -580,8 +583,10 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
     if plan.cooperative:
-        # (The interpreter has no inline assembly; it runs one-tile cooperative plans only, which wait for nothing.)
-        holds_16_bit = y.element_size() == dy.element_size() == 2 and not interpreter_enabled()
+        # (_opaque is PTX, absent from the interpreter, which runs one-tile cooperative plans only, and from ROCm;
+        # it takes an even number of values.)
+        holds_16_bit = (y.element_size() == dy.element_size() == 2 and plan.block_t * plan.block_f % 2 == 0
+                        and not interpreter_enabled() and torch.version.hip is None)
         _softmax_bwd_cooperative_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot,
                                                        _tickets(batch, n_col_tiles, y.device), n_cols, n_chunks,
                                                        n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1),
