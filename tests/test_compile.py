@@ -323,12 +323,21 @@ def test_jagged_ops_opcheck(name, backend):
 
 
 def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):
-    """softmax and sum/mean call their implementations directly in eager (the custom ops' Python dispatch costs
-    host time); under a dispatch mode (fake tensors, tracing, FLOP counters) they go through the custom ops."""
+    """The jagged ops call their implementations directly in eager (the custom ops' Python dispatch costs host
+    time); under a dispatch mode (fake tensors, tracing, FLOP counters) they go through the custom ops."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     x = random_jagged([3, 0, 5], (2,), requires_grad=True)
-    ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows"}
+    w = torch.randn(3, 2, 4, requires_grad=True)
+    custom_ops = {  # module: the custom ops it calls
+        "varlen.ops.softmax": ("_softmax_fwd_op", "_softmax_bwd_op"),
+        "varlen.ops.reduce": ("_segment_sum_op", "_broadcast_rows_op"),
+        "varlen.padding": ("_to_padded_op", "_from_padded_op"),
+        "varlen.ops.select": ("_gather_op", "_scatter_op"),
+        "varlen.ops.linear": ("_grouped_matmul_op", "_transposed_matmul_op"),
+    }
+    ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows", "jagged_to_padded",
+           "padded_to_jagged", "gather_position", "scatter_position", "grouped_matmul", "transposed_matmul"}
     seen = set()
 
     class Recorder(TorchDispatchMode):
@@ -337,15 +346,19 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
             return func(*args, **(kwargs or {}))
 
     def run():
-        (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum()).backward()
-        return x.values.grad
+        x.values.grad = w.grad = None
+        back = varlen.padding.padded_to_jagged(x.to_padded(), x.offsets, x.total, x.max_len)
+        loss = (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum() + back.square().sum()
+                + varlen.select(x, 1, -1, fill_value=0.0).sum() + varlen.matmul(x, w).values.square().sum())
+        loss.backward()
+        return x.values.grad, w.grad
 
     with Recorder():
         want = run()
-    assert ops <= seen, seen
-    softmax_ops, reduce_ops = (importlib.import_module(f"varlen.ops.{name}") for name in ("softmax", "reduce"))
-    for module, name in ((softmax_ops, "_softmax_fwd_op"), (softmax_ops, "_softmax_bwd_op"),
-                         (reduce_ops, "_segment_sum_op"), (reduce_ops, "_broadcast_rows_op")):
-        monkeypatch.setattr(module, name, None)  # a call through them would fail
-    x.values.grad = None
-    assert_close(run(), want)
+    assert ops <= seen, ops - seen
+    for module, names in custom_ops.items():
+        for name in names:
+            monkeypatch.setattr(importlib.import_module(module), name, None)  # a call through them would fail
+    got = run()
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1])

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.types import Number
 
 from . import capabilities
+from ._backend import through_custom_op
 from ._triton import tl, triton
 from .offsets import row_positions
 from .tiling import as_columns, cdiv, copy_tiles, tile_coords
@@ -125,23 +126,26 @@ def copy_backend(t: torch.Tensor, requested: str | None = None) -> str:
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each direction as one opaque op (whatever the backend launches inside), with its
 # output shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
-@torch.library.custom_op("varlen::jagged_to_padded", mutates_args=())
-def _to_padded_op(values: Tensor, offsets: Tensor, width: int, padding_value: Number, backend: str) -> Tensor:
+# Eager calls run the implementations directly (varlen._backend.through_custom_op).
+def _to_padded(values: Tensor, offsets: Tensor, width: int, padding_value: Number, backend: str) -> Tensor:
     if backend == "triton":
         return _to_padded_triton(values, offsets, width, padding_value)
     return _to_padded_torch(values, offsets, width, padding_value)
 
 
-@_to_padded_op.register_fake
-def _(values, offsets, width, padding_value, backend):
-    return values.new_empty((offsets.shape[0] - 1, width, *values.shape[1:]))
-
-
-@torch.library.custom_op("varlen::padded_to_jagged", mutates_args=())
-def _from_padded_op(padded: Tensor, offsets: Tensor, total: int, max_len: int, backend: str) -> Tensor:
+def _from_padded(padded: Tensor, offsets: Tensor, total: int, max_len: int, backend: str) -> Tensor:
     if backend == "triton":
         return _from_padded_triton(padded, offsets, total, max_len)
     return _from_padded_torch(padded, offsets, total)
+
+
+_to_padded_op = torch.library.custom_op("varlen::jagged_to_padded", _to_padded, mutates_args=())
+_from_padded_op = torch.library.custom_op("varlen::padded_to_jagged", _from_padded, mutates_args=())
+
+
+@_to_padded_op.register_fake
+def _(values, offsets, width, padding_value, backend):
+    return values.new_empty((offsets.shape[0] - 1, width, *values.shape[1:]))
 
 
 @_from_padded_op.register_fake
@@ -156,7 +160,8 @@ class _JaggedToPadded(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.total = values.shape[0]
         ctx.backend = backend
-        return _to_padded_op(values, offsets, width, padding_value, backend)
+        to_padded = _to_padded_op if through_custom_op() else _to_padded
+        return to_padded(values, offsets, width, padding_value, backend)
 
     @staticmethod
     def backward(ctx, grad):
@@ -172,7 +177,8 @@ class _PaddedToJagged(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.width = padded.shape[1]
         ctx.backend = backend
-        return _from_padded_op(padded, offsets, total, max_len, backend)
+        from_padded = _from_padded_op if through_custom_op() else _from_padded
+        return from_padded(padded, offsets, total, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):

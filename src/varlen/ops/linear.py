@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _amp, capabilities
+from .._backend import through_custom_op
 from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from ..padding import jagged_to_padded, padded_to_jagged
@@ -52,26 +53,29 @@ def _transposed_matmul_torch(x, y, offsets, max_len):
 
 # torch.compile sees each product as one opaque op (whatever the backend launches inside), with its
 # output shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
-@torch.library.custom_op("varlen::grouped_matmul", mutates_args=())
+# Eager calls run the implementations directly (varlen._backend.through_custom_op).
 def _grouped_matmul(x: Tensor, offsets: Tensor, max_len: int, w: Tensor, backend: str) -> Tensor:
     if backend == "triton":
         return _linear_kernels.grouped_matmul(x, offsets, w)
     return _grouped_matmul_torch(x, offsets, max_len, w)
 
 
-@_grouped_matmul.register_fake
-def _(x, offsets, max_len, w, backend):
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("varlen::transposed_matmul", mutates_args=())
 def _transposed_matmul(x: Tensor, y: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
     if backend == "triton":
         return _linear_kernels.transposed_matmul(x, y, offsets, max_len)
     return _transposed_matmul_torch(x, y, offsets, max_len)
 
 
-@_transposed_matmul.register_fake
+_grouped_matmul_op = torch.library.custom_op("varlen::grouped_matmul", _grouped_matmul, mutates_args=())
+_transposed_matmul_op = torch.library.custom_op("varlen::transposed_matmul", _transposed_matmul, mutates_args=())
+
+
+@_grouped_matmul_op.register_fake
+def _(x, offsets, max_len, w, backend):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@_transposed_matmul_op.register_fake
 def _(x, y, offsets, max_len, backend):
     return x.new_empty((offsets.shape[0] - 1, x.shape[1], y.shape[1]))
 
@@ -85,7 +89,8 @@ class _GroupedMatmul(torch.autograd.Function):
         x_grad, w_grad = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if w_grad else None, w if x_grad else None, offsets)
         ctx.max_len, ctx.backend = max_len, backend
-        return _grouped_matmul(x, offsets, max_len, w, backend)
+        grouped_matmul = _grouped_matmul_op if through_custom_op() else _grouped_matmul
+        return grouped_matmul(x, offsets, max_len, w, backend)
 
     @staticmethod
     def backward(ctx, grad):
@@ -106,7 +111,8 @@ class _TransposedMatmul(torch.autograd.Function):
         x_grad, y_grad = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if y_grad else None, y if x_grad else None, offsets)
         ctx.max_len, ctx.backend = max_len, backend
-        return _transposed_matmul(x, y, offsets, max_len, backend)
+        transposed_matmul = _transposed_matmul_op if through_custom_op() else _transposed_matmul
+        return transposed_matmul(x, y, offsets, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):

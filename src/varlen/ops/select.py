@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from torch.types import Number
 
+from .._backend import through_custom_op
 from .._checks import check_int, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -129,22 +130,25 @@ def scatter_torch(g: torch.Tensor, offsets: torch.Tensor, total: int, index: int
 
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
-# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile.
-@torch.library.custom_op("varlen::gather_position", mutates_args=())
-def _gather_op(x: Tensor, offsets: Tensor, index: int, fill_value: Number, backend: str) -> Tensor:
+# shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile. Eager calls
+# run the implementations directly (varlen._backend.through_custom_op).
+def _gather(x: Tensor, offsets: Tensor, index: int, fill_value: Number, backend: str) -> Tensor:
     gather = gather_triton if backend == "triton" else gather_torch
     return gather(x, offsets, index, fill_value)
+
+
+def _scatter(g: Tensor, offsets: Tensor, total: int, index: int, backend: str) -> Tensor:
+    scatter = scatter_triton if backend == "triton" else scatter_torch
+    return scatter(g, offsets, total, index)
+
+
+_gather_op = torch.library.custom_op("varlen::gather_position", _gather, mutates_args=())
+_scatter_op = torch.library.custom_op("varlen::scatter_position", _scatter, mutates_args=())
 
 
 @_gather_op.register_fake
 def _(x, offsets, index, fill_value, backend):
     return x.new_empty((offsets.shape[0] - 1, x.shape[1]))
-
-
-@torch.library.custom_op("varlen::scatter_position", mutates_args=())
-def _scatter_op(g: Tensor, offsets: Tensor, total: int, index: int, backend: str) -> Tensor:
-    scatter = scatter_triton if backend == "triton" else scatter_torch
-    return scatter(g, offsets, total, index)
 
 
 @_scatter_op.register_fake
@@ -156,7 +160,8 @@ def _(g, offsets, total, index, backend):
 class _GatherPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, index, fill_value, backend):
-        out = _gather_op(as_columns(values, 1), offsets, index, fill_value, backend)
+        gather = _gather_op if through_custom_op() else _gather
+        out = gather(as_columns(values, 1), offsets, index, fill_value, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.index, ctx.backend = values.shape[0], index, backend
         return out.view(offsets.shape[0] - 1, *values.shape[1:])
@@ -171,7 +176,8 @@ class _GatherPosition(torch.autograd.Function):
 class _ScatterPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, index, backend):
-        out = _scatter_op(as_columns(g, 1), offsets, total, index, backend)
+        scatter = _scatter_op if through_custom_op() else _scatter
+        out = scatter(as_columns(g, 1), offsets, total, index, backend)
         ctx.save_for_backward(offsets)
         ctx.index, ctx.backend = index, backend
         return out.view(total, *g.shape[1:])
