@@ -10,7 +10,10 @@ L2 flushed between runs), the bandwidth over the op's *minimal* bytes (each inpu
 output written once, padding included only where it is the op's own output) and its share of the
 device copy bandwidth measured in the same run; then the same op with ``torch.nested`` jagged
 tensors and with padded dense PyTorch on the same data, over the same minimal bytes (so padding
-the baselines process shows up as lower GB/s). ``--quick`` runs a tiny size on the CPU through
+the baselines process shows up as lower GB/s). On a GPU, varlen's row also gives its GPU time alone:
+the same call replayed from a CUDA graph, which leaves out the host's time to issue it (the eager
+median includes it where the host is slower than the kernel: a backward through ``autograd.grad``
+costs about 60 us of host time before varlen's own work). ``--quick`` runs a tiny size on the CPU through
 Triton's interpreter (no CUDA needed) to check that the script works; its timings mean nothing.
 """
 
@@ -46,6 +49,25 @@ def bench(fn, device: torch.device) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def graph_ms(fn, stream: torch.cuda.Stream, calls: int = 10, replays: int = 20) -> float:
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph of ``calls`` calls on ``stream`` (where the
+    inputs were made, so that autograd runs a backward there too)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        graph.replay()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -181,29 +203,44 @@ def run(args) -> str:
         f"- batch {args.batch}, lengths uniform in [{args.min_len}, {args.max_len}], inner {args.inner}",
         f"- device copy bandwidth ({args.copy_mb} MiB copy): {copy_gbs:.0f} GB/s",
         "- GB/s over each op's minimal bytes; % of the copy bandwidth; baselines over the same bytes",
+        "- varlen GPU only: the same call replayed from a CUDA graph (no host time); ms and % of copy",
         "",
-        "| op | dir | dtype | MB | varlen ms | GB/s | % copy | torch.nested ms (GB/s) | padded dense ms (GB/s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| op | dir | dtype | MB | varlen ms | GB/s | % copy | varlen GPU only | torch.nested ms (GB/s) "
+        "| padded dense ms (GB/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for dtype_name in args.dtypes.split(","):
-        x, padded, mask = make_inputs(args.batch, args.min_len, args.max_len, args.inner, DTYPES[dtype_name],
-                                      device)
-        for op, direction, nbytes, impls in cases(x, padded, mask):
-            ms, gbs, pct = fmt(bench(impls["varlen"], device), nbytes, copy_gbs)
-            others = []
-            for impl in ("torch.nested", "padded dense"):
-                fn = impls[impl]
-                if isinstance(fn, str):
-                    others.append(fn)
-                else:
-                    o_ms, o_gbs, _ = fmt(bench(fn, device), nbytes, copy_gbs)
-                    others.append(f"{o_ms} ({o_gbs})")
-            lines.append(f"| {op} | {direction} | {dtype_name} | {nbytes / 1e6:.0f} | {ms} | {gbs} | {pct} | "
-                         f"{others[0]} | {others[1]} |")
-        del x, padded, mask
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    # Everything on one side stream: a CUDA graph captures there, and autograd runs each backward on the stream
+    # of its forward (so its timing events go there too).
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream):
+        for dtype_name in args.dtypes.split(","):
+            lines += dtype_rows(args, dtype_name, copy_gbs, stream)
+            if stream is not None:
+                torch.cuda.empty_cache()
     return "\n".join(lines) + "\n"
+
+
+def dtype_rows(args, dtype_name: str, copy_gbs: float, stream: torch.cuda.Stream | None) -> list[str]:
+    device = torch.device("cuda" if stream is not None else "cpu")
+    x, padded, mask = make_inputs(args.batch, args.min_len, args.max_len, args.inner, DTYPES[dtype_name], device)
+    lines = []
+    for op, direction, nbytes, impls in cases(x, padded, mask):
+        ms, gbs, pct = fmt(bench(impls["varlen"], device), nbytes, copy_gbs)
+        gpu_only = "n/a (CPU)"
+        if stream is not None:
+            g_ms, _, g_pct = fmt(graph_ms(impls["varlen"], stream), nbytes, copy_gbs)
+            gpu_only = f"{g_ms} ({g_pct})"
+        others = []
+        for impl in ("torch.nested", "padded dense"):
+            fn = impls[impl]
+            if isinstance(fn, str):
+                others.append(fn)
+            else:
+                o_ms, o_gbs, _ = fmt(bench(fn, device), nbytes, copy_gbs)
+                others.append(f"{o_ms} ({o_gbs})")
+        lines.append(f"| {op} | {direction} | {dtype_name} | {nbytes / 1e6:.0f} | {ms} | {gbs} | {pct} | "
+                     f"{gpu_only} | {others[0]} | {others[1]} |")
+    return lines
 
 
 def main():

@@ -328,7 +328,7 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
     from torch.utils._python_dispatch import TorchDispatchMode
 
     x = random_jagged([3, 0, 5], (2,), requires_grad=True)
-    w = torch.randn(3, 2, 4, requires_grad=True)
+    w = torch.randn(3, 2, 4, device=DEVICE, requires_grad=True)
     custom_ops = {  # module: the custom ops it calls
         "varlen.ops.softmax": ("_softmax_fwd_op", "_softmax_bwd_op"),
         "varlen.ops.reduce": ("_segment_sum_op", "_broadcast_rows_op"),
@@ -362,3 +362,27 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
     got = run()
     assert_close(got[0], want[0])
     assert_close(got[1], want[1])
+
+
+def test_plain_backward_of_jagged_ops_applies_no_autograd_function(monkeypatch):
+    """A backward whose gradient is another jagged op calls it directly unless autograd records (create_graph):
+    the nested Function's apply costs host time; a double backward still goes through it (gradgradcheck in the
+    op tests)."""
+    x = random_jagged([3, 0, 5], (2,), requires_grad=True)
+    w = torch.randn(3, 2, 4, device=DEVICE, requires_grad=True)
+    padded = x.to_padded().detach().requires_grad_(True)
+    outs = [varlen.sum(x, 1), varlen.select(x, 1, -1, fill_value=0.0), x.to_padded(),
+            varlen.padding.padded_to_jagged(padded, x.offsets, x.total, x.max_len), varlen.matmul(x, w).values]
+    applied = []
+    apply = torch.autograd.Function.apply.__func__
+    monkeypatch.setattr(torch.autograd.Function, "apply",
+                        classmethod(lambda cls, *args: applied.append(cls.__name__) or apply(cls, *args)))
+    loss = sum(out.square().sum() for out in outs)
+    grads = torch.autograd.grad(loss, (x.values, w, padded), create_graph=True)
+    assert {"_BroadcastRows", "_ScatterPosition", "_PaddedToJagged", "_JaggedToPadded", "_GroupedMatmul",
+            "_TransposedMatmul"} <= set(applied)
+    applied.clear()
+    plain = torch.autograd.grad(loss, (x.values, w, padded))
+    assert applied == []
+    for got, want in zip(plain, grads, strict=True):
+        assert_close(got, want.detach())

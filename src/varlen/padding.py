@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.types import Number
 
 from . import capabilities
-from ._backend import through_custom_op
+from ._backend import gradient_op, through_custom_op
 from ._triton import tl, triton
 from .offsets import row_positions
 from .tiling import as_columns, cdiv, copy_tiles, tile_coords
@@ -153,6 +153,16 @@ def _(padded, offsets, total, max_len, backend):
     return padded.new_empty((total, *padded.shape[2:]))
 
 
+def _run_to_padded(values: Tensor, offsets: Tensor, width: int, padding_value: Number, backend: str) -> Tensor:
+    to_padded = _to_padded_op if through_custom_op() else _to_padded
+    return to_padded(values, offsets, width, padding_value, backend)
+
+
+def _run_from_padded(padded: Tensor, offsets: Tensor, total: int, max_len: int, backend: str) -> Tensor:
+    from_padded = _from_padded_op if through_custom_op() else _from_padded
+    return from_padded(padded, offsets, total, max_len, backend)
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _JaggedToPadded(torch.autograd.Function):
     @staticmethod
@@ -160,15 +170,15 @@ class _JaggedToPadded(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.total = values.shape[0]
         ctx.backend = backend
-        to_padded = _to_padded_op if through_custom_op() else _to_padded
-        return to_padded(values, offsets, width, padding_value, backend)
+        return _run_to_padded(values, offsets, width, padding_value, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
         # Rows past a sequence's end are padding: their gradient is dropped.
         width = grad.shape[1]
-        return _PaddedToJagged.apply(grad, offsets, ctx.total, width, ctx.backend), None, None, None, None
+        dx = gradient_op(_PaddedToJagged, _run_from_padded, grad, offsets, ctx.total, width, ctx.backend)
+        return dx, None, None, None, None
 
 
 class _PaddedToJagged(torch.autograd.Function):
@@ -177,13 +187,13 @@ class _PaddedToJagged(torch.autograd.Function):
         ctx.save_for_backward(offsets)
         ctx.width = padded.shape[1]
         ctx.backend = backend
-        from_padded = _from_padded_op if through_custom_op() else _from_padded
-        return from_padded(padded, offsets, total, max_len, backend)
+        return _run_from_padded(padded, offsets, total, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        return _JaggedToPadded.apply(grad, offsets, ctx.width, 0.0, ctx.backend), None, None, None, None
+        dpadded = gradient_op(_JaggedToPadded, _run_to_padded, grad, offsets, ctx.width, 0.0, ctx.backend)
+        return dpadded, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -204,3 +214,15 @@ def padded_to_jagged(padded: torch.Tensor, offsets: torch.Tensor, total: int, ma
     host ints so no launch waits on the device. Differentiable (the backward pads with zeros).
     """
     return _PaddedToJagged.apply(padded, offsets, total, max_len, copy_backend(padded))
+
+
+def to_padded_values(values: torch.Tensor, offsets: torch.Tensor, width: int,
+                     padding_value: float = 0.0) -> torch.Tensor:
+    """:func:`jagged_to_padded` without autograd, for code that runs inside an autograd Function or a custom
+    op already (the torch backend of the per-sequence matmuls): no Function to apply, no host time for it."""
+    return _run_to_padded(values, offsets, width, padding_value, copy_backend(values))
+
+
+def from_padded_values(padded: torch.Tensor, offsets: torch.Tensor, total: int, max_len: int) -> torch.Tensor:
+    """:func:`padded_to_jagged` without autograd, for the same callers as :func:`to_padded_values`."""
+    return _run_from_padded(padded, offsets, total, max_len, copy_backend(padded))

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _amp, capabilities
-from .._backend import through_custom_op
+from .._backend import gradient_op, through_custom_op
 from .._checks import FLOAT_DTYPES, check_dtype, check_ndim, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
-from ..padding import jagged_to_padded, padded_to_jagged
+from ..padding import from_padded_values, to_padded_values
 from . import _linear_kernels
 
 MATMUL_CASES = ("x jagged (B, j, *, K) @ w dense (K, N) -> jagged (B, j, *, N)",
@@ -39,16 +39,16 @@ def _kernel_backend(t: torch.Tensor, requested: str | None) -> str:
 # ------------------------------------------------------------------------------ PyTorch path
 # Both products go through the padded form and one torch.bmm: memory B * max_len * (K + N) for the
 # padded operands, where gathering w per row (values.unsqueeze(1) @ w[segment_ids]) would take
-# total * K * N. The zero padding adds nothing to the sums of transposed_matmul.
+# total * K * N. The zero padding adds nothing to the sums of transposed_matmul. (They run inside an
+# autograd Function or a custom op: the conversions need no autograd of their own.)
 
 def _grouped_matmul_torch(x, offsets, max_len, w):
-    padded = jagged_to_padded(x, offsets, max_len)
-    return padded_to_jagged(torch.bmm(padded, w), offsets, x.shape[0], max_len)
+    padded = to_padded_values(x, offsets, max_len)
+    return from_padded_values(torch.bmm(padded, w), offsets, x.shape[0], max_len)
 
 
 def _transposed_matmul_torch(x, y, offsets, max_len):
-    return torch.bmm(jagged_to_padded(x, offsets, max_len).transpose(1, 2),
-                     jagged_to_padded(y, offsets, max_len))
+    return torch.bmm(to_padded_values(x, offsets, max_len).transpose(1, 2), to_padded_values(y, offsets, max_len))
 
 
 # torch.compile sees each product as one opaque op (whatever the backend launches inside), with its
@@ -80,6 +80,16 @@ def _(x, y, offsets, max_len, backend):
     return x.new_empty((offsets.shape[0] - 1, x.shape[1], y.shape[1]))
 
 
+def _run_grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+    grouped_matmul = _grouped_matmul_op if through_custom_op() else _grouped_matmul
+    return grouped_matmul(x, offsets, max_len, w, backend)
+
+
+def _run_transposed_matmul(x: Tensor, y: Tensor, offsets: Tensor, max_len: int, backend: str) -> Tensor:
+    transposed_matmul = _transposed_matmul_op if through_custom_op() else _transposed_matmul
+    return transposed_matmul(x, y, offsets, max_len, backend)
+
+
 # ---------------------------------------------------------------------------------- autograd
 class _GroupedMatmul(torch.autograd.Function):
     """values ``(total, K)``, w ``(B, K, N)`` -> ``(total, N)``, row r times w[its sequence]."""
@@ -89,17 +99,17 @@ class _GroupedMatmul(torch.autograd.Function):
         x_grad, w_grad = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if w_grad else None, w if x_grad else None, offsets)
         ctx.max_len, ctx.backend = max_len, backend
-        grouped_matmul = _grouped_matmul_op if through_custom_op() else _grouped_matmul
-        return grouped_matmul(x, offsets, max_len, w, backend)
+        return _run_grouped_matmul(x, w, offsets, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):
         x, w, offsets = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _GroupedMatmul.apply(grad, w.transpose(1, 2), offsets, ctx.max_len, ctx.backend)
+            dx = gradient_op(_GroupedMatmul, _run_grouped_matmul, grad, w.transpose(1, 2), offsets, ctx.max_len,
+                             ctx.backend)
         if ctx.needs_input_grad[1]:
-            dw = _TransposedMatmul.apply(x, grad, offsets, ctx.max_len, ctx.backend)
+            dw = gradient_op(_TransposedMatmul, _run_transposed_matmul, x, grad, offsets, ctx.max_len, ctx.backend)
         return dx, dw, None, None, None
 
 
@@ -111,17 +121,17 @@ class _TransposedMatmul(torch.autograd.Function):
         x_grad, y_grad = ctx.needs_input_grad[:2]
         ctx.save_for_backward(x if y_grad else None, y if x_grad else None, offsets)
         ctx.max_len, ctx.backend = max_len, backend
-        transposed_matmul = _transposed_matmul_op if through_custom_op() else _transposed_matmul
-        return transposed_matmul(x, y, offsets, max_len, backend)
+        return _run_transposed_matmul(x, y, offsets, max_len, backend)
 
     @staticmethod
     def backward(ctx, grad):
         x, y, offsets = ctx.saved_tensors
         dx = dy = None
         if ctx.needs_input_grad[0]:
-            dx = _GroupedMatmul.apply(y, grad.transpose(1, 2), offsets, ctx.max_len, ctx.backend)
+            dx = gradient_op(_GroupedMatmul, _run_grouped_matmul, y, grad.transpose(1, 2), offsets, ctx.max_len,
+                             ctx.backend)
         if ctx.needs_input_grad[1]:
-            dy = _GroupedMatmul.apply(x, grad, offsets, ctx.max_len, ctx.backend)
+            dy = gradient_op(_GroupedMatmul, _run_grouped_matmul, x, grad, offsets, ctx.max_len, ctx.backend)
         return dx, dy, None, None, None
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import _amp, capabilities
-from .._backend import through_custom_op
+from .._backend import gradient_op, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -225,36 +225,45 @@ def _(g, offsets, total, max_len, mean, backend):
     return g.new_empty((total, g.shape[1]))
 
 
+def _run_segment_sum(values: Tensor, offsets: Tensor, max_len: int, mean: bool, backend: str) -> Tensor:
+    segment_sum = _segment_sum_op if through_custom_op() else _segment_sum
+    out = segment_sum(as_columns(values, 1), offsets, max_len, mean, backend)
+    return out.view(offsets.shape[0] - 1, *values.shape[1:])
+
+
+def _run_broadcast_rows(g: Tensor, offsets: Tensor, total: int, max_len: int, mean: bool, backend: str) -> Tensor:
+    broadcast_rows = _broadcast_rows_op if through_custom_op() else _broadcast_rows
+    return broadcast_rows(as_columns(g, 1), offsets, total, max_len, mean, backend).view(total, *g.shape[1:])
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _SegmentSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, mean, backend):
-        segment_sum = _segment_sum_op if through_custom_op() else _segment_sum
-        out = segment_sum(as_columns(values, 1), offsets, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.max_len, ctx.mean, ctx.backend = values.shape[0], max_len, mean, backend
-        return out.view(offsets.shape[0] - 1, *values.shape[1:])
+        return _run_segment_sum(values, offsets, max_len, mean, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        dx = _BroadcastRows.apply(grad, offsets, ctx.total, ctx.max_len, ctx.mean, ctx.backend)
+        dx = gradient_op(_BroadcastRows, _run_broadcast_rows, grad, offsets, ctx.total, ctx.max_len, ctx.mean,
+                         ctx.backend)
         return dx, None, None, None, None
 
 
 class _BroadcastRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, max_len, mean, backend):
-        broadcast_rows = _broadcast_rows_op if through_custom_op() else _broadcast_rows
-        out = broadcast_rows(as_columns(g, 1), offsets, total, max_len, mean, backend)
         ctx.save_for_backward(offsets)
         ctx.max_len, ctx.mean, ctx.backend = max_len, mean, backend
-        return out.view(total, *g.shape[1:])
+        return _run_broadcast_rows(g, offsets, total, max_len, mean, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        return _SegmentSum.apply(grad, offsets, ctx.max_len, ctx.mean, ctx.backend), None, None, None, None, None
+        dg = gradient_op(_SegmentSum, _run_segment_sum, grad, offsets, ctx.max_len, ctx.mean, ctx.backend)
+        return dg, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- public

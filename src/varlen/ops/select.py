@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.types import Number
 
-from .._backend import through_custom_op
+from .._backend import gradient_op, through_custom_op
 from .._checks import check_int, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -156,36 +156,44 @@ def _(g, offsets, total, index, backend):
     return g.new_empty((total, g.shape[1]))
 
 
+def _run_gather(values: Tensor, offsets: Tensor, index: int, fill_value: float, backend: str) -> Tensor:
+    gather = _gather_op if through_custom_op() else _gather
+    out = gather(as_columns(values, 1), offsets, index, fill_value, backend)
+    return out.view(offsets.shape[0] - 1, *values.shape[1:])
+
+
+def _run_scatter(g: Tensor, offsets: Tensor, total: int, index: int, backend: str) -> Tensor:
+    scatter = _scatter_op if through_custom_op() else _scatter
+    return scatter(as_columns(g, 1), offsets, total, index, backend).view(total, *g.shape[1:])
+
+
 # -------------------------------------------------------------------------------------- autograd
 class _GatherPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, index, fill_value, backend):
-        gather = _gather_op if through_custom_op() else _gather
-        out = gather(as_columns(values, 1), offsets, index, fill_value, backend)
         ctx.save_for_backward(offsets)
         ctx.total, ctx.index, ctx.backend = values.shape[0], index, backend
-        return out.view(offsets.shape[0] - 1, *values.shape[1:])
+        return _run_gather(values, offsets, index, fill_value, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        dx = _ScatterPosition.apply(grad, offsets, ctx.total, ctx.index, ctx.backend)
+        dx = gradient_op(_ScatterPosition, _run_scatter, grad, offsets, ctx.total, ctx.index, ctx.backend)
         return dx, None, None, None, None
 
 
 class _ScatterPosition(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, offsets, total, index, backend):
-        scatter = _scatter_op if through_custom_op() else _scatter
-        out = scatter(as_columns(g, 1), offsets, total, index, backend)
         ctx.save_for_backward(offsets)
         ctx.index, ctx.backend = index, backend
-        return out.view(total, *g.shape[1:])
+        return _run_scatter(g, offsets, total, index, backend)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        return _GatherPosition.apply(grad, offsets, ctx.index, 0.0, ctx.backend), None, None, None, None
+        dg = gradient_op(_GatherPosition, _run_gather, grad, offsets, ctx.index, 0.0, ctx.backend)
+        return dg, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- public

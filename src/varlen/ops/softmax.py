@@ -431,11 +431,15 @@ class SoftmaxPlan:
 
 
 # Bytes of input one float32 cooperative program holds in registers (its tile of each input), its columns (every
-# cooperative plan's), and how many tiles' partials it loads at once to combine them: the best of an H100 sweep
-# (bench/NOTES.md) over tiles of 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
+# cooperative plan's), and how many tiles' partials the forward loads at once to combine them: the best of an H100
+# sweep (bench/NOTES.md) over tiles of 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
 COOPERATIVE_TILE_BYTES = 65536
 COOPERATIVE_COLS = 64
 COMBINE_SLICE = 16
+# The backward's combine loads twice as many: one load for up to 32 tiles (4,096 rows of 128) instead of a loop.
+# H100 at bench/jagged_ops.py's shape: bf16 78% -> 80% of copy, float32 84% -> 86%; 64 is lower (72%), and 32 costs
+# the forward 1-2 points (bench/NOTES.md).
+BWD_COMBINE_SLICE = 32
 # The 16-bit forward's cooperative chunks, read twice (statistics, then the write) in tiles of 32 rows: the best
 # of an H200 sweep over 128-1024 rows, 16-64-row tiles of 64-128 columns and 4 or 8 warps (bench/NOTES.md).
 REREAD_CHUNK_ROWS = 512
@@ -590,7 +594,7 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         _softmax_bwd_cooperative_kernel[(n_programs,)](y, dy, dx, offsets, total, part_dot,
                                                        _tickets(batch, n_col_tiles, y.device), n_cols, n_chunks,
                                                        n_col_tiles, y.stride(0), dy.stride(0), dy.stride(1),
-                                                       dx.stride(0), SLICE=COMBINE_SLICE, HOLD_16=holds_16_bit,
+                                                       dx.stride(0), SLICE=BWD_COMBINE_SLICE, HOLD_16=holds_16_bit,
                                                        **tiles)
         return dx
     _softmax_bwd_dot_kernel[(n_programs,)](y, dy, offsets, total, part_dot, n_cols, n_chunks, plan.chunk_rows,
