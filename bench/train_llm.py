@@ -23,10 +23,10 @@ tokens; every path runs forward, loss and backward on the same documents:
 - ``sdpa_padded``: attention implementation ``"sdpa"``; the documents as the rows of right-padded batches with
   an ``attention_mask``, in their sampled order, split into micro-batches of at most ``--padded-tokens``
   padded tokens (gradients accumulate over them; the loss is normalised by the whole batch's label count).
-- ``varlen_nn``: a decoder of the same size from ``varlen.nn.TransformerEncoderLayer`` (causal, pre-norm,
-  GQA) on a ``varlen.JaggedTensor`` of the documents. Where the modules don't fit a Llama: no rotary
-  embeddings (no positions at all), LayerNorm instead of RMSNorm and a GELU MLP of 1.5x the width instead of
-  SwiGLU (same parameter count). Parameters in bf16, as the others.
+- ``varlen_nn``: the same Llama written with ``varlen.nn.TransformerEncoderLayer`` (causal, pre-norm, GQA,
+  ``norm="rms"``, ``activation="swiglu"``, ``rotary_base`` = the config's ``rope_theta``) on a
+  ``varlen.JaggedTensor`` of the documents, with the transformers model's weights copied in (so its loss
+  matches the other paths'). Parameters in bf16, as the others.
 
 Measured per path: warm-up (every batch once, so that every Triton kernel and compiled graph exists), then
 ``--steps`` timed steps between ``torch.cuda.synchronize()`` calls. Real tokens/s counts document tokens only
@@ -202,37 +202,55 @@ def build_llama(preset: Preset, attn_implementation: str, seed: int, device: tor
 
 
 class JaggedDecoder(nn.Module):
-    """A decoder from ``varlen.nn`` on jagged batches: embedding, causal pre-norm layers, norm, LM head.
+    """The Llama of the other paths from ``varlen.nn`` on jagged batches: embedding, causal pre-norm layers
+    (RMSNorm, GQA attention with rotary embeddings, SwiGLU MLP, no biases), RMSNorm, LM head."""
 
-    The layers are ``varlen.nn.TransformerEncoderLayer`` with the Llama's attention shape (heads, GQA, no
-    biases) and a GELU MLP of 1.5x the SwiGLU width, which gives the same parameter count. No position
-    information: the layers have no rotary embeddings.
-    """
-
-    def __init__(self, preset: Preset):
+    def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.embed = nn.Embedding(preset.vocab, preset.hidden)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            varlen.nn.TransformerEncoderLayer(preset.hidden, preset.heads, dim_feedforward=3 * preset.intermediate // 2,
-                                              dropout=0.0, activation="gelu", norm_first=True, bias=False,
-                                              causal=True, num_kv_heads=preset.kv_heads)
-            for _ in range(preset.layers))
-        self.norm = nn.LayerNorm(preset.hidden, bias=False)
-        self.lm_head = nn.Linear(preset.hidden, preset.vocab, bias=False)
+            varlen.nn.TransformerEncoderLayer(
+                config.hidden_size, config.num_attention_heads, dim_feedforward=config.intermediate_size,
+                dropout=0.0, activation="swiglu", layer_norm_eps=config.rms_norm_eps, norm_first=True, bias=False,
+                causal=True, num_kv_heads=config.num_key_value_heads, norm="rms",
+                rotary_base=config.rope_parameters["rope_theta"])
+            for _ in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def load_llama(self, llama: LlamaForCausalLM) -> JaggedDecoder:
+        """Copy a transformers Llama's weights: q, k, v into the fused input projection, gate and up into
+        ``linear1`` (the gate first)."""
+        self.embed.weight.copy_(llama.model.embed_tokens.weight)
+        for ours, theirs in zip(self.layers, llama.model.layers, strict=True):
+            attn, mlp = theirs.self_attn, theirs.mlp
+            ours.self_attn.in_proj_weight.copy_(torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                                           attn.v_proj.weight]))
+            ours.self_attn.out_proj.weight.copy_(attn.o_proj.weight)
+            ours.linear1.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            ours.linear2.weight.copy_(mlp.down_proj.weight)
+            ours.norm1.weight.copy_(theirs.input_layernorm.weight)
+            ours.norm2.weight.copy_(theirs.post_attention_layernorm.weight)
+        self.norm.weight.copy_(llama.model.norm.weight)
+        self.lm_head.weight.copy_(llama.lm_head.weight)
+        return self
 
     def forward(self, ids: varlen.JaggedTensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy of the next-token predictions (``targets``: one per token, flat)."""
         x = ids.with_values(self.embed(ids.values))
         for layer in self.layers:
             x = layer(x)
-        x = varlen.layer_norm(x, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+        x = varlen.rms_norm(x, self.norm.normalized_shape, self.norm.weight, self.norm.eps)
         # Upcast as transformers' ForCausalLMLoss does, for the same loss cost in every path.
         return F.cross_entropy(self.lm_head(x.values).float(), targets, ignore_index=IGNORE_INDEX)
 
 
 def build_jagged_decoder(preset: Preset, seed: int, device: torch.device) -> JaggedDecoder:
-    torch.manual_seed(seed)
-    return JaggedDecoder(preset).to(device=device, dtype=torch.bfloat16).train()
+    """The other paths' model (same seed, built on the CPU) rewritten with varlen.nn."""
+    llama = build_llama(preset, "sdpa", seed, torch.device("cpu"))
+    decoder = JaggedDecoder(llama.config).to(torch.bfloat16).load_llama(llama)
+    return decoder.to(device).train()
 
 
 def matmul_parameters(model: nn.Module) -> int:
@@ -370,7 +388,7 @@ def run_path(path: str, args, preset: Preset, batches: list[Batch], device: torc
         note = ""
         if path == "varlen_nn":
             model = build_jagged_decoder(preset, args.seed, device)
-            note = "varlen.nn layers: no rotary, LayerNorm + GELU MLP (1.5x wide), same parameter count"
+            note = "varlen.nn Llama layers (RMSNorm, rotary, SwiGLU) with the same weights"
         else:
             impl = {"varlen_packed": "varlen", "flex_packed": "flex_attention", "sdpa_padded": "sdpa"}[path]
             model = build_llama(preset, impl, args.seed, device)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, random_jagged
+from varlen.ops.rotary import rotate
 
 AUTOCAST_DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.bfloat16]
 # Relative error of a result computed in the autocast dtype against the same torch op's.
@@ -33,6 +34,10 @@ def _cases():
     b = torch.randn(6, device=DEVICE)
     w_seq = torch.randn(len(LENGTHS), 8, 3, device=DEVICE)
     g, beta = torch.randn(8, device=DEVICE), torch.randn(8, device=DEVICE)
+
+    def reference_rotary(values):  # elementwise: no autocast rule, the input's dtype throughout
+        positions = torch.cat([torch.arange(n, device=DEVICE) for n in LENGTHS])
+        return rotate(values, positions, 10000.0)
 
     def padded_softmax(x):
         p = x.to_padded(float("-inf"))
@@ -53,6 +58,9 @@ def _cases():
         ("sum_ragged", lambda x: varlen.sum(x, 1), padded_sum),
         ("layer_norm", lambda x: varlen.layer_norm(x, 8, g, beta).values,
          lambda x: F.layer_norm(x.values, (8,), g, beta)),
+        ("rms_norm", lambda x: varlen.rms_norm(x, 8, g).values, lambda x: F.rms_norm(x.values, (8,), g)),
+        ("rotary", lambda x: varlen.rotary(x.with_values(x.values.unflatten(-1, (2, 4)))).values,
+         lambda x: reference_rotary(x.values.unflatten(-1, (2, 4)))),
         ("gelu", lambda x: varlen.gelu(x).values, lambda x: F.gelu(x.values)),
     ]
 

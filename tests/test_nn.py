@@ -1,11 +1,14 @@
 """varlen.nn modules against torch.nn's on padded batches with key padding masks (copied weights)."""
 
+from itertools import pairwise
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import varlen
 from conftest import DEVICE
-from utils import REL_TOL, assert_close, random_jagged
+from utils import REL_TOL, assert_close, random_jagged, rotary_reference
 from varlen.nn import MultiheadAttention, TransformerEncoderLayer
 
 E, H = 16, 4
@@ -199,6 +202,87 @@ def test_encoder_layer_dropout_only_in_training():
         assert getattr(module, "p", getattr(module, "dropout", None)) == 0.3
 
 
+# ---------------------------------------------------------------- Llama pieces: RMSNorm, SwiGLU, rotary
+def _attention_reference(q, k, v, causal):
+    """One sequence in float64: q (Sq, H, D), k and v (Sk, Hkv, D) -> (Sq, H * D)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).flatten(1)
+
+
+def _llama_block_reference(layer: TransformerEncoderLayer, x: torch.Tensor, base: float) -> torch.Tensor:
+    """One sequence (S, E) through a pre-norm Llama block, written out: RMSNorm, q/k/v, rotary on q and k,
+    causal attention, output projection, RMSNorm, SwiGLU."""
+    attn, E = layer.self_attn, layer.self_attn.embed_dim
+    kv, D = attn.kv_dim, attn.head_dim
+
+    def rms(t, norm):
+        return t / (t.square().mean(-1, keepdim=True) + norm.eps).sqrt() * norm.weight
+
+    h = rms(x, layer.norm1)
+    q, k, v = (h @ attn.in_proj_weight[lo:hi].T for lo, hi in ((0, E), (E, E + kv), (E + kv, E + 2 * kv)))
+    q, k, v = (t.unflatten(-1, (-1, D)) for t in (q, k, v))
+    q, k = rotary_reference(q, base), rotary_reference(k, base)
+    x = x + _attention_reference(q, k, v, causal=True) @ attn.out_proj.weight.T
+    gate, up = (rms(x, layer.norm2) @ layer.linear1.weight.T).chunk(2, -1)
+    return x + (F.silu(gate) * up) @ layer.linear2.weight.T
+
+
+def _llama_layer(dtype):
+    layer = TransformerEncoderLayer(E, H, 12, dropout=0.0, activation="swiglu", layer_norm_eps=1e-6, norm_first=True,
+                                    bias=False, causal=True, num_kv_heads=2, norm="rms", rotary_base=500.0,
+                                    device=DEVICE, dtype=dtype)
+    with torch.no_grad():  # away from 1, so that a missing norm weight shows
+        for norm in (layer.norm1, layer.norm2):
+            norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_llama_block_matches_reference(dtype):
+    layer = _llama_layer(dtype)
+    assert isinstance(layer.norm1, torch.nn.RMSNorm) and layer.linear1.out_features == 24
+    x = random_jagged([3, 0, 1, 17, 6], (E,), dtype=dtype, requires_grad=True)
+    out = layer(x)
+    params = list(layer.parameters())
+    x64 = x.values.detach().double().requires_grad_(True)
+    layer64 = _llama_layer(torch.float64)
+    layer64.load_state_dict(layer.state_dict())
+    host = x.host_offsets().tolist()
+    ref = torch.cat([_llama_block_reference(layer64, x64[s:e], 500.0) for s, e in pairwise(host)])
+    assert_close(out.values, ref, tol=_tol(dtype))
+    g = torch.randn_like(ref)
+    got = _grads((out.values * g.to(dtype)).sum(), [x.values, *params])
+    want = _grads((ref * g).sum(), [x64, *layer64.parameters()])
+    for name, a, b in zip(["x", *(n for n, _ in layer.named_parameters())], got, want, strict=True):
+        assert_close(a, b, tol=_tol(dtype), name=name)
+
+
+def test_mha_rotary_cross_attention_matches_reference():
+    dtype = torch.float64
+    mha = MultiheadAttention(E, H, num_kv_heads=2, bias=False, rotary_base=10000.0, device=DEVICE, dtype=dtype)
+    q_in, kv_in = random_jagged([4, 1, 9], (E,), dtype=dtype), random_jagged([7, 3, 2], (E,), dtype=dtype)
+    out = mha(q_in, kv_in)
+    kv = mha.kv_dim
+    for a, b, o in zip(q_in.unbind(), kv_in.unbind(), out.unbind(), strict=True):
+        q = (a @ mha.in_proj_weight[:E].T).unflatten(-1, (H, -1))
+        k = (b @ mha.in_proj_weight[E:E + kv].T).unflatten(-1, (2, -1))
+        v = (b @ mha.in_proj_weight[E + kv:].T).unflatten(-1, (2, -1))
+        ref = _attention_reference(rotary_reference(q, 1e4), rotary_reference(k, 1e4), v, causal=False)
+        assert_close(o, ref @ mha.out_proj.weight.T)
+
+
+def test_llama_block_dense_input_matches_jagged():
+    layer = _llama_layer(torch.float64)
+    x = torch.randn(2, 5, E, dtype=torch.float64, device=DEVICE)
+    jagged = layer(varlen.jagged(list(x.unbind()), device=DEVICE))
+    assert_close(layer(x).flatten(0, 1), jagged.values)
+    assert "norm='rms'" in repr(layer) and "rotary_base=500.0" in repr(layer)
+
+
 # ------------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(embed_dim=10, num_heads=4), ValueError, "embed_dim: 10 is not a multiple of num_heads"),
@@ -208,6 +292,8 @@ def test_encoder_layer_dropout_only_in_training():
     (dict(embed_dim=16, num_heads=4, dropout=1.0), ValueError, r"dropout: expected a probability in \[0, 1\)"),
     (dict(embed_dim=16, num_heads=4, causal=1), TypeError, "causal: expected a bool"),
     (dict(embed_dim=16, num_heads=4, window=(2,)), ValueError, "window: expected None or"),
+    (dict(embed_dim=16, num_heads=4, rotary_base=0.0), ValueError, "rotary_base: expected a real number > 0"),
+    (dict(embed_dim=6, num_heads=2, rotary_base=1e4), ValueError, "rotary_base: rotary embeddings need an even"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_mha_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -234,12 +320,14 @@ def test_mha_bad_inputs():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(activation="tanh"), ValueError, "activation: got 'tanh'; allowed: 'relu', 'gelu'"),
+    (dict(activation="tanh"), ValueError, "activation: got 'tanh'; allowed: 'relu', 'gelu', 'swiglu'"),
     (dict(activation=torch.relu), TypeError, "activation: expected a name"),
     (dict(dim_feedforward=0), ValueError, "dim_feedforward: got 0"),
     (dict(dropout=-0.1), ValueError, "dropout: expected a probability"),
     (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps: expected a real number >= 0"),
     (dict(norm_first="yes"), TypeError, "norm_first: expected a bool"),
+    (dict(norm="batch"), ValueError, "norm: got 'batch'; allowed: 'layer', 'rms'"),
+    (dict(rotary_base=-1.0), ValueError, "rotary_base: expected a real number > 0"),
     (dict(nhead=5), ValueError, "embed_dim: 16 is not a multiple of num_heads = 5"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_encoder_layer_bad_arguments(kwargs, error, match):

@@ -1,4 +1,4 @@
-"""varlen.layer_norm against a per-sequence float64 reference."""
+"""varlen.layer_norm and varlen.rms_norm against per-sequence float64 references."""
 
 import re
 from itertools import pairwise
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, random_jagged
-from varlen.ops.norm import layer_norm
+from varlen.ops.norm import layer_norm, rms_norm
 
 LENGTHS = {"mixed": [0, 1, 17, 300 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
@@ -67,6 +67,45 @@ def test_forward_backward(dtype, lengths, inner, normalized_shape, affine):
         assert_close(bias.grad, b64.grad, dtype, name="dbias")
 
 
+RMS_CASES = [
+    pytest.param(dtype, lengths, inner, normalized_shape, affine, eps,
+                 id=f"{_id(dtype)}-{lengths}-{inner}-{normalized_shape}-{affine}-eps{eps}")
+    for dtype in DTYPES for lengths in LENGTHS for inner, normalized_shape in SHAPES
+    for affine in ["weight", "none"] for eps in [None, 1e-5]
+    if normalized_shape != 1  # one element: y = x / sqrt(x^2 + eps) ~ sign(x), its dx pure cancellation noise
+]
+
+
+@pytest.mark.parametrize("dtype, lengths, inner, normalized_shape, affine, eps", RMS_CASES)
+def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affine, eps):
+    x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
+    weight = _affine(normalized_shape, dtype, affine == "weight")
+    out = rms_norm(x, normalized_shape, weight, eps)
+    dy = torch.randn_like(out.values)
+    out.values.backward(dy)
+
+    dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(normalized_shape)), 0))
+    x64 = x.values.detach().double().requires_grad_(True)
+    w64 = None if weight is None else weight.detach().double().requires_grad_(True)
+    eps64 = torch.finfo(dtype).eps if eps is None else eps  # torch's default: the input dtype's epsilon
+    ref = x64 / (x64.square().mean(dims, keepdim=True) + eps64).sqrt()
+    ref = ref if w64 is None else ref * w64
+    ref.backward(dy.double())
+    assert out.offsets is x.offsets and out.values.shape == x.values.shape and out.dtype == dtype
+    assert_close(out.values, ref, dtype, name="out")
+    assert_close(x.values.grad, x64.grad, dtype, name="dx")
+    if weight is not None:
+        assert_close(weight.grad, w64.grad, dtype, name="dweight")
+
+
+def test_rms_norm_gradcheck_and_nested_input():
+    x = random_jagged([2, 0, 3], (2, 3), dtype=torch.float64)
+    w = torch.randn(3, dtype=torch.float64, device=DEVICE)
+    inputs = tuple(t.detach().clone().requires_grad_(True) for t in (x.values, w))
+    assert torch.autograd.gradcheck(lambda v, w: rms_norm(x.with_values(v), 3, w, 1e-6).values, inputs)
+    assert torch.equal(rms_norm(x.to_nested(), 3, w).values, F.rms_norm(x.values, (3,), w))
+
+
 def test_gradcheck():
     x = random_jagged([2, 0, 3], (2, 3), dtype=torch.float64)
     w = torch.randn(3, dtype=torch.float64, device=DEVICE)
@@ -112,6 +151,16 @@ BAD = [
                  id="eps-type"),
     pytest.param(lambda: layer_norm(_x().to(torch.int64), 4), TypeError, "x.values: dtype int64",
                  id="int-dtype"),
+]
+
+
+BAD += [
+    pytest.param(lambda: rms_norm(_x().values, 4), TypeError, "x: expected a varlen.JaggedTensor", id="rms-plain-x"),
+    pytest.param(lambda: rms_norm(_x(), 3), ValueError, "(3,) must equal the last dims", id="rms-not-suffix"),
+    pytest.param(lambda: rms_norm(_x(), 4, torch.ones(3, device=DEVICE)), ValueError,
+                 "weight: expected shape (4,) (normalized_shape), got (3,)", id="rms-weight-shape"),
+    pytest.param(lambda: rms_norm(_x(), 4, eps=-1.0), ValueError, "eps: got -1.0; must be >= 0", id="rms-eps"),
+    pytest.param(lambda: rms_norm(_x(), 4, eps="1e-5"), TypeError, "eps: expected a real number", id="rms-eps-type"),
 ]
 
 

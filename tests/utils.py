@@ -90,3 +90,17 @@ def record_calls(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, recorded)
     return results
+
+
+def rotary_reference(part: torch.Tensor, base: float) -> torch.Tensor:
+    """One sequence ``(S, ..., D)`` rotated in float64, positions 0..S-1: the pair (x[i], x[i + D/2]) as the
+    complex number x[i] + 1j x[i + D/2], times exp(1j * position * base ** (-2 i / D))."""
+    part = part.double()
+    half = part.shape[-1] // 2
+    pos = torch.arange(part.shape[0], dtype=torch.float64, device=part.device)
+    freq = torch.tensor([base ** (-2 * i / part.shape[-1]) for i in range(half)], dtype=torch.float64,
+                        device=part.device)
+    turn = torch.polar(torch.ones(part.shape[0], half, dtype=torch.float64, device=part.device),
+                       pos[:, None] * freq[None, :])
+    z = torch.complex(part[..., :half], part[..., half:]) * turn.view(part.shape[0], *(1,) * (part.dim() - 2), half)
+    return torch.cat([z.real, z.imag], -1)

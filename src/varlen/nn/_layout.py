@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .. import _amp, ops
 from .._checks import FLOAT_DTYPES, check_dtype
 from ..jagged import JaggedTensor, as_jagged
+from ..ops.rotary import rotate
 
 
 def as_input(x, name: str, features: int, dtype: torch.dtype) -> JaggedTensor | torch.Tensor:
@@ -52,10 +53,21 @@ def linear(x, layer: torch.nn.Linear):
     return ops.linear(x, layer.weight, layer.bias) if is_jagged(x) else layer(x)
 
 
-def layer_norm(x, norm: torch.nn.LayerNorm):
+def norm(x, module: torch.nn.LayerNorm | torch.nn.RMSNorm):
+    """A ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` applied to each token."""
+    if not is_jagged(x):
+        return module(x)
+    if isinstance(module, torch.nn.RMSNorm):
+        return ops.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    return ops.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
+
+
+def rotary(x, base: float):
+    """Rotary embeddings of ``(B, j or S, heads, head_dim)`` tokens, positions counted from each sequence's start."""
     if is_jagged(x):
-        return ops.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    return norm(x)
+        return ops.rotary(x, base)
+    positions = torch.arange(x.shape[1], device=x.device).repeat(x.shape[0])
+    return rotate(x.flatten(0, 1), positions, base).unflatten(0, x.shape[:2])
 
 
 def add(x, y):
@@ -63,9 +75,14 @@ def add(x, y):
     return x.with_values(x.values + y.values) if is_jagged(x) else x + y
 
 
-ACTIVATIONS = {"relu": (ops.relu, F.relu), "gelu": (ops.gelu, F.gelu)}
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# name: (function of the tokens, hidden features per feed-forward feature: "swiglu" takes a gate and an input).
+ACTIVATIONS = {"relu": (F.relu, 1), "gelu": (F.gelu, 1), "swiglu": (_swiglu, 2)}
 
 
 def activation(x, name: str):
-    jagged_fn, dense_fn = ACTIVATIONS[name]
-    return jagged_fn(x) if is_jagged(x) else dense_fn(x)
+    return rowwise(x, ACTIVATIONS[name][0])

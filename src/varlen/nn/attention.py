@@ -9,6 +9,7 @@ from torch import nn
 from .. import ops
 from .._checks import check_int
 from ..attn.api import attention, parse_window
+from ..ops.rotary import check_rotary_base
 from . import _layout
 
 
@@ -33,6 +34,9 @@ class MultiheadAttention(nn.Module):
         bias: learn biases in the input and output projections.
         dropout: probability of dropping an attention weight, in training mode only.
         causal, window: masks, as in :func:`varlen.attention` (positions count within each sequence).
+        rotary_base: None (default), or rotary position embeddings on q and k with this wavelength scale
+            (``rope_theta`` in transformers' configs; :func:`varlen.rotary`), positions counted within each
+            sequence; ``head_dim`` must be even.
         device, dtype: of the parameters.
 
     Differences from ``torch.nn.MultiheadAttention``: inputs are batch-first and may be jagged (no
@@ -42,7 +46,7 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, causal: bool = False, window: tuple[int | None, int | None] | None = None,
-                 device=None, dtype=None):
+                 rotary_base: float | None = None, device=None, dtype=None):
         super().__init__()
         check_int("embed_dim", embed_dim, minimum=1)
         check_int("num_heads", num_heads, minimum=1)
@@ -58,6 +62,12 @@ class MultiheadAttention(nn.Module):
         parse_window(window)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
+        if rotary_base is not None:
+            rotary_base = check_rotary_base(rotary_base, "rotary_base")
+            if self.head_dim % 2:
+                raise ValueError(f"rotary_base: rotary embeddings need an even head_dim; embed_dim {embed_dim} / "
+                                 f"num_heads {num_heads} = {self.head_dim}")
+        self.rotary_base = rotary_base
         self.kv_dim = num_kv_heads * self.head_dim
         self.dropout = check_dropout(dropout)
         self.causal, self.window = causal, window
@@ -119,6 +129,8 @@ class MultiheadAttention(nn.Module):
                     raise TypeError("value: its layout (jagged or dense) differs from key's")
                 k = self._heads(self._project(key, E, E + kv), 0, kv)
                 v = self._heads(self._project(value, E + kv, E + 2 * kv), 0, kv)
+        if self.rotary_base is not None:
+            q, k = _layout.rotary(q, self.rotary_base), _layout.rotary(k, self.rotary_base)
         out = attention(q, k, v, causal=self.causal, window=self.window, bias=attn_bias,
                         dropout_p=self.dropout if self.training else 0.0)
         out = _layout.rowwise(out, lambda rows: rows.flatten(-2))
@@ -136,5 +148,7 @@ class MultiheadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
+        rotary = "" if self.rotary_base is None else f", rotary_base={self.rotary_base}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"dropout={self.dropout}, causal={self.causal}{window}, bias={self.in_proj_bias is not None}")
+                f"dropout={self.dropout}, causal={self.causal}{window}{rotary}, "
+                f"bias={self.in_proj_bias is not None}")

@@ -10,15 +10,19 @@ from .._checks import check_choice, check_int
 from . import _layout
 from .attention import MultiheadAttention, check_dropout
 
+NORMS = ("layer", "rms")
+
 
 class TransformerEncoderLayer(nn.Module):
     """Self-attention and a feed-forward block, as ``torch.nn.TransformerEncoderLayer``, on jagged batches.
 
     Same arguments, submodules (``self_attn``, ``linear1``, ``linear2``, ``norm1``, ``norm2``, ``dropout``,
     ``dropout1``, ``dropout2``), parameter names and math as torch's layer with ``batch_first=True``, so
-    a ``state_dict`` moves between the two (with ``num_kv_heads`` left at ``nhead``). Instead of
-    ``src_mask`` / ``src_key_padding_mask`` / ``is_causal``: jagged inputs (each sequence its own
-    length), ``causal``, ``window`` and ``forward``'s ``attn_bias``.
+    a ``state_dict`` moves between the two (with ``num_kv_heads``, ``norm``, ``rotary_base`` and
+    ``activation`` at torch's choices). Instead of ``src_mask`` / ``src_key_padding_mask`` / ``is_causal``:
+    jagged inputs (each sequence its own length), ``causal``, ``window`` and ``forward``'s ``attn_bias``.
+    Beyond torch's layer, the pieces of a Llama block: ``norm="rms"``, ``activation="swiglu"`` and
+    ``rotary_base`` (with ``norm_first=True``, ``bias=False``, ``dropout=0.0`` and ``causal=True``).
 
     Args:
         d_model: E, the features of a token.
@@ -26,11 +30,13 @@ class TransformerEncoderLayer(nn.Module):
         dim_feedforward: hidden features of the feed-forward block.
         dropout: probability used by every dropout (attention weights, feed-forward hidden units, both
             residual branches), in training mode only.
-        activation: ``"relu"`` or ``"gelu"`` (exact).
-        layer_norm_eps: the layer norms' epsilon.
+        activation: ``"relu"``, ``"gelu"`` (exact) or ``"swiglu"`` (``silu(gate) * up``: ``linear1`` makes
+            both, ``2 * dim_feedforward`` features, the gate first).
+        layer_norm_eps: the norms' epsilon.
+        norm: ``"layer"`` (``torch.nn.LayerNorm``) or ``"rms"`` (``torch.nn.RMSNorm``, no bias).
         norm_first: pre-norm (``x + sa(norm1(x))``...) instead of post-norm (``norm1(x + sa(x))``...).
         bias: learn biases in the linear layers and the layer norms.
-        causal, window, num_kv_heads: passed to :class:`MultiheadAttention`.
+        causal, window, num_kv_heads, rotary_base: passed to :class:`MultiheadAttention`.
         device, dtype: of the parameters.
 
     Raises ValueError / TypeError naming the argument for a bad one.
@@ -39,7 +45,8 @@ class TransformerEncoderLayer(nn.Module):
     def __init__(self, d_model: int, nhead: int, dim_feedforward: int = 2048, dropout: float = 0.1,
                  activation: str = "relu", layer_norm_eps: float = 1e-5, *, norm_first: bool = False,
                  bias: bool = True, causal: bool = False, window: tuple[int | None, int | None] | None = None,
-                 num_kv_heads: int | None = None, device=None, dtype=None):
+                 num_kv_heads: int | None = None, norm: str = "layer", rotary_base: float | None = None,
+                 device=None, dtype=None):
         super().__init__()
         check_int("dim_feedforward", dim_feedforward, minimum=1)
         dropout = check_dropout(dropout)
@@ -51,15 +58,18 @@ class TransformerEncoderLayer(nn.Module):
             raise ValueError(f"layer_norm_eps: expected a real number >= 0, got {layer_norm_eps!r}")
         if not isinstance(norm_first, bool):
             raise TypeError(f"norm_first: expected a bool, got {type(norm_first).__name__}")
+        check_choice("norm", norm, NORMS)
         factory = dict(device=device, dtype=dtype)
         self.self_attn = MultiheadAttention(d_model, nhead, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
-                                            causal=causal, window=window, **factory)
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
+                                            causal=causal, window=window, rotary_base=rotary_base, **factory)
+        hidden = dim_feedforward * _layout.ACTIVATIONS[activation][1]
+        self.linear1 = nn.Linear(d_model, hidden, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
         self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.norm1, self.norm2 = (nn.RMSNorm(d_model, eps=layer_norm_eps, **factory) if norm == "rms"
+                                  else nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+                                  for _ in range(2))
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
         self.activation = activation
@@ -71,10 +81,10 @@ class TransformerEncoderLayer(nn.Module):
         """
         x = _layout.as_input(src, "src", self.self_attn.embed_dim, self.linear1.weight.dtype)
         if self.norm_first:
-            x = _layout.add(x, self._sa_block(_layout.layer_norm(x, self.norm1), attn_bias))
-            return _layout.add(x, self._ff_block(_layout.layer_norm(x, self.norm2)))
-        x = _layout.layer_norm(_layout.add(x, self._sa_block(x, attn_bias)), self.norm1)
-        return _layout.layer_norm(_layout.add(x, self._ff_block(x)), self.norm2)
+            x = _layout.add(x, self._sa_block(_layout.norm(x, self.norm1), attn_bias))
+            return _layout.add(x, self._ff_block(_layout.norm(x, self.norm2)))
+        x = _layout.norm(_layout.add(x, self._sa_block(x, attn_bias)), self.norm1)
+        return _layout.norm(_layout.add(x, self._ff_block(x)), self.norm2)
 
     def _sa_block(self, x, attn_bias):
         return _layout.rowwise(self.self_attn(x, attn_bias=attn_bias), self.dropout1)
@@ -85,4 +95,5 @@ class TransformerEncoderLayer(nn.Module):
         return _layout.rowwise(h, self.dropout2)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, norm_first={self.norm_first}"
+        norm = "rms" if isinstance(self.norm1, nn.RMSNorm) else "layer"
+        return f"activation={self.activation!r}, norm={norm!r}, norm_first={self.norm_first}"

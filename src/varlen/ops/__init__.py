@@ -1,11 +1,12 @@
 """Jagged-tensor ops, one module per family, each with a fused, sync-free backward."""
 
 from .linear import linear, matmul, transposed_matmul
-from .norm import layer_norm
+from .norm import layer_norm, rms_norm
 from .pointwise import gelu, relu, silu, threshold
 from .reduce import mean, sum
+from .rotary import rotary
 from .select import select
 from .softmax import softmax
 
-__all__ = ["gelu", "layer_norm", "linear", "matmul", "mean", "relu", "select", "silu", "softmax", "sum",
-           "threshold", "transposed_matmul"]
+__all__ = ["gelu", "layer_norm", "linear", "matmul", "mean", "relu", "rms_norm", "rotary", "select", "silu",
+           "softmax", "sum", "threshold", "transposed_matmul"]

@@ -1,9 +1,10 @@
-"""Layer normalization of jagged tensors over trailing (inner) dims.
+"""Layer and RMS normalization of jagged tensors over trailing (inner) dims.
 
-Normalizing over inner dims treats every row of ``values`` on its own, so the op runs once on the
-flat ``values`` with ``torch.nn.functional.layer_norm``, whose backward (``native_layer_norm_backward``,
-as in PyTorch's ``layer_norm_backward_nested``) gives the gradients of x, weight and bias in one fused
-pass. The same code runs on every device, whatever :func:`varlen.use_backend` says.
+Normalizing over inner dims treats every row of ``values`` on its own, so each op runs once on the
+flat ``values`` with ``torch.nn.functional.layer_norm`` (whose backward, ``native_layer_norm_backward``
+as in PyTorch's ``layer_norm_backward_nested``, gives the gradients of x, weight and bias in one fused
+pass) or ``torch.nn.functional.rms_norm``. The same code runs on every device, whatever
+:func:`varlen.use_backend` says.
 """
 
 from __future__ import annotations
@@ -62,6 +63,33 @@ def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[
     ``eps`` < 0) naming the argument.
     """
     x = as_jagged(x, "x")
+    shape = _check_norm(x, normalized_shape, {"weight": weight, "bias": bias}, eps)
+    return x.with_values(F.layer_norm(x.values, shape, weight, bias, float(eps)))
+
+
+def rms_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[int],
+             weight: torch.Tensor | None = None, eps: float | None = None) -> JaggedTensor:
+    """RMS norm of a jagged ``(B, j, *inner)`` over the trailing dims ``normalized_shape``:
+    ``x / sqrt(mean(x**2) + eps) * weight``, as ``torch.nn.functional.rms_norm``.
+
+    Args:
+        x: a JaggedTensor or a ``torch.nested`` jagged tensor, floating point.
+        normalized_shape: an int or a sequence of ints equal to the last dims of ``inner`` (not the ragged
+            dim, as :func:`layer_norm`).
+        weight: optional ``normalized_shape`` tensor, ``x``'s dtype and device.
+        eps: added to the mean square, >= 0; None takes ``torch.finfo(x.dtype).eps``, as torch.
+
+    Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x and weight. Under ``torch.autocast``
+    it follows ``torch.nn.functional.rms_norm``. Raises TypeError / ValueError naming the argument, as
+    :func:`layer_norm`.
+    """
+    x = as_jagged(x, "x")
+    shape = _check_norm(x, normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
+    return x.with_values(F.rms_norm(x.values, shape, weight, None if eps is None else float(eps)))
+
+
+def _check_norm(x: JaggedTensor, normalized_shape, affine: dict, eps) -> tuple[int, ...]:
+    """The checks both norms share; returns ``normalized_shape`` as a tuple."""
     check_dtype("x.values", x.values, FLOAT_DTYPES)
     shape = _normalized_shape(normalized_shape)
     inner = tuple(x.inner_shape)
@@ -71,10 +99,10 @@ def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[
                          "not supported with the jagged layout")
     if inner[len(inner) - len(shape):] != shape:
         raise ValueError(f"normalized_shape: {shape} must equal the last dims of x's inner shape {inner}")
-    _check_affine("weight", weight, shape, x)
-    _check_affine("bias", bias, shape, x)
+    for name, t in affine.items():
+        _check_affine(name, t, shape, x)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps: expected a real number, got {type(eps).__name__} {eps!r}")
     if not eps >= 0:
         raise ValueError(f"eps: got {eps}; must be >= 0")
-    return x.with_values(F.layer_norm(x.values, shape, weight, bias, float(eps)))
+    return shape

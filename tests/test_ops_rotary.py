@@ -1,0 +1,80 @@
+"""varlen.rotary against a per-sequence float64 reference (each pair of features as a complex number)."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import varlen
+from conftest import DEVICE, ON_GPU
+from utils import assert_close, random_jagged, rotary_reference
+
+LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
+DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+INNER = [(8,), (2, 40), (3, 80), (1, 96)]
+
+
+def reference(x: varlen.JaggedTensor, base: float) -> torch.Tensor:
+    return torch.cat([rotary_reference(part, base) for part in x.unbind()])
+
+
+@pytest.mark.parametrize("inner", INNER, ids=str)
+@pytest.mark.parametrize("lengths", LENGTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward(dtype, lengths, inner):
+    x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
+    out = varlen.rotary(x, 500.0)
+    dy = torch.randn_like(out.values)
+    out.values.backward(dy)
+    x64 = x.with_values(x.values.detach().double().requires_grad_(True))
+    ref = reference(x64, 500.0)
+    ref.backward(dy.double())
+    assert out.offsets is x.offsets and out.values.dtype == dtype
+    # (Below float64 the angles are float32, as transformers' Llama computes them.)
+    assert_close(out.values, ref, dtype, name="out")
+    assert_close(x.values.grad, x64.values.grad, dtype, name="dx")
+
+
+def test_gradcheck():
+    x = random_jagged([2, 0, 3], (2, 6), dtype=torch.float64)
+    values = x.values.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v: varlen.rotary(x.with_values(v), 10000.0).values, (values,))
+
+
+def test_positions_restart_at_each_sequence_and_norms_stay():
+    x = random_jagged([5, 3], (2, 8))
+    out = varlen.rotary(x)
+    first = torch.tensor([0, 5], device=DEVICE)
+    assert torch.equal(out.values[first], x.values[first])  # position 0: no turn
+    assert_close(out.values.norm(dim=-1), x.values.norm(dim=-1))
+    # A relative property: q_m . k_n depends on m - n only.
+    q = varlen.rotary(varlen.jagged([torch.ones(6, 8)], device=DEVICE)).values
+    assert math.isclose(float(q[1] @ q[3]), float(q[2] @ q[4]), rel_tol=1e-5)
+
+
+def test_nested_input():
+    x = random_jagged([3, 0, 5], (2, 8))
+    assert torch.equal(varlen.rotary(x.to_nested()).values, varlen.rotary(x).values)
+
+
+BAD = [
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], (2, 8)).values), TypeError,
+                 "x: expected a varlen.JaggedTensor", id="plain-x"),
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], (2, 7))), ValueError,
+                 "x: rotary embeddings turn pairs of the last dim, which must be even; got inner shape (2, 7)",
+                 id="odd-dim"),
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], ())), ValueError, "got inner shape ()", id="no-inner"),
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], (8,)), 0.0), ValueError,
+                 "base: expected a real number > 0", id="base-zero"),
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], (8,)), "1e4"), ValueError, "base: expected a real",
+                 id="base-type"),
+    pytest.param(lambda: varlen.rotary(random_jagged([2, 3], (8,)).to(torch.int64)), TypeError,
+                 "x.values: dtype int64", id="int-dtype"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", BAD)
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
