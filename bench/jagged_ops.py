@@ -4,8 +4,9 @@ Run on a GPU machine:
 
     PYTHONPATH=src python3 bench/jagged_ops.py --out results.md
 
-Ops: softmax over the ragged dim, sum over the ragged dim, jagged -> padded and padded -> jagged,
-each forward and backward. For every op the table gives the median time (``triton.testing.do_bench``,
+Ops: softmax over the ragged dim, sum over the ragged dim, jagged -> padded and padded -> jagged, rotary
+embeddings (the features as heads of 64), each forward and backward. For every op the table gives the
+median time (``triton.testing.do_bench``,
 L2 flushed between runs), the bandwidth over the op's *minimal* bytes (each input read once, each
 output written once, padding included only where it is the op's own output) and its share of the
 device copy bandwidth measured in the same run; then the same op with ``torch.nested`` jagged
@@ -33,6 +34,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 import varlen  # noqa: E402
+from varlen.ops.rotary import rotary_torch  # noqa: E402
 from varlen.padding import padded_to_jagged  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -171,7 +173,29 @@ def cases(x: varlen.JaggedTensor, padded: torch.Tensor, mask: torch.Tensor):
         "torch.nested": try_case(lambda: grad_of(nested_from_padded().values(), padded, g_values)),
         "padded dense": conversion,
     }))
+
+    # rotary embeddings, the features as heads of 64 (padded dense: transformers' Llama math on the padded
+    # batch, positions past each sequence's end included)
+    D = 64 if F % 64 == 0 else F
+    heads = x.with_values(values.unflatten(-1, (-1, D)))
+    padded_heads = padded.unflatten(-1, (-1, D))
+    positions = torch.arange(W, device=values.device).repeat(B)
+    freq = 1.0 / 10000.0 ** (torch.arange(D // 2, device=values.device, dtype=torch.float32) / (D // 2))
+
+    def padded_rotary():
+        return rotary_torch(padded_heads.flatten(0, 1), positions, freq, 1)
+    rows.append(("rotary", "fwd", 2 * n, {
+        "varlen": lambda: varlen.rotary(heads),
+        "torch.nested": not_available("no rotary embedding op"),
+        "padded dense": padded_rotary,
+    }))
+    rows.append(("rotary", "bwd", 2 * n, {
+        "varlen": grad_of(varlen.rotary(heads).values, values, g_values.unflatten(-1, (-1, D))),
+        "torch.nested": not_available("no rotary embedding op"),
+        "padded dense": grad_of(padded_rotary(), padded, g_padded.unflatten(-1, (-1, D)).flatten(0, 1)),
+    }))
     return rows
+
 
 
 def make_inputs(batch: int, min_len: int, max_len: int, inner: int, dtype: torch.dtype, device: torch.device):

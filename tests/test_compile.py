@@ -306,12 +306,14 @@ def _jagged_op_cases(backend):
         "scatter_position": (torch.randn(3, 4, device=DEVICE), offsets, total, 1, backend),
         "grouped_matmul": (values, offsets, max_len, torch.randn(3, 4, 5, device=DEVICE), backend),
         "transposed_matmul": (values, torch.randn(total, 5, device=DEVICE), offsets, max_len, backend),
+        "rotary": (values.view(-1, 1, 4), torch.arange(total, device=DEVICE), torch.tensor([1.0, 0.1], device=DEVICE),
+                   -1, backend),
     }
 
 
 JAGGED_OPS = ["jagged_to_padded", "padded_to_jagged", "ragged_softmax_forward", "ragged_softmax_backward",
               "segment_sum", "segment_mean", "broadcast_rows", "gather_position", "scatter_position",
-              "grouped_matmul", "transposed_matmul"]
+              "grouped_matmul", "transposed_matmul", "rotary"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -335,9 +337,11 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         "varlen.padding": ("_to_padded_op", "_from_padded_op"),
         "varlen.ops.select": ("_gather_op", "_scatter_op"),
         "varlen.ops.linear": ("_grouped_matmul_op", "_transposed_matmul_op"),
+        "varlen.ops.rotary": ("_rotate_op",),
     }
     ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows", "jagged_to_padded",
-           "padded_to_jagged", "gather_position", "scatter_position", "grouped_matmul", "transposed_matmul"}
+           "padded_to_jagged", "gather_position", "scatter_position", "grouped_matmul", "transposed_matmul",
+           "rotary"}
     seen = set()
 
     class Recorder(TorchDispatchMode):
@@ -349,7 +353,8 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         x.values.grad = w.grad = None
         back = varlen.padding.padded_to_jagged(x.to_padded(), x.offsets, x.total, x.max_len)
         loss = (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum() + back.square().sum()
-                + varlen.select(x, 1, -1, fill_value=0.0).sum() + varlen.matmul(x, w).values.square().sum())
+                + varlen.select(x, 1, -1, fill_value=0.0).sum() + varlen.matmul(x, w).values.square().sum()
+                + varlen.rotary(x).values[:, 0].sum())
         loss.backward()
         return x.values.grad, w.grad
 
@@ -372,7 +377,8 @@ def test_plain_backward_of_jagged_ops_applies_no_autograd_function(monkeypatch):
     w = torch.randn(3, 2, 4, device=DEVICE, requires_grad=True)
     padded = x.to_padded().detach().requires_grad_(True)
     outs = [varlen.sum(x, 1), varlen.select(x, 1, -1, fill_value=0.0), x.to_padded(),
-            varlen.padding.padded_to_jagged(padded, x.offsets, x.total, x.max_len), varlen.matmul(x, w).values]
+            varlen.padding.padded_to_jagged(padded, x.offsets, x.total, x.max_len), varlen.matmul(x, w).values,
+            varlen.rotary(x).values]
     applied = []
     apply = torch.autograd.Function.apply.__func__
     monkeypatch.setattr(torch.autograd.Function, "apply",
@@ -380,7 +386,7 @@ def test_plain_backward_of_jagged_ops_applies_no_autograd_function(monkeypatch):
     loss = sum(out.square().sum() for out in outs)
     grads = torch.autograd.grad(loss, (x.values, w, padded), create_graph=True)
     assert {"_BroadcastRows", "_ScatterPosition", "_PaddedToJagged", "_JaggedToPadded", "_GroupedMatmul",
-            "_TransposedMatmul"} <= set(applied)
+            "_TransposedMatmul", "_Rotary"} <= set(applied)
     applied.clear()
     plain = torch.autograd.grad(loss, (x.values, w, padded))
     assert applied == []

@@ -13,18 +13,20 @@ from utils import assert_close, random_jagged, rotary_reference
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
 INNER = [(8,), (2, 40), (3, 80), (1, 96)]
+BACKENDS = ["torch", "triton"]
 
 
 def reference(x: varlen.JaggedTensor, base: float) -> torch.Tensor:
     return torch.cat([rotary_reference(part, base) for part in x.unbind()])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("inner", INNER, ids=str)
 @pytest.mark.parametrize("lengths", LENGTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_forward_backward(dtype, lengths, inner):
+def test_forward_backward(dtype, lengths, inner, backend):
     x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
-    out = varlen.rotary(x, 500.0)
+    out = varlen.rotary(x, 500.0, backend=backend)
     dy = torch.randn_like(out.values)
     out.values.backward(dy)
     x64 = x.with_values(x.values.detach().double().requires_grad_(True))
@@ -36,10 +38,25 @@ def test_forward_backward(dtype, lengths, inner):
     assert_close(x.values.grad, x64.values.grad, dtype, name="dx")
 
 
-def test_gradcheck():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_and_gradgradcheck(backend):
     x = random_jagged([2, 0, 3], (2, 6), dtype=torch.float64)
     values = x.values.detach().clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda v: varlen.rotary(x.with_values(v), 10000.0).values, (values,))
+
+    def turn(v):
+        return varlen.rotary(x.with_values(v), 10000.0, backend=backend).values
+    assert torch.autograd.gradcheck(turn, (values,))
+    assert torch.autograd.gradgradcheck(turn, (values,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_heads_as_views_of_a_projection(backend):
+    # q and k as the nn modules make them: views of one (N, 3 * H * D) projection, rows 3 * H * D apart.
+    x = random_jagged([5, 0, 9], (3 * 2 * 8,))
+    q = x.with_values(x.values[:, 16:32].unflatten(-1, (2, 8)))
+    assert not q.values.is_contiguous()
+    got = varlen.rotary(q, backend=backend).values
+    assert torch.equal(got, varlen.rotary(q.with_values(q.values.contiguous()), backend=backend).values)
 
 
 def test_positions_restart_at_each_sequence_and_norms_stay():

@@ -1,11 +1,15 @@
 """Rotary position embeddings (RoPE) of jagged tensors, positions counted within each sequence.
 
 Each row is rotated by its position: the pairs ``(x[i], x[i + D/2])`` of the last dim (the "half" layout of
-GPT-NeoX and Hugging Face's Llama) turn by ``position * base ** (-2 i / D)``. The angles are computed in
-float32 (float64 for float64 inputs), their cosines and sines rounded to ``x``'s dtype and applied there, as
-transformers' Llama does, so a model ported from it computes the same numbers. Plain torch ops on the flat
-values (autograd gives the backward, one more rotation); the positions come from the device offsets, with no
-host sync.
+GPT-NeoX and Hugging Face's Llama) turn by ``position * base ** (-2 i / D)``. The angles are computed as
+transformers' Llama computes them (float32 frequencies times float32 positions; float64 for float64 inputs)
+and their cosines and sines rounded to ``x``'s dtype, so a model ported from it computes the same rotation.
+
+The Triton kernel reads each row once and writes it once (the pairs of every head of a block of rows, both
+halves; any row and head strides, so q and k can be views of one projection) and takes its angles in
+registers; its backward is the same kernel turning the other way. The PyTorch path (CPU) is the same math
+in torch ops, rounding each product to ``x``'s dtype as transformers does (the kernel rounds once). The
+positions come from the device offsets, with no host sync.
 """
 
 from __future__ import annotations
@@ -13,31 +17,132 @@ from __future__ import annotations
 import numbers
 
 import torch
+from torch import Tensor
 
-from .._checks import FLOAT_DTYPES, check_dtype
+from .. import capabilities
+from .._backend import gradient_op, through_custom_op
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype
+from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import row_positions
+from ..tiling import acc_type, cdiv, next_power_of_2
 
 
+# ------------------------------------------------------------------------------------ kernels
+@triton.jit(do_not_specialize=["n_rows"])
+def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
+                   TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * positions[r] * inv_freq: both halves
+    # of BLOCK_R rows x BLOCK_H heads per program.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    pairs = tl.arange(0, BLOCK_HALF)
+    angles = (tl.load(positions + rows, mask=rows < n_rows, other=0).to(ACC)[:, None]
+              * tl.load(inv_freq + pairs, mask=pairs < HALF, other=0.0)[None, :])
+    # Rounded to x's dtype, as transformers rounds its cos and sin tables.
+    cos = tl.cos(angles).to(x.dtype.element_ty).to(ACC)[:, None, :]
+    sin = (TURN * tl.sin(angles)).to(x.dtype.element_ty).to(ACC)[:, None, :]
+    mask = (rows < n_rows)[:, None, None] & (heads < n_heads)[None, :, None] & (pairs < HALF)[None, None, :]
+    first = rows[:, None, None] * stride_xr + heads[None, :, None].to(tl.int64) * stride_xh + pairs[None, None, :]
+    x1 = tl.load(x + first, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x + first + HALF, mask=mask, other=0.0).to(ACC)
+    first = rows[:, None, None] * stride_or + heads[None, :, None].to(tl.int64) * stride_oh + pairs[None, None, :]
+    tl.store(out + first, (x1 * cos - x2 * sin).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + first + HALF, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------- launchers
+# Elements (of both halves) one program turns: 4K (8K spilled at one head, where every element takes its own
+# cosine and sine), 1K in float64 (libdevice's float64 cosine and sine take many registers).
+_TILE_ELEMS = 4096
+_TILE_ELEMS_FLOAT64 = 1024
+
+
+def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
+    """``x`` ``(N, H, D)`` (last dim contiguous) turned by ``turn * positions[r] * inv_freq``: a new
+    contiguous tensor."""
+    n_rows, n_heads, dim = x.shape
+    out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    half = dim // 2
+    elems = _TILE_ELEMS_FLOAT64 if x.dtype == torch.float64 else _TILE_ELEMS
+    block_half = next_power_of_2(half)
+    block_h = min(next_power_of_2(n_heads), max(1, elems // (2 * block_half)))
+    block_r = max(1, elems // (2 * block_half * block_h))
+    _rotary_kernel[(cdiv(n_rows, block_r), cdiv(n_heads, block_h))](
+        x, out, positions, inv_freq, n_rows, n_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        TURN=turn, ACC=acc_type(x.dtype), HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=4)
+    return out
+
+
+def rotary_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
+    """The same rotation in torch ops, each product rounded to ``x``'s dtype (as transformers' Llama)."""
+    half = x.shape[-1] // 2
+    angles = turn * positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+# ------------------------------------------------------------------------------------ custom op
+# torch.compile sees the rotation as one opaque op with its output shape from the fake implementation. Eager
+# calls run the implementation directly (varlen._backend.through_custom_op).
+def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str) -> Tensor:
+    rotate = rotary_triton if backend == "triton" else rotary_torch
+    return rotate(x, positions, inv_freq, turn)
+
+
+_rotate_op = torch.library.custom_op("varlen::rotary", _rotate, mutates_args=())
+
+
+@_rotate_op.register_fake
+def _(x, positions, inv_freq, turn, backend):
+    return x.new_empty(x.shape)
+
+
+def _run_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str) -> Tensor:
+    return (_rotate_op if through_custom_op() else _rotate)(x, positions, inv_freq, turn, backend)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, inv_freq, turn, backend):
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.turn, ctx.backend = turn, backend
+        return _run_rotate(x, positions, inv_freq, turn, backend)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The transpose of a rotation turns the other way.
+        positions, inv_freq = ctx.saved_tensors
+        dx = gradient_op(_Rotary, _run_rotate, grad, positions, inv_freq, -ctx.turn, ctx.backend)
+        return dx, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------- public
 def check_rotary_base(base, name: str = "base") -> float:
     if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 0:
         raise ValueError(f"{name}: expected a real number > 0 (the wavelength scale, e.g. 10000.0), got {base!r}")
     return float(base)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """``x`` ``(N, ..., D)`` rotated by ``positions`` ``(N,)`` (any integer or float dtype); ``D`` even."""
+def rotate(x: Tensor, positions: Tensor, base: float, backend: str | None = None) -> Tensor:
+    """``x`` ``(N, ..., D)`` (``D`` even) rotated by ``positions`` ``(N,)`` (integers): the op behind
+    :func:`rotary` and the ``varlen.nn`` modules' dense inputs."""
     half = x.shape[-1] // 2
-    exact = torch.float64 if x.dtype == torch.float64 else torch.float32
+    exact = accumulate_dtype(x.dtype)
     inv_freq = 1.0 / base ** (torch.arange(0, half, device=x.device, dtype=exact) / half)
-    angles = positions.to(exact)[:, None] * inv_freq[None, :]  # (elementwise: autocast leaves it alone)
-    angles = torch.cat([angles, angles], dim=-1).view(x.shape[0], *(1,) * (x.dim() - 2), 2 * half)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    backend = capabilities.resolve(x.device, x.dtype, "ragged", backend)
+    rows = x.reshape(x.shape[0], -1, x.shape[-1])  # (N, heads, D): a view wherever the heads are one stride
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return _Rotary.apply(rows, positions, inv_freq, 1, backend).view(x.shape)
 
 
-def rotary(x: JaggedTensor | torch.Tensor, base: float = 10000.0) -> JaggedTensor:
+def rotary(x: JaggedTensor | Tensor, base: float = 10000.0, *, backend: str | None = None) -> JaggedTensor:
     """Rotary position embedding of a jagged ``(B, j, *inner, D)`` tensor, each row by its position inside
     its sequence (0 for each sequence's first row).
 
@@ -45,6 +150,7 @@ def rotary(x: JaggedTensor | torch.Tensor, base: float = 10000.0) -> JaggedTenso
         x: a JaggedTensor or a ``torch.nested`` jagged tensor, floating point, with at least one inner dim
             (typically ``(B, j, heads, head_dim)``); its last dim ``D`` even.
         base: the wavelength scale (``rope_theta`` in transformers' configs), > 0.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: :func:`varlen.use_backend`'s).
 
     Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x. Raises TypeError for a non-jagged
     or non-float ``x``, ValueError for an odd or missing last dim or a bad ``base``.
@@ -56,4 +162,4 @@ def rotary(x: JaggedTensor | torch.Tensor, base: float = 10000.0) -> JaggedTenso
         raise ValueError(f"x: rotary embeddings turn pairs of the last dim, which must be even; got inner shape "
                          f"{tuple(x.inner_shape)}")
     _, positions = row_positions(x.offsets, x.values.shape[0], max(x.max_len, 1))
-    return x.with_values(rotate(x.values, positions, base))
+    return x.with_values(rotate(x.values, positions, base, backend))
