@@ -1,6 +1,6 @@
 """End-to-end training steps of a Llama-style decoder on documents of mixed lengths: varlen next to its peers.
 
-    PYTHONPATH=src python3 bench/train_llm.py --out bench/results/train_llm_h100.md --profile /tmp/varlen_packed.json
+    PYTHONPATH=src python3 bench/train_llm.py --out bench/results/train_llm_h100.md --profile /tmp/train_llm.json
     .venv/bin/python bench/train_llm.py --device cpu --tiny   # smoke test of the logic (no FlexAttention on CPU)
 
 The model is ``transformers``' ``LlamaForCausalLM`` built from a config (random init, about 150M parameters,
@@ -39,10 +39,11 @@ count for every path, so padding computed in vain earns nothing. Host syncs: cou
 ``torch.cuda.set_sync_debug_mode("warn")``. ``--compile`` wraps each model in ``torch.compile``; ``--optimizer``
 adds an AdamW step to each step.
 
-``--profile PATH`` profiles two ``varlen_packed`` steps (eager) with ``torch.profiler``, writes the Chrome trace
-to PATH, and prints the top CUDA kernels and the step time per category (attention, matmul, norms, rotary,
-loss, elementwise/other), attributing the kernels that aren't attention or matmul by the module or function
-that launched them, in the forward pass and in the backward (through autograd's sequence numbers).
+``--profile PATH`` profiles two ``varlen_packed`` steps and two ``varlen_nn`` steps (eager) with ``torch.profiler``,
+writes each Chrome trace to PATH with the path's name added (``PATH_varlen_nn.json``...), and prints the top CUDA
+kernels and the step time per category (attention, matmul, norms, rotary, loss, elementwise/other), attributing
+the kernels that aren't attention, rotary or matmul by name to the module or function that launched them, in the
+forward pass and in the backward (through autograd's sequence numbers).
 """
 
 from __future__ import annotations
@@ -242,8 +243,12 @@ class JaggedDecoder(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = varlen.rms_norm(x, self.norm.normalized_shape, self.norm.weight, self.norm.eps)
+        return self.loss_function(self.lm_head(x.values), targets)
+
+    @staticmethod
+    def loss_function(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Upcast as transformers' ForCausalLMLoss does, for the same loss cost in every path.
-        return F.cross_entropy(self.lm_head(x.values).float(), targets, ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
 
 
 def build_jagged_decoder(preset: Preset, seed: int, device: torch.device) -> JaggedDecoder:
@@ -420,12 +425,13 @@ LABEL_PREFIX = "train_llm::"
 # Kernel names that say what they compute, checked before the launching module's label (a projection inside
 # the attention module is a matmul). The aten names cover the CPU smoke run, where ops stand in for kernels.
 NAMED_CATEGORIES = (
+    ("rotary", re.compile(r"_rotary_")),
     ("attention", re.compile(r"_attn_|_bwd_|flash|fmha|attention")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|^aten::(mm|addmm|bmm|baddbmm)$")),
 )
 # For kernels the module labels don't place (e.g. launched outside any labelled module).
 FALLBACK_CATEGORIES = (
-    ("norms", re.compile(r"rms_?norm|layer_?norm", re.IGNORECASE)),
+    ("norms", re.compile(r"rms_?norm|layer_?norm|GammaBeta", re.IGNORECASE)),
     ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy", re.IGNORECASE)),
 )
 CATEGORIES = ("attention", "matmul", "norms", "rotary", "loss", "elementwise/other")
@@ -482,7 +488,10 @@ def labelled_scopes(model: nn.Module):
             handle.remove()
         for namespace, fn in restore:
             namespace.apply_rotary_pos_emb = fn
-        del model._loss_function  # back to transformers' loss_function property
+        if isinstance(model, LlamaForCausalLM):
+            del model._loss_function  # back to transformers' loss_function property
+        else:
+            del model.loss_function  # back to JaggedDecoder's method
 
 
 def scope_label(event) -> str | None:
@@ -551,12 +560,19 @@ def kernel_records(events, device: torch.device) -> list[tuple[str, float, str, 
     return records
 
 
-def profile_varlen_packed(args, preset: Preset, batches: list[Batch], device: torch.device) -> list[str]:
-    """Markdown lines: the top kernels and the time per category of two eager varlen_packed steps."""
+def profile_path(path: str, args, preset: Preset, batches: list[Batch], device: torch.device) -> list[str]:
+    """Markdown lines: the top kernels and the time per category of two eager steps of ``path`` (varlen_packed
+    or varlen_nn); its Chrome trace to ``args.profile`` with the path's name before the extension."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_llama(preset, "varlen", args.seed, device)
-    step = with_optimizer(hf_packed_step(model, lambda b: b.packed), model, args.optimizer, device)
+    if path == "varlen_nn":
+        model = build_jagged_decoder(preset, args.seed, device)
+        step = with_optimizer(jagged_step(model), model, args.optimizer, device)
+    else:
+        model = build_llama(preset, "varlen", args.seed, device)
+        step = with_optimizer(hf_packed_step(model, lambda b: b.packed), model, args.optimizer, device)
+    stem, dot, ext = args.profile.rpartition(".")
+    trace = f"{stem}_{path}.{ext}" if dot else f"{args.profile}_{path}"
     for batch in batches:
         step(batch)
     profiled = [batches[i % len(batches)] for i in range(2)]
@@ -568,7 +584,7 @@ def profile_varlen_packed(args, preset: Preset, batches: list[Batch], device: to
             step(batch)
         synchronize(device)
         step_us = 1e6 * (time.perf_counter() - start) / len(profiled)
-    prof.export_chrome_trace(args.profile)
+    prof.export_chrome_trace(trace)
     records = kernel_records(prof.events(), device)
     del model, step
     gc.collect()
@@ -581,8 +597,8 @@ def profile_varlen_packed(args, preset: Preset, batches: list[Batch], device: to
         by_kernel[(name, cat)][1] += calls
         by_category[cat] += us * per_step
     unit = "CUDA kernels" if device.type == "cuda" else "aten ops (CPU: their own time stands in for kernels)"
-    lines = [f"\n### Profile: varlen_packed, eager, {len(profiled)} steps ({step_us / 1e3:.1f} ms per profiled step)",
-             f"\nTime per step by category ({unit}); the chrome trace is {args.profile}.\n",
+    lines = [f"\n### Profile: {path}, eager, {len(profiled)} steps ({step_us / 1e3:.1f} ms per profiled step)",
+             f"\nTime per step by category ({unit}); the chrome trace is {trace}.\n",
              "| category | ms per step | share of step |", "|---|---|---|"]
     for cat, us in by_category.items():
         lines.append(f"| {cat} | {us / 1e3:.2f} | {100 * us / step_us:.1f}% |")
@@ -672,7 +688,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sdpa_padded: most padded tokens per micro-batch (default: --tokens, the packed row's size)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each model")
     ap.add_argument("--optimizer", action="store_true", help="add an AdamW step to each timed step")
-    ap.add_argument("--profile", metavar="PATH", help="profile two varlen_packed steps; Chrome trace to PATH")
+    ap.add_argument("--profile", metavar="PATH",
+                    help="profile two varlen_packed and two varlen_nn steps; Chrome traces to PATH_<path>")
     ap.add_argument("--out", metavar="FILE", help="also write the markdown report to FILE")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -709,7 +726,8 @@ def main(argv=None) -> None:
               flush=True)
     lines = report(args, preset, batches, results, device)
     if args.profile:
-        lines += profile_varlen_packed(args, preset, batches, device)
+        for path in ("varlen_packed", "varlen_nn"):
+            lines += profile_path(path, args, preset, batches, device)
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if args.out:
