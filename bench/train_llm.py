@@ -54,6 +54,7 @@ import dataclasses
 import datetime
 import gc
 import math
+import os
 import re
 import sys
 import time
@@ -571,8 +572,8 @@ def profile_path(path: str, args, preset: Preset, batches: list[Batch], device: 
     else:
         model = build_llama(preset, "varlen", args.seed, device)
         step = with_optimizer(hf_packed_step(model, lambda b: b.packed), model, args.optimizer, device)
-    stem, dot, ext = args.profile.rpartition(".")
-    trace = f"{stem}_{path}.{ext}" if dot else f"{args.profile}_{path}"
+    stem, ext = os.path.splitext(args.profile)
+    trace = f"{stem}_{path}{ext}"
     for batch in batches:
         step(batch)
     profiled = [batches[i % len(batches)] for i in range(2)]

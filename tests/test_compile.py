@@ -308,19 +308,24 @@ def _jagged_op_cases(backend):
         "transposed_matmul": (values, torch.randn(total, 5, device=DEVICE), offsets, max_len, backend),
         "rotary": (values.view(-1, 1, 4), torch.arange(total, device=DEVICE), torch.tensor([1.0, 0.1], device=DEVICE),
                    -1, backend),
+        # heads-major rows (the kernel's output, and the fake's, are contiguous whatever the input's layout)
+        "rotary_heads_major": (torch.randn(2, total, 4, device=DEVICE).transpose(0, 1),
+                               torch.arange(total, device=DEVICE), torch.tensor([1.0, 0.1], device=DEVICE), 1,
+                               backend),
     }
 
 
 JAGGED_OPS = ["jagged_to_padded", "padded_to_jagged", "ragged_softmax_forward", "ragged_softmax_backward",
               "segment_sum", "segment_mean", "broadcast_rows", "gather_position", "scatter_position",
-              "grouped_matmul", "transposed_matmul", "rotary"]
+              "grouped_matmul", "transposed_matmul", "rotary", "rotary_heads_major"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", JAGGED_OPS)
 def test_jagged_ops_opcheck(name, backend):
     args = _jagged_op_cases(backend)[name]
-    op = "segment_sum" if name == "segment_mean" else name  # a mean over no rows is NaN: no empty sequence
+    # (a mean over no rows is NaN: no empty sequence)
+    op = {"segment_mean": "segment_sum", "rotary_heads_major": "rotary"}.get(name, name)
     torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks(backend))
 
 

@@ -275,6 +275,12 @@ def test_mha_rotary_cross_attention_matches_reference():
         assert_close(o, ref @ mha.out_proj.weight.T)
 
 
+def test_mha_rotary_on_a_batch_of_empty_sequences():
+    mha = MultiheadAttention(E, H, rotary_base=1e4, device=DEVICE)
+    out = mha(random_jagged([0, 0], (E,)))
+    assert out.values.shape == (0, E)
+
+
 def test_llama_block_dense_input_matches_jagged():
     layer = _llama_layer(torch.float64)
     x = torch.randn(2, 5, E, dtype=torch.float64, device=DEVICE)

@@ -2,8 +2,9 @@
 
 Each row is rotated by its position: the pairs ``(x[i], x[i + D/2])`` of the last dim (the "half" layout of
 GPT-NeoX and Hugging Face's Llama) turn by ``position * base ** (-2 i / D)``. The angles are computed as
-transformers' Llama computes them (float32 frequencies times float32 positions; float64 for float64 inputs)
-and their cosines and sines rounded to ``x``'s dtype, so a model ported from it computes the same rotation.
+transformers' Llama computes them (float32 frequencies times float32 positions) and their cosines and sines
+rounded to ``x``'s dtype, so a model ported from it computes the same rotation; float64 inputs take float64
+angles (varlen's choice, for float64 references and gradcheck; transformers stays in float32).
 
 The Triton kernel reads each row once and writes it once (the pairs of every head of a block of rows, both
 halves; any row and head strides, so q and k can be views of one projection) and takes its angles in
@@ -14,6 +15,7 @@ positions come from the device offsets, with no host sync.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -60,12 +62,13 @@ _TILE_ELEMS_FLOAT64 = 1024
 
 
 def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
-    """``x`` ``(N, H, D)`` (last dim contiguous) turned by ``turn * positions[r] * inv_freq``: a new
-    contiguous tensor."""
+    """``x`` ``(N, H, D)`` (any strides) turned by ``turn * positions[r] * inv_freq``: a new contiguous tensor."""
     n_rows, n_heads, dim = x.shape
     out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
+    if x.stride(-1) != 1:  # the kernel walks the last dim with stride 1 (a backward's gradient may be expanded)
+        x = x.contiguous()
     half = dim // 2
     elems = _TILE_ELEMS_FLOAT64 if x.dtype == torch.float64 else _TILE_ELEMS
     block_half = next_power_of_2(half)
@@ -79,12 +82,13 @@ def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> 
 
 
 def rotary_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
-    """The same rotation in torch ops, each product rounded to ``x``'s dtype (as transformers' Llama)."""
+    """The same rotation in torch ops, each product rounded to ``x``'s dtype (as transformers' Llama); contiguous,
+    as the kernel's (and the custom op's fake) result, whatever ``x``'s layout."""
     half = x.shape[-1] // 2
     angles = turn * positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)[:, None, :]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return (x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin).contiguous()
 
 
 # ------------------------------------------------------------------------------------ custom op
@@ -124,7 +128,10 @@ class _Rotary(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- public
 def check_rotary_base(base, name: str = "base") -> float:
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 0:
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"{name}: expected a real number (the wavelength scale, e.g. 10000.0), got "
+                        f"{type(base).__name__} {base!r}")
+    if not base > 0:
         raise ValueError(f"{name}: expected a real number > 0 (the wavelength scale, e.g. 10000.0), got {base!r}")
     return float(base)
 
@@ -136,9 +143,8 @@ def rotate(x: Tensor, positions: Tensor, base: float, backend: str | None = None
     exact = accumulate_dtype(x.dtype)
     inv_freq = 1.0 / base ** (torch.arange(0, half, device=x.device, dtype=exact) / half)
     backend = capabilities.resolve(x.device, x.dtype, "ragged", backend)
-    rows = x.reshape(x.shape[0], -1, x.shape[-1])  # (N, heads, D): a view wherever the heads are one stride
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    # (N, heads, D): a view wherever the heads are one stride apart
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
     return _Rotary.apply(rows, positions, inv_freq, 1, backend).view(x.shape)
 
 
