@@ -50,21 +50,26 @@ def test_forward_backward(dtype, lengths, inner, normalized_shape, affine):
     bias = _affine(normalized_shape, dtype, affine == "weight+bias")
     out = layer_norm(x, normalized_shape, weight, bias, eps=1e-5)
     dy = torch.randn_like(out.values)
-    out.values.backward(dy)
 
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     leaf = lambda t: None if t is None else t.detach().double().requires_grad_(True)
     x64, w64, b64 = leaf(x.values), leaf(weight), leaf(bias)
     host = x.host_offsets().tolist()
     ref = torch.cat([F.layer_norm(x64[s:e], shape, w64, b64, 1e-5) for s, e in pairwise(host)])
+    _check_against_reference(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64),
+                                                       "bias": (bias, b64)})
+
+
+def _check_against_reference(x, out, dy, ref, dtype, leaves):
+    """``out`` (from ``x``) against the float64 ``ref``, and after the same backward of ``dy``, each
+    ``leaves`` pair's gradients (name: (tensor or None, its float64 copy))."""
+    out.values.backward(dy)
     ref.backward(dy.double())
     assert out.offsets is x.offsets and out.values.shape == x.values.shape and out.dtype == dtype
     assert_close(out.values, ref, dtype, name="out")
-    assert_close(x.values.grad, x64.grad, dtype, name="dx")
-    if weight is not None:
-        assert_close(weight.grad, w64.grad, dtype, name="dweight")
-    if bias is not None:
-        assert_close(bias.grad, b64.grad, dtype, name="dbias")
+    for name, (leaf, leaf64) in leaves.items():
+        if leaf is not None:
+            assert_close(leaf.grad, leaf64.grad, dtype, name=f"d{name}")
 
 
 RMS_CASES = [
@@ -82,7 +87,6 @@ def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affi
     weight = _affine(normalized_shape, dtype, affine == "weight")
     out = rms_norm(x, normalized_shape, weight, eps)
     dy = torch.randn_like(out.values)
-    out.values.backward(dy)
 
     dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(normalized_shape)), 0))
     x64 = x.values.detach().double().requires_grad_(True)
@@ -90,12 +94,7 @@ def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affi
     eps64 = torch.finfo(dtype).eps if eps is None else eps  # torch's default: the input dtype's epsilon
     ref = x64 / (x64.square().mean(dims, keepdim=True) + eps64).sqrt()
     ref = ref if w64 is None else ref * w64
-    ref.backward(dy.double())
-    assert out.offsets is x.offsets and out.values.shape == x.values.shape and out.dtype == dtype
-    assert_close(out.values, ref, dtype, name="out")
-    assert_close(x.values.grad, x64.grad, dtype, name="dx")
-    if weight is not None:
-        assert_close(weight.grad, w64.grad, dtype, name="dweight")
+    _check_against_reference(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64)})
 
 
 def test_rms_norm_gradcheck_and_nested_input():

@@ -123,6 +123,13 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_real(name: str, value) -> float:
+    """A real number (not a bool), returned as a float; TypeError naming the argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def check_probability(name: str, value) -> float:
     """A dropout probability: a real number in ``[0, 1)``, returned as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:

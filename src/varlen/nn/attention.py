@@ -113,14 +113,13 @@ class MultiheadAttention(nn.Module):
         E, kv, rotary = self.embed_dim, self.kv_dim, self.rotary_base
         if key is None:
             qkv = self._project(query, 0, E + 2 * kv)
+            # q's and k's heads lie side by side in each row: one rotation turns both.
+            qk = self._heads(qkv, 0, E + kv)
+            if rotary is not None:
+                qk = _layout.rotary(qk, rotary)
+            q, k = (_layout.rowwise(qk, lambda rows, part=part: rows[..., part, :]) for part in
+                    (slice(0, self.num_heads), slice(self.num_heads, None)))
             v = self._heads(qkv, E + kv, E + 2 * kv)
-            if rotary is None:
-                q, k = self._heads(qkv, 0, E), self._heads(qkv, E, E + kv)
-            else:  # q's and k's heads lie side by side in each row: one rotation turns both
-                qk = _layout.rotary(self._heads(qkv, 0, E + kv), rotary)
-                q, k = (_layout.rowwise(qk, lambda rows, part=part: rows[..., part, :]) for part in
-                        (slice(0, self.num_heads), slice(self.num_heads, None)))
-                rotary = None
         else:
             key = _layout.as_input(key, "key", E, dtype)
             if _layout.is_jagged(key) != _layout.is_jagged(query):
@@ -136,8 +135,8 @@ class MultiheadAttention(nn.Module):
                     raise TypeError("value: its layout (jagged or dense) differs from key's")
                 k = self._heads(self._project(key, E, E + kv), 0, kv)
                 v = self._heads(self._project(value, E + kv, E + 2 * kv), 0, kv)
-        if rotary is not None:
-            q, k = _layout.rotary(q, rotary), _layout.rotary(k, rotary)
+            if rotary is not None:
+                q, k = _layout.rotary(q, rotary), _layout.rotary(k, rotary)
         out = attention(q, k, v, causal=self.causal, window=self.window, bias=attn_bias,
                         dropout_p=self.dropout if self.training else 0.0)
         out = _layout.rowwise(out, lambda rows: rows.flatten(-2))

@@ -9,14 +9,13 @@ pass) or ``torch.nn.functional.rms_norm``. The same code runs on every device, w
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .. import _amp
-from .._checks import FLOAT_DTYPES, check_dtype, check_same_device, check_same_dtype, check_tensor
+from .._checks import FLOAT_DTYPES, check_dtype, check_real, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged
 
 
@@ -101,8 +100,6 @@ def _check_norm(x: JaggedTensor, normalized_shape, affine: dict, eps) -> tuple[i
         raise ValueError(f"normalized_shape: {shape} must equal the last dims of x's inner shape {inner}")
     for name, t in affine.items():
         _check_affine(name, t, shape, x)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a real number, got {type(eps).__name__} {eps!r}")
-    if not eps >= 0:
+    if not check_real("eps", eps) >= 0:
         raise ValueError(f"eps: got {eps}; must be >= 0")
     return shape

@@ -8,12 +8,10 @@ Triton path: the same code runs on every device, whatever :func:`varlen.use_back
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
 
-from .._checks import FLOAT_DTYPES, check_choice, check_dtype
+from .._checks import FLOAT_DTYPES, check_choice, check_dtype, check_real
 from ..jagged import JaggedTensor, as_jagged
 
 GELU_APPROXIMATIONS = ("none", "tanh")
@@ -23,11 +21,6 @@ def _jagged_float(x, name: str = "x") -> JaggedTensor:
     x = as_jagged(x, name)
     check_dtype(f"{name}.values", x.values, FLOAT_DTYPES)
     return x
-
-
-def _check_real(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
 
 
 def gelu(x: JaggedTensor | torch.Tensor, approximate: str = "none") -> JaggedTensor:
@@ -64,6 +57,6 @@ def threshold(x: JaggedTensor | torch.Tensor, threshold: float, value: float) ->
     or ``value`` is not a real number.
     """
     x = _jagged_float(x)
-    _check_real("threshold", threshold)
-    _check_real("value", value)
+    check_real("threshold", threshold)
+    check_real("value", value)
     return x.with_values(F.threshold(x.values, threshold, value))

@@ -16,14 +16,13 @@ positions come from the device offsets, with no host sync.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import Tensor
 
 from .. import capabilities
 from .._backend import gradient_op, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_real
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import row_positions
@@ -128,10 +127,7 @@ class _Rotary(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- public
 def check_rotary_base(base, name: str = "base") -> float:
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(f"{name}: expected a real number (the wavelength scale, e.g. 10000.0), got "
-                        f"{type(base).__name__} {base!r}")
-    if not base > 0:
+    if not check_real(name, base) > 0:
         raise ValueError(f"{name}: expected a real number > 0 (the wavelength scale, e.g. 10000.0), got {base!r}")
     return float(base)
 
@@ -159,7 +155,7 @@ def rotary(x: JaggedTensor | Tensor, base: float = 10000.0, *, backend: str | No
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: :func:`varlen.use_backend`'s).
 
     Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x. Raises TypeError for a non-jagged
-    or non-float ``x``, ValueError for an odd or missing last dim or a bad ``base``.
+    or non-float ``x`` or a non-real ``base``, ValueError for an odd or missing last dim or a ``base`` <= 0.
     """
     x = as_jagged(x, "x")
     check_dtype("x.values", x.values, FLOAT_DTYPES)
