@@ -5,7 +5,8 @@ Run on a GPU machine:
     PYTHONPATH=src python3 bench/jagged_ops.py --out results.md
 
 Ops: softmax over the ragged dim, sum over the ragged dim, jagged -> padded and padded -> jagged, rotary
-embeddings (the features as heads of 64), each forward and backward. For every op the table gives the
+embeddings (the features as heads of 64), SwiGLU (the features as a gate and an input), each forward and
+backward. For every op the table gives the
 median time (``triton.testing.do_bench``,
 L2 flushed between runs), the bandwidth over the op's *minimal* bytes (each input read once, each
 output written once, padding included only where it is the op's own output) and its share of the
@@ -193,6 +194,25 @@ def cases(x: varlen.JaggedTensor, padded: torch.Tensor, mask: torch.Tensor):
         "varlen": grad_of(varlen.rotary(heads).values, values, g_values.unflatten(-1, (-1, D))),
         "torch.nested": not_available("no rotary embedding op"),
         "padded dense": grad_of(padded_rotary(), padded, g_padded.unflatten(-1, (-1, D)).flatten(0, 1)),
+    }))
+
+    # SwiGLU, the features as a gate and an input of F / 2 each (torch: silu(gate) * up in its own ops)
+    def torch_swiglu(t):
+        gate, up = t.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def nested_swiglu():
+        return torch_swiglu(nested())
+    rows.append(("swiglu", "fwd", 3 * n // 2, {
+        "varlen": lambda: varlen.swiglu(x),
+        "torch.nested": try_case(lambda: nested_swiglu),
+        "padded dense": lambda: torch_swiglu(padded),
+    }))
+    g_half = g_values[:, :F // 2]
+    rows.append(("swiglu", "bwd", 5 * n // 2, {
+        "varlen": grad_of(varlen.swiglu(x).values, values, g_half),
+        "torch.nested": try_case(lambda: grad_of(nested_swiglu().values(), values, g_half)),
+        "padded dense": grad_of(torch_swiglu(padded), padded, g_padded[..., :F // 2]),
     }))
     return rows
 

@@ -41,9 +41,10 @@ adds an AdamW step to each step.
 
 ``--profile PATH`` profiles two ``varlen_packed`` steps and two ``varlen_nn`` steps (eager) with ``torch.profiler``,
 writes each Chrome trace to PATH with the path's name added (``PATH_varlen_nn.json``...), and prints the top CUDA
-kernels and the step time per category (attention, matmul, norms, rotary, loss, elementwise/other), attributing
-the kernels that aren't attention, rotary or matmul by name to the module or function that launched them, in the
-forward pass and in the backward (through autograd's sequence numbers).
+kernels and the step time per category (attention, matmul, norms, rotary, swiglu, loss, elementwise/other),
+attributing the kernels that aren't attention, rotary, swiglu or matmul by name to the module or function that
+launched them (transformers' MLP: its SwiGLU), in the forward pass and in the backward (through autograd's
+sequence numbers).
 """
 
 from __future__ import annotations
@@ -427,6 +428,7 @@ LABEL_PREFIX = "train_llm::"
 # the attention module is a matmul). The aten names cover the CPU smoke run, where ops stand in for kernels.
 NAMED_CATEGORIES = (
     ("rotary", re.compile(r"_rotary_")),
+    ("swiglu", re.compile(r"_swiglu_")),
     ("attention", re.compile(r"_attn_|_bwd_|flash|fmha|attention")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|^aten::(mm|addmm|bmm|baddbmm)$")),
 )
@@ -435,7 +437,7 @@ FALLBACK_CATEGORIES = (
     ("norms", re.compile(r"rms_?norm|layer_?norm|GammaBeta", re.IGNORECASE)),
     ("loss", re.compile(r"log_softmax|nll_loss|cross_entropy", re.IGNORECASE)),
 )
-CATEGORIES = ("attention", "matmul", "norms", "rotary", "loss", "elementwise/other")
+CATEGORIES = ("attention", "matmul", "norms", "rotary", "swiglu", "loss", "elementwise/other")
 
 
 def module_label(module: nn.Module) -> str | None:
@@ -444,6 +446,8 @@ def module_label(module: nn.Module) -> str | None:
         return "norms"
     if name.endswith("RotaryEmbedding"):
         return "rotary"
+    if name.endswith("MLP"):  # its matmuls are told apart by name: what is left is the SwiGLU's elementwise work
+        return "swiglu"
     if name.endswith("Attention"):  # what runs inside that isn't a matmul or rotary: attention's own work
         return "attention"
     return None
@@ -451,8 +455,9 @@ def module_label(module: nn.Module) -> str | None:
 
 @contextlib.contextmanager
 def labelled_scopes(model: nn.Module):
-    """Profiler ranges named after what each part of the forward pass computes (norms, rotary, attention,
-    loss), so that the elementwise kernels of eager RMSNorm and rotary can be told apart from the others."""
+    """Profiler ranges named after what each part of the forward pass computes (norms, rotary, attention, the MLP's
+    SwiGLU, loss), so that the elementwise kernels of eager RMSNorm, rotary and SwiGLU can be told apart from the
+    others."""
     open_ranges, handles, restore = [], [], []
 
     def enter(label):

@@ -62,6 +62,7 @@ def _cases():
         ("rotary", lambda x: varlen.rotary(x.with_values(x.values.unflatten(-1, (2, 4)))).values,
          lambda x: reference_rotary(x.values.unflatten(-1, (2, 4)))),
         ("gelu", lambda x: varlen.gelu(x).values, lambda x: F.gelu(x.values)),
+        ("swiglu", lambda x: varlen.swiglu(x).values, lambda x: F.silu(x.values[:, :4]) * x.values[:, 4:]),
     ]
 
 

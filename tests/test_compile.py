@@ -25,6 +25,8 @@ from varlen.nn import TransformerEncoderLayer
 # through the interpreter here (slow, so only in the opcheck tests, with tiny shapes).
 TRITON_RUNS = _backend.triton_unsupported_reason(DEVICE) is None
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
+# SwiGLU calls its custom ops on the Triton path only (the torch path is torch ops, with their own autograd).
+SWIGLU_BACKEND = "triton" if TRITON_RUNS else "torch"
 
 E, HEADS = 8, 2
 
@@ -73,7 +75,7 @@ def attention_block(x, w_qkv, w_out, norm_weight):
     q, k, v = (qkv.with_values(rows[:, i]) for i in range(3))
     o = varlen.attention(q, k, v, causal=True)
     o = varlen.linear(o.with_values(o.values.flatten(-2)), w_out)
-    return (varlen.silu(varlen.gelu(varlen.relu(o))),)
+    return varlen.silu(varlen.gelu(varlen.relu(o))), varlen.swiglu(o, backend=SWIGLU_BACKEND)
 
 
 def ragged_ops(x, w, w_seq):
@@ -329,6 +331,14 @@ def test_jagged_ops_opcheck(name, backend):
     torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks(backend))
 
 
+@pytest.mark.skipif(not TRITON_RUNS, reason="SwiGLU's custom ops are its Triton path")
+def test_swiglu_ops_opcheck():
+    rows = torch.randn(7, 3, 10, device=DEVICE)[:, 1]  # rows 30 apart
+    torch.library.opcheck(torch.ops.varlen.swiglu_forward.default, (rows,), test_utils=_opchecks("triton"))
+    torch.library.opcheck(torch.ops.varlen.swiglu_backward.default, (rows, torch.randn(7, 5, device=DEVICE)),
+                          test_utils=_opchecks("triton"))
+
+
 def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):
     """The jagged ops call their implementations directly in eager (the custom ops' Python dispatch costs host
     time); under a dispatch mode (fake tensors, tracing, FLOP counters) they go through the custom ops."""
@@ -343,10 +353,11 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         "varlen.ops.select": ("_gather_op", "_scatter_op"),
         "varlen.ops.linear": ("_grouped_matmul_op", "_transposed_matmul_op"),
         "varlen.ops.rotary": ("_rotate_op",),
+        "varlen.ops.swiglu": ("_swiglu_fwd_op", "_swiglu_bwd_op"),
     }
     ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows", "jagged_to_padded",
            "padded_to_jagged", "gather_position", "scatter_position", "grouped_matmul", "transposed_matmul",
-           "rotary"}
+           "rotary"} | ({"swiglu_forward", "swiglu_backward"} if SWIGLU_BACKEND == "triton" else set())
     seen = set()
 
     class Recorder(TorchDispatchMode):
@@ -359,7 +370,7 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         back = varlen.padding.padded_to_jagged(x.to_padded(), x.offsets, x.total, x.max_len)
         loss = (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum() + back.square().sum()
                 + varlen.select(x, 1, -1, fill_value=0.0).sum() + varlen.matmul(x, w).values.square().sum()
-                + varlen.rotary(x).values[:, 0].sum())
+                + varlen.rotary(x).values[:, 0].sum() + varlen.swiglu(x, backend=SWIGLU_BACKEND).values.sum())
         loss.backward()
         return x.values.grad, w.grad
 

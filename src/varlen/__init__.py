@@ -24,6 +24,7 @@ from .ops import (
     silu,
     softmax,
     sum,
+    swiglu,
     threshold,
     transposed_matmul,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "silu",
     "softmax",
     "sum",
+    "swiglu",
     "threshold",
     "transposed_matmul",
     "use_backend",

@@ -15,6 +15,7 @@ from .. import _amp, ops
 from .._checks import FLOAT_DTYPES, check_dtype
 from ..jagged import JaggedTensor, as_jagged
 from ..ops.rotary import rotate
+from ..ops.swiglu import swiglu_values
 
 
 def as_input(x, name: str, features: int, dtype: torch.dtype) -> JaggedTensor | torch.Tensor:
@@ -75,13 +76,8 @@ def add(x, y):
     return x.with_values(x.values + y.values) if is_jagged(x) else x + y
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 # name: (function of the tokens, hidden features per feed-forward feature: "swiglu" takes a gate and an input).
-ACTIVATIONS = {"relu": (F.relu, 1), "gelu": (F.gelu, 1), "swiglu": (_swiglu, 2)}
+ACTIVATIONS = {"relu": (F.relu, 1), "gelu": (F.gelu, 1), "swiglu": (swiglu_values, 2)}
 
 
 def activation(x, name: str):

@@ -7,6 +7,8 @@ from .reduce import mean, sum
 from .rotary import rotary
 from .select import select
 from .softmax import softmax
+from .swiglu import swiglu
 
 __all__ = ["gelu", "layer_norm", "linear", "matmul", "mean", "relu", "rms_norm", "rotary", "select", "silu",
-           "softmax", "sum", "threshold", "transposed_matmul"]
+           "softmax", "sum", "swiglu", "threshold",
+           "transposed_matmul"]

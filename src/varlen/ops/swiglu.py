@@ -1,0 +1,164 @@
+"""SwiGLU of jagged tensors: ``silu(gate) * up`` from the two halves of the last dim, the gate first (the
+feed-forward activation of Llama-style blocks, from one projection that makes both halves).
+
+The Triton kernels read ``x`` once and write the result once; the backward reads ``x`` and the gradient once and
+writes both halves of ``dx`` into one tensor (torch's ops make the two halves' gradients apart and concatenate
+them). Their math is in float32 (float64 for float64), each result rounded once. The PyTorch path (CPU) is
+``silu(gate) * up`` in torch ops with torch's autograd, which rounds ``silu(gate)`` to ``x``'s dtype before the
+product.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import capabilities
+from .._backend import through_custom_op
+from .._checks import FLOAT_DTYPES, check_dtype
+from .._triton import tl, triton
+from ..jagged import JaggedTensor, as_jagged
+from ..tiling import acc_type, cdiv, next_power_of_2
+
+
+# ------------------------------------------------------------------------------------ kernels
+@triton.jit(do_not_specialize=["n_rows"])
+def _swiglu_fwd_kernel(x, out, n_rows, n_cols, stride_xr, stride_or, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
+    # out[r, c] = silu(x[r, c]) * x[r, n_cols + c] over BLOCK_R rows x BLOCK_C columns.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    gate_at = x + rows[:, None] * stride_xr + cols[None, :]
+    gate = tl.load(gate_at, mask=mask, other=0.0).to(ACC)
+    up = tl.load(gate_at + n_cols, mask=mask, other=0.0).to(ACC)
+    tl.store(out + rows[:, None] * stride_or + cols[None, :], (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _swiglu_bwd_kernel(x, grad, dx, n_rows, n_cols, stride_xr, stride_gr, stride_dr, ACC: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # d up = grad * silu(gate); d gate = grad * up * silu'(gate), silu' = sigmoid * (1 + gate * (1 - sigmoid)).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    gate_at = x + rows[:, None] * stride_xr + cols[None, :]
+    gate = tl.load(gate_at, mask=mask, other=0.0).to(ACC)
+    up = tl.load(gate_at + n_cols, mask=mask, other=0.0).to(ACC)
+    g = tl.load(grad + rows[:, None] * stride_gr + cols[None, :], mask=mask, other=0.0).to(ACC)
+    sig = tl.sigmoid(gate)
+    d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    d_at = dx + rows[:, None] * stride_dr + cols[None, :]
+    tl.store(d_at, d_gate.to(dx.dtype.element_ty), mask=mask)
+    tl.store(d_at + n_cols, (g * gate * sig).to(dx.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------- launchers
+# Elements of each input one program takes (a bandwidth-bound elementwise kernel: enough bytes in flight); 1K in
+# float64, whose 4K spilled (tools/swiglu_variants.py).
+_TILE_ELEMS = 4096
+_TILE_ELEMS_FLOAT64 = 1024
+
+
+def _tiles(n_rows: int, n_cols: int, dtype: torch.dtype) -> tuple[tuple[int, int], dict]:
+    elems = _TILE_ELEMS_FLOAT64 if dtype == torch.float64 else _TILE_ELEMS
+    block_c = min(next_power_of_2(n_cols), elems)
+    block_r = max(1, elems // block_c)
+    return (cdiv(n_rows, block_r), cdiv(n_cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+
+def _unit_last_stride(t: Tensor) -> Tensor:
+    # The kernels walk the last dim with stride 1 (a backward's gradient may be expanded or transposed).
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu_fwd_triton(x: Tensor) -> Tensor:
+    """``x`` ``(N, 2F)`` (any row stride) -> ``silu(x[:, :F]) * x[:, F:]``, a new contiguous ``(N, F)``."""
+    n_rows, n_cols = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = _unit_last_stride(x)
+    grid, tiles = _tiles(n_rows, n_cols, x.dtype)
+    _swiglu_fwd_kernel[grid](x, out, n_rows, n_cols, x.stride(0), out.stride(0), ACC=acc_type(x.dtype), **tiles)
+    return out
+
+
+def swiglu_bwd_triton(x: Tensor, grad: Tensor) -> Tensor:
+    """The gradient of :func:`swiglu_fwd_triton` w.r.t. ``x``, given ``grad`` ``(N, F)``: a new contiguous
+    ``(N, 2F)``."""
+    n_rows, n_cols = grad.shape
+    dx = torch.empty((n_rows, 2 * n_cols), dtype=x.dtype, device=x.device)
+    if dx.numel() == 0:
+        return dx
+    x, grad = _unit_last_stride(x), _unit_last_stride(grad)
+    grid, tiles = _tiles(n_rows, n_cols, x.dtype)
+    _swiglu_bwd_kernel[grid](x, grad, dx, n_rows, n_cols, x.stride(0), grad.stride(0), dx.stride(0),
+                             ACC=acc_type(x.dtype), **tiles)
+    return dx
+
+
+# ------------------------------------------------------------------------------------ custom ops
+# torch.compile sees each step as one opaque op with its output shape from the fake implementation. Eager calls
+# run the kernels directly (varlen._backend.through_custom_op).
+_swiglu_fwd_op = torch.library.custom_op("varlen::swiglu_forward", swiglu_fwd_triton, mutates_args=())
+_swiglu_bwd_op = torch.library.custom_op("varlen::swiglu_backward", swiglu_bwd_triton, mutates_args=())
+
+
+@_swiglu_fwd_op.register_fake
+def _(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@_swiglu_bwd_op.register_fake
+def _(x, grad):
+    return x.new_empty((grad.shape[0], 2 * grad.shape[1]))
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (_swiglu_fwd_op if through_custom_op() else swiglu_fwd_triton)(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return (_swiglu_bwd_op if through_custom_op() else swiglu_bwd_triton)(x, grad)
+
+
+# ---------------------------------------------------------------------------------------- public
+def swiglu_values(x: Tensor, backend: str | None = None) -> Tensor:
+    """``silu(gate) * up`` of a tensor ``(..., 2F)`` (gate: the first ``F`` features): the op behind
+    :func:`swiglu` and ``varlen.nn``'s ``activation="swiglu"`` on dense inputs. Returns ``(..., F)``."""
+    backend = capabilities.resolve(x.device, x.dtype, "ragged", backend)
+    if backend == "torch":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view wherever the leading dims are one stride apart
+    return _SwiGLU.apply(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def swiglu(x: JaggedTensor | Tensor, *, backend: str | None = None) -> JaggedTensor:
+    """SwiGLU of a jagged ``(B, j, *inner, 2F)`` tensor: ``silu(gate) * up`` with ``gate, up = x.chunk(2, -1)``.
+
+    Args:
+        x: a JaggedTensor or a ``torch.nested`` jagged tensor, floating point, with at least one inner dim; its last
+            dim even (the gate's features, then the input's).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: :func:`varlen.use_backend`'s).
+
+    Returns a JaggedTensor ``(B, j, *inner, F)`` with ``x``'s offsets and dtype, differentiable w.r.t. x. Like torch's
+    ``silu`` and ``mul``, it has no autocast rule: it computes in ``x``'s dtype (the kernels' arithmetic in float32).
+    Raises TypeError for a non-jagged or non-float ``x``, ValueError for an odd or missing last dim.
+    """
+    x = as_jagged(x, "x")
+    check_dtype("x.values", x.values, FLOAT_DTYPES)
+    if x.values.dim() < 2 or x.values.shape[-1] % 2:
+        raise ValueError(f"x: SwiGLU splits the last dim into a gate and an input of equal widths, so it must be "
+                         f"even; got inner shape {tuple(x.inner_shape)}")
+    return x.with_values(swiglu_values(x.values, backend))
