@@ -23,6 +23,8 @@ tokens; every path runs forward, loss and backward on the same documents:
 - ``sdpa_padded``: attention implementation ``"sdpa"``; the documents as the rows of right-padded batches with
   an ``attention_mask``, in their sampled order, split into micro-batches of at most ``--padded-tokens``
   padded tokens (gradients accumulate over them; the loss is normalised by the whole batch's label count).
+- ``varlen_kernels``: ``varlen_packed`` with varlen's kernels in the transformers model's other layers too
+  (``varlen.integrations.transformers_kernels.use_varlen_kernels``: RMSNorm, the SwiGLU MLP, rotary embeddings).
 - ``varlen_nn``: the same Llama written with ``varlen.nn.TransformerEncoderLayer`` (causal, pre-norm, GQA,
   ``norm="rms"``, ``activation="swiglu"``, ``rotary_base`` = the config's ``rope_theta``) on a
   ``varlen.JaggedTensor`` of the documents, with the transformers model's weights copied in (so its loss
@@ -72,7 +74,7 @@ import varlen
 import varlen.integrations.transformers  # noqa: F401  (registers the attention implementation "varlen")
 
 IGNORE_INDEX = -100  # label of tokens without a target: a document's first token, padding
-PATHS = ("varlen_packed", "flex_packed", "sdpa_padded", "varlen_nn")
+PATHS = ("varlen_packed", "flex_packed", "sdpa_padded", "varlen_nn", "varlen_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +192,30 @@ def llama_config(preset: Preset) -> LlamaConfig:
                        num_hidden_layers=preset.layers, num_attention_heads=preset.heads,
                        num_key_value_heads=preset.kv_heads, max_position_embeddings=max(4096, preset.max_len),
                        tie_word_embeddings=False, use_cache=False)
+
+
+@contextlib.contextmanager
+def own_rotary_function():
+    """``use_varlen_kernels`` replaces transformers' ``apply_rotary_pos_emb`` for every Llama in the process: the
+    paths after ``varlen_kernels`` get the original back."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    try:
+        yield
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+
+
+def build_hf_path_model(path: str, preset: Preset, seed: int, device: torch.device) -> LlamaForCausalLM:
+    impl = {"varlen_packed": "varlen", "varlen_kernels": "varlen", "flex_packed": "flex_attention",
+            "sdpa_padded": "sdpa"}[path]
+    model = build_llama(preset, impl, seed, device)
+    if path == "varlen_kernels":
+        from varlen.integrations.transformers_kernels import use_varlen_kernels
+
+        use_varlen_kernels(model)
+    return model
 
 
 def build_llama(preset: Preset, attn_implementation: str, seed: int, device: torch.device) -> LlamaForCausalLM:
@@ -397,10 +423,11 @@ def run_path(path: str, args, preset: Preset, batches: list[Batch], device: torc
             model = build_jagged_decoder(preset, args.seed, device)
             note = "varlen.nn Llama layers (RMSNorm, rotary, SwiGLU) with the same weights"
         else:
-            impl = {"varlen_packed": "varlen", "flex_packed": "flex_attention", "sdpa_padded": "sdpa"}[path]
-            model = build_llama(preset, impl, args.seed, device)
+            model = build_hf_path_model(path, preset, args.seed, device)
+        if path == "varlen_kernels":
+            note = "varlen_packed + use_varlen_kernels (RMSNorm, SwiGLU, rotary)"
         runner = torch.compile(model) if args.compile else model
-        if path == "varlen_packed":
+        if path in ("varlen_packed", "varlen_kernels"):
             step = hf_packed_step(runner, lambda b: b.packed)
         elif path == "flex_packed":
             step = hf_packed_step(runner, flex_inputs)
@@ -567,15 +594,15 @@ def kernel_records(events, device: torch.device) -> list[tuple[str, float, str, 
 
 
 def profile_path(path: str, args, preset: Preset, batches: list[Batch], device: torch.device) -> list[str]:
-    """Markdown lines: the top kernels and the time per category of two eager steps of ``path`` (varlen_packed
-    or varlen_nn); its Chrome trace to ``args.profile`` with the path's name before the extension."""
+    """Markdown lines: the top kernels and the time per category of two eager steps of ``path`` (varlen_packed,
+    varlen_kernels or varlen_nn); its Chrome trace to ``args.profile`` with the path's name before the extension."""
     from torch.profiler import ProfilerActivity, profile
 
     if path == "varlen_nn":
         model = build_jagged_decoder(preset, args.seed, device)
         step = with_optimizer(jagged_step(model), model, args.optimizer, device)
     else:
-        model = build_llama(preset, "varlen", args.seed, device)
+        model = build_hf_path_model(path, preset, args.seed, device)
         step = with_optimizer(hf_packed_step(model, lambda b: b.packed), model, args.optimizer, device)
     stem, ext = os.path.splitext(args.profile)
     trace = f"{stem}_{path}{ext}"
@@ -676,6 +703,9 @@ def report(args, preset: Preset, batches: list[Batch], results: list[Result], de
                          f"{'met' if ratio >= target else 'not met'}).  ")
         else:
             lines.append(f"Target: varlen_packed / {peer}: not measured in this run.  ")
+    if by_path.get("varlen_kernels") and by_path.get("flex_packed"):
+        lines.append(f"varlen_kernels / flex_packed = {by_path['varlen_kernels'] / by_path['flex_packed']:.2f}x (the "
+                     "same transformers model with varlen's RMSNorm, SwiGLU and rotary kernels too).  ")
     return lines
 
 
@@ -721,7 +751,8 @@ def main(argv=None) -> None:
     print(data_summary(batches, args.padded_tokens), flush=True)
     results = []
     for path in args.paths:
-        results.append(run_path(path, args, preset, batches, device))
+        with own_rotary_function():
+            results.append(run_path(path, args, preset, batches, device))
         # The path's model, gradients and any failed step's tensors (held by the traceback) go before the next.
         gc.collect()
         if device.type == "cuda":
@@ -732,8 +763,9 @@ def main(argv=None) -> None:
               flush=True)
     lines = report(args, preset, batches, results, device)
     if args.profile:
-        for path in ("varlen_packed", "varlen_nn"):
-            lines += profile_path(path, args, preset, batches, device)
+        for path in ("varlen_packed", "varlen_kernels", "varlen_nn"):
+            with own_rotary_function():
+                lines += profile_path(path, args, preset, batches, device)
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if args.out:

@@ -331,12 +331,17 @@ def test_jagged_ops_opcheck(name, backend):
     torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks(backend))
 
 
-@pytest.mark.skipif(not TRITON_RUNS, reason="SwiGLU's custom ops are its Triton path")
-def test_swiglu_ops_opcheck():
+@pytest.mark.skipif(not TRITON_RUNS, reason="these custom ops are the ops' Triton paths")
+@pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
+                                  "rotary_tables"])
+def test_triton_only_ops_opcheck(name):
     rows = torch.randn(7, 3, 10, device=DEVICE)[:, 1]  # rows 30 apart
-    torch.library.opcheck(torch.ops.varlen.swiglu_forward.default, (rows,), test_utils=_opchecks("triton"))
-    torch.library.opcheck(torch.ops.varlen.swiglu_backward.default, (rows, torch.randn(7, 5, device=DEVICE)),
-                          test_utils=_opchecks("triton"))
+    half, grad = rows[:, :5], torch.randn(7, 5, device=DEVICE)
+    args = {"swiglu_forward": (rows,), "swiglu_backward": (rows, grad), "silu_mul_forward": (half, rows[:, 5:]),
+            "silu_mul_backward": (half, rows[:, 5:], grad),
+            "rotary_tables": (torch.randn(7, 2, 10, device=DEVICE)[..., :8], torch.rand(7, 8, device=DEVICE),
+                              torch.rand(7, 8, device=DEVICE), -1)}[name]
+    torch.library.opcheck(getattr(torch.ops.varlen, name).default, args, test_utils=_opchecks("triton"))
 
 
 def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, random_jagged, rotary_reference
+from varlen.ops.rotary import rotate_with_tables
 
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
@@ -74,6 +75,36 @@ def test_strided_heads_as_views_of_a_projection(backend):
     assert not q.values.is_contiguous()
     got = varlen.rotary(q, backend=backend).values
     assert torch.equal(got, varlen.rotary(q.with_values(q.values.contiguous()), backend=backend).values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotation_from_tables(dtype):
+    """The kernel behind transformers' apply_rotary_pos_emb (varlen.integrations.transformers_kernels): cosines and
+    sines from tables as transformers builds them (both halves equal, in x's dtype), against the float64 reference;
+    its gradient turns back; any gradient layout; no rows."""
+    rows, base = 23, 500.0
+    x = torch.randn(rows, 3, 40, dtype=dtype, device=DEVICE, requires_grad=True)
+    positions = torch.arange(rows, device=DEVICE)
+    inv_freq = 1.0 / base ** (torch.arange(0, 40, 2, device=DEVICE, dtype=torch.float64) / 40)
+    angles = positions[:, None].double() * inv_freq[None, :]
+    tables = [f(torch.cat([angles, angles], -1)).to(dtype) for f in (torch.cos, torch.sin)]
+    out = rotate_with_tables(x, *tables)
+    dy = torch.randn_like(out).transpose(0, 1).contiguous().transpose(0, 1)  # a gradient with other strides
+    out.backward(dy)
+    x64 = x.detach().double().requires_grad_(True)
+    ref = rotary_reference(x64, base)
+    ref.backward(dy.double())
+    assert out.dtype == dtype and out.is_contiguous()
+    assert_close(out, ref, dtype, name="out")
+    assert_close(x.grad, x64.grad, dtype, name="dx")
+    assert rotate_with_tables(x[:0], *(t[:0] for t in tables)).shape == (0, 3, 40)
+
+
+def test_rotation_from_tables_gradgradcheck():
+    x = torch.randn(5, 2, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    cos, sin = torch.rand(2, 5, 6, dtype=torch.float64, device=DEVICE)
+    assert torch.autograd.gradcheck(lambda v: rotate_with_tables(v, cos, sin), (x,))
+    assert torch.autograd.gradgradcheck(lambda v: rotate_with_tables(v, cos, sin), (x,))
 
 
 def test_positions_restart_at_each_sequence_and_norms_stay():

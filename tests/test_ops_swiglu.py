@@ -9,6 +9,7 @@ import torch
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, random_jagged, rel_err
+from varlen.ops.swiglu import silu_mul
 
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -96,6 +97,40 @@ def test_rows_of_a_wider_projection(backend):
     got = varlen.swiglu(x, backend=backend).values
     assert torch.equal(got, varlen.swiglu(x.with_values(x.values.contiguous()), backend=backend).values)
     assert_close(got, reference(x.values))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul_of_two_projections(dtype, backend):
+    # gate and up as views of two wider projections (rows 40 apart), leading dims (3, 7)
+    gate = torch.randn(3, 7, 40, dtype=dtype, device=DEVICE)[..., 3:20]
+    up = torch.randn(3, 7, 40, dtype=dtype, device=DEVICE)[..., 11:28]
+    gate.requires_grad_(True)
+    up.requires_grad_(True)
+    out = silu_mul(gate, up, backend=backend)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    g64, u64 = (t.detach().double().requires_grad_(True) for t in (gate, up))
+    ref = reference(torch.cat([g64, u64], dim=-1))
+    ref.backward(dy.double())
+    assert out.shape == gate.shape and out.dtype == dtype
+    assert_close(out, ref, dtype, name="out")
+    assert_close(gate.grad, g64.grad, dtype, name="d gate")
+    assert_close(up.grad, u64.grad, dtype, name="d up")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_silu_mul_gradcheck(backend):
+    gate, up = (torch.randn(5, 6, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda a, b: silu_mul(a, b, backend=backend), (gate, up))
+
+
+def test_silu_mul_bad_input():
+    gate = torch.randn(5, 6, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("up: expected gate's shape, dtype and device (5, 6)")):
+        silu_mul(gate, torch.randn(5, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="up: expected gate's shape, dtype and device"):
+        silu_mul(gate, gate.double())
 
 
 def test_nn_swiglu_layer_runs_the_op(monkeypatch):

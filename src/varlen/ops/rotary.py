@@ -30,20 +30,12 @@ from ..tiling import acc_type, cdiv, next_power_of_2
 
 
 # ------------------------------------------------------------------------------------ kernels
-@triton.jit(do_not_specialize=["n_rows"])
-def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
-                   TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * positions[r] * inv_freq: both halves
-    # of BLOCK_R rows x BLOCK_H heads per program.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+@triton.jit
+def _turn_rows(x, out, rows, cos, sin, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
+               ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Both halves of ``rows`` x the program's BLOCK_H heads turned by ``cos``, ``sin`` (``[rows, 1, pairs]``)."""
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_HALF)
-    angles = (tl.load(positions + rows, mask=rows < n_rows, other=0).to(ACC)[:, None]
-              * tl.load(inv_freq + pairs, mask=pairs < HALF, other=0.0)[None, :])
-    # Rounded to x's dtype, as transformers rounds its cos and sin tables.
-    cos = tl.cos(angles).to(x.dtype.element_ty).to(ACC)[:, None, :]
-    sin = (TURN * tl.sin(angles)).to(x.dtype.element_ty).to(ACC)[:, None, :]
     mask = (rows < n_rows)[:, None, None] & (heads < n_heads)[None, :, None] & (pairs < HALF)[None, None, :]
     first = rows[:, None, None] * stride_xr + heads[None, :, None].to(tl.int64) * stride_xh + pairs[None, None, :]
     x1 = tl.load(x + first, mask=mask, other=0.0).to(ACC)
@@ -53,6 +45,39 @@ def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stri
     tl.store(out + first + HALF, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
+                   TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * positions[r] * inv_freq: both halves
+    # of BLOCK_R rows x BLOCK_H heads per program.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_HALF)
+    angles = (tl.load(positions + rows, mask=rows < n_rows, other=0).to(ACC)[:, None]
+              * tl.load(inv_freq + pairs, mask=pairs < HALF, other=0.0)[None, :])
+    # Rounded to x's dtype, as transformers rounds its cos and sin tables.
+    cos = tl.cos(angles).to(x.dtype.element_ty).to(ACC)[:, None, :]
+    sin = (TURN * tl.sin(angles)).to(x.dtype.element_ty).to(ACC)[:, None, :]
+    _turn_rows(x, out, rows, cos, sin, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh, ACC, HALF,
+               BLOCK_H, BLOCK_HALF)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rotary_tables_kernel(x, out, cos_table, sin_table, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
+                          stride_tr, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # As _rotary_kernel, the cosines and sines read from a row's first HALF entries of the tables (transformers'
+    # tables: both halves of a row hold the same values).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_HALF)
+    at = rows[:, None] * stride_tr + pairs[None, :]
+    ok = (rows < n_rows)[:, None] & (pairs < HALF)[None, :]
+    cos = tl.load(cos_table + at, mask=ok, other=0.0).to(ACC)[:, None, :]
+    sin = (TURN * tl.load(sin_table + at, mask=ok, other=0.0).to(ACC))[:, None, :]
+    _turn_rows(x, out, rows, cos, sin, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh, ACC, HALF,
+               BLOCK_H, BLOCK_HALF)
+
+
 # ----------------------------------------------------------------------------------- launchers
 # Elements (of both halves) one program turns: 4K (8K spilled at one head, where every element takes its own
 # cosine and sine), 1K in float64 (libdevice's float64 cosine and sine take many registers).
@@ -60,12 +85,10 @@ _TILE_ELEMS = 4096
 _TILE_ELEMS_FLOAT64 = 1024
 
 
-def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
-    """``x`` ``(N, H, D)`` (any strides) turned by ``turn * positions[r] * inv_freq``: a new contiguous tensor."""
+def _launch(x: Tensor, turn: int) -> tuple[Tensor, Tensor, tuple[int, int], dict]:
+    """``x`` with a unit last stride, its output, the grid and the tiles of a rotation of ``x`` ``(N, H, D)``."""
     n_rows, n_heads, dim = x.shape
     out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
     if x.stride(-1) != 1:  # the kernel walks the last dim with stride 1 (a backward's gradient may be expanded)
         x = x.contiguous()
     half = dim // 2
@@ -73,10 +96,28 @@ def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> 
     block_half = next_power_of_2(half)
     block_h = min(next_power_of_2(n_heads), max(1, elems // (2 * block_half)))
     block_r = max(1, elems // (2 * block_half * block_h))
-    _rotary_kernel[(cdiv(n_rows, block_r), cdiv(n_heads, block_h))](
-        x, out, positions, inv_freq, n_rows, n_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        TURN=turn, ACC=acc_type(x.dtype), HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=4)
+    tiles = dict(TURN=turn, ACC=acc_type(x.dtype), HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half,
+                 num_warps=4)
+    return x, out, (cdiv(n_rows, block_r), cdiv(n_heads, block_h)), tiles
+
+
+def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
+    """``x`` ``(N, H, D)`` (any strides) turned by ``turn * positions[r] * inv_freq``: a new contiguous tensor."""
+    x, out, grid, tiles = _launch(x, turn)
+    if out.numel():
+        _rotary_kernel[grid](x, out, positions, inv_freq, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+                             out.stride(0), out.stride(1), **tiles)
+    return out
+
+
+def rotary_tables_triton(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tensor:
+    """``x`` ``(N, H, D)`` (any strides) turned by the angles whose cosines and sines are the first ``D / 2`` entries
+    of ``cos[r]`` and ``sin[r]`` (``(N, >= D / 2)``, unit last stride; ``turn`` -1: the other way): a new
+    contiguous tensor."""
+    x, out, grid, tiles = _launch(x, turn)
+    if out.numel():
+        _rotary_tables_kernel[grid](x, out, cos, sin, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+                                    out.stride(0), out.stride(1), cos.stride(0), **tiles)
     return out
 
 
@@ -110,6 +151,33 @@ def _run_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backe
     return (_rotate_op if through_custom_op() else _rotate)(x, positions, inv_freq, turn, backend)
 
 
+_rotate_tables_op = torch.library.custom_op("varlen::rotary_tables", rotary_tables_triton, mutates_args=())
+
+
+@_rotate_tables_op.register_fake
+def _(x, cos, sin, turn):
+    return x.new_empty(x.shape)
+
+
+def _run_rotate_tables(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tensor:
+    return (_rotate_tables_op if through_custom_op() else rotary_tables_triton)(x, cos, sin, turn)
+
+
+class _RotaryTables(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, turn):
+        ctx.save_for_backward(cos, sin)
+        ctx.turn = turn
+        return _run_rotate_tables(x, cos, sin, turn)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The transpose of a rotation turns the other way; no gradient for the tables (transformers makes them
+        # without one).
+        cos, sin = ctx.saved_tensors
+        return gradient_op(_RotaryTables, _run_rotate_tables, grad, cos, sin, -ctx.turn), None, None, None
+
+
 class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, positions, inv_freq, turn, backend):
@@ -126,6 +194,15 @@ class _Rotary(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------- public
+def rotate_with_tables(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x`` ``(N, ..., D)`` rotated by the angles whose cosines and sines are in the first ``D / 2`` entries of each
+    row of ``cos``, ``sin`` ``(N, D)`` (transformers' tables, both halves equal; without a gradient): the Triton
+    kernel, for transformers' ``apply_rotary_pos_emb`` (``varlen.integrations.transformers_kernels``)."""
+    rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin)]
+    return _RotaryTables.apply(rows, *tables, 1).view(x.shape)
+
+
 def check_rotary_base(base, name: str = "base") -> float:
     if not check_real(name, base) > 0:
         raise ValueError(f"{name}: expected a real number > 0 (the wavelength scale, e.g. 10000.0), got {base!r}")

@@ -26,35 +26,32 @@ from ..tiling import acc_type, cdiv, next_power_of_2
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=["n_rows"])
-def _swiglu_fwd_kernel(x, out, n_rows, n_cols, stride_xr, stride_or, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
-    # out[r, c] = silu(x[r, c]) * x[r, n_cols + c] over BLOCK_R rows x BLOCK_C columns.
+def _swiglu_fwd_kernel(gate, up, out, n_rows, n_cols, stride_gr, stride_ur, stride_or, ACC: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # out[r, c] = silu(gate[r, c]) * up[r, c] over BLOCK_R rows x BLOCK_C columns.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    gate_at = x + rows[:, None] * stride_xr + cols[None, :]
-    gate = tl.load(gate_at, mask=mask, other=0.0).to(ACC)
-    up = tl.load(gate_at + n_cols, mask=mask, other=0.0).to(ACC)
-    tl.store(out + rows[:, None] * stride_or + cols[None, :], (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty),
+    a = tl.load(gate + rows[:, None] * stride_gr + cols[None, :], mask=mask, other=0.0).to(ACC)
+    b = tl.load(up + rows[:, None] * stride_ur + cols[None, :], mask=mask, other=0.0).to(ACC)
+    tl.store(out + rows[:, None] * stride_or + cols[None, :], (a * tl.sigmoid(a) * b).to(out.dtype.element_ty),
              mask=mask)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _swiglu_bwd_kernel(x, grad, dx, n_rows, n_cols, stride_xr, stride_gr, stride_dr, ACC: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _swiglu_bwd_kernel(gate, up, grad, d_gate, d_up, n_rows, n_cols, stride_gr, stride_ur, stride_yr, stride_dgr,
+                       stride_dur, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # d up = grad * silu(gate); d gate = grad * up * silu'(gate), silu' = sigmoid * (1 + gate * (1 - sigmoid)).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    gate_at = x + rows[:, None] * stride_xr + cols[None, :]
-    gate = tl.load(gate_at, mask=mask, other=0.0).to(ACC)
-    up = tl.load(gate_at + n_cols, mask=mask, other=0.0).to(ACC)
-    g = tl.load(grad + rows[:, None] * stride_gr + cols[None, :], mask=mask, other=0.0).to(ACC)
-    sig = tl.sigmoid(gate)
-    d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    d_at = dx + rows[:, None] * stride_dr + cols[None, :]
-    tl.store(d_at, d_gate.to(dx.dtype.element_ty), mask=mask)
-    tl.store(d_at + n_cols, (g * gate * sig).to(dx.dtype.element_ty), mask=mask)
+    a = tl.load(gate + rows[:, None] * stride_gr + cols[None, :], mask=mask, other=0.0).to(ACC)
+    b = tl.load(up + rows[:, None] * stride_ur + cols[None, :], mask=mask, other=0.0).to(ACC)
+    g = tl.load(grad + rows[:, None] * stride_yr + cols[None, :], mask=mask, other=0.0).to(ACC)
+    sig = tl.sigmoid(a)
+    tl.store(d_gate + rows[:, None] * stride_dgr + cols[None, :],
+             (g * b * sig * (1.0 + a * (1.0 - sig))).to(d_gate.dtype.element_ty), mask=mask)
+    tl.store(d_up + rows[:, None] * stride_dur + cols[None, :], (g * a * sig).to(d_up.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -76,30 +73,48 @@ def _unit_last_stride(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def swiglu_fwd_triton(x: Tensor) -> Tensor:
-    """``x`` ``(N, 2F)`` (any row stride) -> ``silu(x[:, :F]) * x[:, F:]``, a new contiguous ``(N, F)``."""
-    n_rows, n_cols = x.shape[0], x.shape[1] // 2
-    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+def silu_mul_fwd_triton(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of two ``(N, F)`` tensors (any row strides): a new contiguous ``(N, F)``."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    x = _unit_last_stride(x)
-    grid, tiles = _tiles(n_rows, n_cols, x.dtype)
-    _swiglu_fwd_kernel[grid](x, out, n_rows, n_cols, x.stride(0), out.stride(0), ACC=acc_type(x.dtype), **tiles)
+    gate, up = _unit_last_stride(gate), _unit_last_stride(up)
+    grid, tiles = _tiles(*gate.shape, gate.dtype)
+    _swiglu_fwd_kernel[grid](gate, up, out, *gate.shape, gate.stride(0), up.stride(0), out.stride(0),
+                             ACC=acc_type(gate.dtype), **tiles)
     return out
+
+
+def silu_mul_bwd_into(gate: Tensor, up: Tensor, grad: Tensor, d_gate: Tensor, d_up: Tensor) -> None:
+    """The gradients of :func:`silu_mul_fwd_triton` given ``grad``, written into ``d_gate`` and ``d_up`` (``(N, F)``,
+    any row strides, last stride 1: e.g. the two halves of one tensor)."""
+    if grad.numel() == 0:
+        return
+    gate, up, grad = _unit_last_stride(gate), _unit_last_stride(up), _unit_last_stride(grad)
+    grid, tiles = _tiles(*grad.shape, gate.dtype)
+    _swiglu_bwd_kernel[grid](gate, up, grad, d_gate, d_up, *grad.shape, gate.stride(0), up.stride(0), grad.stride(0),
+                             d_gate.stride(0), d_up.stride(0), ACC=acc_type(gate.dtype), **tiles)
+
+
+def swiglu_fwd_triton(x: Tensor) -> Tensor:
+    """``x`` ``(N, 2F)`` (any row stride) -> ``silu(x[:, :F]) * x[:, F:]``, a new contiguous ``(N, F)``."""
+    gate, up = x.chunk(2, dim=-1)
+    return silu_mul_fwd_triton(gate, up)
 
 
 def swiglu_bwd_triton(x: Tensor, grad: Tensor) -> Tensor:
     """The gradient of :func:`swiglu_fwd_triton` w.r.t. ``x``, given ``grad`` ``(N, F)``: a new contiguous
-    ``(N, 2F)``."""
-    n_rows, n_cols = grad.shape
-    dx = torch.empty((n_rows, 2 * n_cols), dtype=x.dtype, device=x.device)
-    if dx.numel() == 0:
-        return dx
-    x, grad = _unit_last_stride(x), _unit_last_stride(grad)
-    grid, tiles = _tiles(n_rows, n_cols, x.dtype)
-    _swiglu_bwd_kernel[grid](x, grad, dx, n_rows, n_cols, x.stride(0), grad.stride(0), dx.stride(0),
-                             ACC=acc_type(x.dtype), **tiles)
+    ``(N, 2F)``, both halves written by one kernel (no concatenation)."""
+    dx = torch.empty((grad.shape[0], 2 * grad.shape[1]), dtype=x.dtype, device=x.device)
+    silu_mul_bwd_into(*x.chunk(2, dim=-1), grad, *dx.chunk(2, dim=-1))
     return dx
+
+
+def silu_mul_bwd_triton(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of :func:`silu_mul_fwd_triton` w.r.t. ``gate`` and ``up``: new contiguous ``(N, F)`` tensors."""
+    d_gate, d_up = torch.empty_like(grad, dtype=gate.dtype), torch.empty_like(grad, dtype=gate.dtype)
+    silu_mul_bwd_into(gate, up, grad, d_gate, d_up)
+    return d_gate, d_up
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -107,6 +122,8 @@ def swiglu_bwd_triton(x: Tensor, grad: Tensor) -> Tensor:
 # run the kernels directly (varlen._backend.through_custom_op).
 _swiglu_fwd_op = torch.library.custom_op("varlen::swiglu_forward", swiglu_fwd_triton, mutates_args=())
 _swiglu_bwd_op = torch.library.custom_op("varlen::swiglu_backward", swiglu_bwd_triton, mutates_args=())
+_silu_mul_fwd_op = torch.library.custom_op("varlen::silu_mul_forward", silu_mul_fwd_triton, mutates_args=())
+_silu_mul_bwd_op = torch.library.custom_op("varlen::silu_mul_backward", silu_mul_bwd_triton, mutates_args=())
 
 
 @_swiglu_fwd_op.register_fake
@@ -119,7 +136,19 @@ def _(x, grad):
     return x.new_empty((grad.shape[0], 2 * grad.shape[1]))
 
 
+@_silu_mul_fwd_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@_silu_mul_bwd_op.register_fake
+def _(gate, up, grad):
+    return gate.new_empty(grad.shape), gate.new_empty(grad.shape)
+
+
 class _SwiGLU(torch.autograd.Function):
+    """One input, its halves the gate and up: one gradient tensor."""
+
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
@@ -132,6 +161,21 @@ class _SwiGLU(torch.autograd.Function):
         return (_swiglu_bwd_op if through_custom_op() else swiglu_bwd_triton)(x, grad)
 
 
+class _SiluMul(torch.autograd.Function):
+    """Gate and up as two tensors (two projections): two gradient tensors."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return (_silu_mul_fwd_op if through_custom_op() else silu_mul_fwd_triton)(gate, up)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return (_silu_mul_bwd_op if through_custom_op() else silu_mul_bwd_triton)(gate, up, grad)
+
+
 # ---------------------------------------------------------------------------------------- public
 def swiglu_values(x: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) * up`` of a tensor ``(..., 2F)`` (gate: the first ``F`` features): the op behind
@@ -142,6 +186,20 @@ def swiglu_values(x: Tensor, backend: str | None = None) -> Tensor:
         return F.silu(gate) * up
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view wherever the leading dims are one stride apart
     return _SwiGLU.apply(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
+    """``silu(gate) * up`` of two tensors of one shape and dtype (the outputs of a gate and an up projection, as in
+    transformers' Llama MLP): the same kernels as :func:`swiglu`, gradients for both."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"up: expected gate's shape, dtype and device {tuple(gate.shape)}, {gate.dtype}, "
+                         f"{gate.device}; got {tuple(up.shape)}, {up.dtype}, {up.device}")
+    backend = capabilities.resolve(gate.device, gate.dtype, "ragged", backend)
+    if backend == "torch":
+        return F.silu(gate) * up
+    n_rows = math.prod(gate.shape[:-1])
+    rows = [t.reshape(n_rows, t.shape[-1]) for t in (gate, up)]
+    return _SiluMul.apply(*rows).view(gate.shape)
 
 
 def swiglu(x: JaggedTensor | Tensor, *, backend: str | None = None) -> JaggedTensor:
