@@ -24,11 +24,12 @@ tokens; every path runs forward, loss and backward on the same documents:
   an ``attention_mask``, in their sampled order, split into micro-batches of at most ``--padded-tokens``
   padded tokens (gradients accumulate over them; the loss is normalised by the whole batch's label count).
 - ``varlen_kernels``: ``varlen_packed`` with varlen's kernels in the transformers model's other layers too
-  (``varlen.integrations.transformers_kernels.use_varlen_kernels``: RMSNorm, the SwiGLU MLP, rotary embeddings).
+  (``varlen.integrations.transformers_kernels.use_varlen_kernels``: RMSNorm, the SwiGLU MLP, rotary embeddings, the
+  loss through ``varlen.cross_entropy``).
 - ``varlen_nn``: the same Llama written with ``varlen.nn.TransformerEncoderLayer`` (causal, pre-norm, GQA,
   ``norm="rms"``, ``activation="swiglu"``, ``rotary_base`` = the config's ``rope_theta``) on a
   ``varlen.JaggedTensor`` of the documents, with the transformers model's weights copied in (so its loss
-  matches the other paths'). Parameters in bf16, as the others.
+  matches the other paths'), its loss through ``varlen.cross_entropy``. Parameters in bf16, as the others.
 
 Measured per path: warm-up (every batch once, so that every Triton kernel and compiled graph exists), then
 ``--steps`` timed steps between ``torch.cuda.synchronize()`` calls. Real tokens/s counts document tokens only
@@ -65,7 +66,6 @@ import warnings
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
@@ -275,8 +275,8 @@ class JaggedDecoder(nn.Module):
 
     @staticmethod
     def loss_function(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Upcast as transformers' ForCausalLMLoss does, for the same loss cost in every path.
-        return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX)
+        # transformers' ForCausalLMLoss (float32 arithmetic, mean over the labels), without a float32 copy of logits
+        return varlen.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
 def build_jagged_decoder(preset: Preset, seed: int, device: torch.device) -> JaggedDecoder:
@@ -425,7 +425,7 @@ def run_path(path: str, args, preset: Preset, batches: list[Batch], device: torc
         else:
             model = build_hf_path_model(path, preset, args.seed, device)
         if path == "varlen_kernels":
-            note = "varlen_packed + use_varlen_kernels (RMSNorm, SwiGLU, rotary)"
+            note = "varlen_packed + use_varlen_kernels (RMSNorm, SwiGLU, rotary, loss)"
         runner = torch.compile(model) if args.compile else model
         if path in ("varlen_packed", "varlen_kernels"):
             step = hf_packed_step(runner, lambda b: b.packed)
@@ -456,6 +456,7 @@ LABEL_PREFIX = "train_llm::"
 NAMED_CATEGORIES = (
     ("rotary", re.compile(r"_rotary_")),
     ("swiglu", re.compile(r"_swiglu_")),
+    ("loss", re.compile(r"_cross_entropy_")),
     ("attention", re.compile(r"_attn_|_bwd_|flash|fmha|attention")),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|^aten::(mm|addmm|bmm|baddbmm)$")),
 )
@@ -705,7 +706,7 @@ def report(args, preset: Preset, batches: list[Batch], results: list[Result], de
             lines.append(f"Target: varlen_packed / {peer}: not measured in this run.  ")
     if by_path.get("varlen_kernels") and by_path.get("flex_packed"):
         lines.append(f"varlen_kernels / flex_packed = {by_path['varlen_kernels'] / by_path['flex_packed']:.2f}x (the "
-                     "same transformers model with varlen's RMSNorm, SwiGLU and rotary kernels too).  ")
+                     "same transformers model with varlen's RMSNorm, SwiGLU, rotary and loss kernels too).  ")
     return lines
 
 

@@ -8,6 +8,7 @@ code generation is skipped). One test per model runs TorchInductor (marked ``ind
 
 import dataclasses
 import importlib
+import re
 
 import pytest
 import torch
@@ -333,15 +334,40 @@ def test_jagged_ops_opcheck(name, backend):
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="these custom ops are the ops' Triton paths")
 @pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
-                                  "rotary_tables"])
+                                  "rotary_tables", "cross_entropy_forward", "cross_entropy_backward"])
 def test_triton_only_ops_opcheck(name):
     rows = torch.randn(7, 3, 10, device=DEVICE)[:, 1]  # rows 30 apart
     half, grad = rows[:, :5], torch.randn(7, 5, device=DEVICE)
+    targets = torch.tensor([0, 9, -100, 3, 3, 1, 2], device=DEVICE)
     args = {"swiglu_forward": (rows,), "swiglu_backward": (rows, grad), "silu_mul_forward": (half, rows[:, 5:]),
-            "silu_mul_backward": (half, rows[:, 5:], grad),
+            "silu_mul_backward": (half, rows[:, 5:], torch.randn(5, 7, device=DEVICE).t()),  # a transposed grad
             "rotary_tables": (torch.randn(7, 2, 10, device=DEVICE)[..., :8], torch.rand(7, 8, device=DEVICE),
-                              torch.rand(7, 8, device=DEVICE), -1)}[name]
+                              torch.rand(7, 8, device=DEVICE), -1),
+            "cross_entropy_forward": (rows, targets, -100),
+            "cross_entropy_backward": (rows, targets, torch.rand(7, device=DEVICE) + 3,
+                                       torch.tensor(0.5, device=DEVICE).expand(7), -100)}[name]
     torch.library.opcheck(getattr(torch.ops.varlen, name).default, args, test_utils=_opchecks("triton"))
+
+
+REFUSED = [
+    ("swiglu_forward", lambda: (torch.randn(4, 5),), "x: expected (N, 2F) rows, got shape (4, 5)"),
+    ("silu_mul_forward", lambda: (torch.randn(4, 5), torch.randn(4, 6)), "up: expected gate's (N, F) shape (4, 5)"),
+    ("silu_mul_backward", lambda: (torch.randn(4, 5), torch.randn(4, 5), torch.randn(3, 5)), "grad: expected gate's"),
+    ("rotary_tables", lambda: (torch.randn(4, 2, 6), torch.randn(2, 6), torch.randn(4, 6), 1),
+     "cos: expected a table of shape (4, >= 3)"),
+    ("cross_entropy_forward", lambda: (torch.randn(3, 4), torch.zeros(2, dtype=torch.int64), -100),
+     "targets: expected shape (3,), one entry per row of logits; got (2,)"),
+    ("cross_entropy_backward", lambda: (torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), torch.zeros(3),
+                                        torch.ones(1), -100), "row_scale: expected shape (3,)"),
+
+]
+
+
+@pytest.mark.parametrize("name, args, message", REFUSED, ids=[case[0] for case in REFUSED])
+def test_triton_only_ops_refuse_operands_the_kernels_would_read_past(name, args, message):
+    """Called directly (torch.ops.varlen.*), the custom ops check the shapes their kernels index by."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getattr(torch.ops.varlen, name)(*args())
 
 
 def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):

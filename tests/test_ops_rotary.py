@@ -100,6 +100,20 @@ def test_rotation_from_tables(dtype):
     assert rotate_with_tables(x[:0], *(t[:0] for t in tables)).shape == (0, 3, 40)
 
 
+def test_rotation_from_tables_bad_input():
+    x, table = torch.randn(4, 2, 6, device=DEVICE), torch.randn(4, 6, device=DEVICE)
+    with pytest.raises(ValueError, match=re.escape("x: rotary embeddings turn pairs of the last dim, which must be "
+                                                   "even; got shape (4, 2, 5)")):
+        rotate_with_tables(x[..., :5], table, table)
+    with pytest.raises(ValueError, match=re.escape("cos: expected a table of shape (4, >= 3) for x of shape (4, 2, 6); "
+                                                   "got (2, 6)")):
+        rotate_with_tables(x, table[:2], table)
+    with pytest.raises(ValueError, match=re.escape("sin: expected a table of shape (4, >= 3)")):
+        rotate_with_tables(x, table, table[:, :2])
+    with pytest.raises(ValueError, match="sin: expected x's dtype and device"):
+        rotate_with_tables(x, table, table.double())
+
+
 def test_rotation_from_tables_gradgradcheck():
     x = torch.randn(5, 2, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
     cos, sin = torch.rand(2, 5, 6, dtype=torch.float64, device=DEVICE)

@@ -9,7 +9,7 @@ import torch
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, random_jagged, rel_err
-from varlen.ops.swiglu import silu_mul
+from varlen.ops.swiglu import silu_mul, swiglu_values
 
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -81,6 +81,13 @@ def test_any_gradient_layout_and_no_rows(backend):
     varlen.swiglu(x, backend=backend).values.backward(g)
     reference(x64).backward(g)
     assert_close(x.values.grad, x64.grad)
+    # 2-D values: the transposed gradient reaches the kernel as it is (no view's copy in between)
+    flat = random_jagged([3, 0, 4], (8,), dtype=torch.float64, requires_grad=True)
+    flat64 = flat.values.detach().clone().requires_grad_(True)
+    g = torch.randn(4, 7, dtype=torch.float64, device=DEVICE).t()
+    varlen.swiglu(flat, backend=backend).values.backward(g)
+    reference(flat64).backward(g)
+    assert_close(flat.values.grad, flat64.grad)
     for inner in [(2, 8), (0,)]:  # no rows; no features
         empty = random_jagged([0, 0], inner, requires_grad=True)
         out = varlen.swiglu(empty, backend=backend)
@@ -120,12 +127,32 @@ def test_silu_mul_of_two_projections(dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_silu_mul_transposed_gradient(backend):
+    # a gradient that reaches the kernel transposed (last stride N): gradients written by rows all the same
+    gate, up = (torch.randn(6, 9, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
+    w = torch.randn(9, 6, dtype=torch.float64, device=DEVICE)
+    (silu_mul(gate, up, backend=backend).t() * w).sum().backward()
+    g64, u64 = (t.detach().clone().requires_grad_(True) for t in (gate, up))
+    (reference(torch.cat([g64, u64], dim=-1)).t() * w).sum().backward()
+    assert_close(gate.grad, g64.grad, name="d gate")
+    assert_close(up.grad, u64.grad, name="d up")
+    assert gate.grad.is_contiguous()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_silu_mul_gradcheck(backend):
     gate, up = (torch.randn(5, 6, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
     assert torch.autograd.gradcheck(lambda a, b: silu_mul(a, b, backend=backend), (gate, up))
 
 
-def test_silu_mul_bad_input():
+def test_silu_mul_and_swiglu_values_bad_input():
+    with pytest.raises(TypeError, match="gate: expected a tensor of at least one dim, got a 0-dim tensor"):
+        silu_mul(torch.tensor(1.0), torch.tensor(2.0))
+    with pytest.raises(TypeError, match="up: expected a tensor of at least one dim, got list"):
+        silu_mul(torch.ones(3), [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=re.escape("x: SwiGLU splits the last dim into a gate and an input of equal "
+                                                   "widths, so it must be even; got shape (4, 5)")):
+        swiglu_values(torch.randn(4, 5, device=DEVICE))
     gate = torch.randn(5, 6, device=DEVICE)
     with pytest.raises(ValueError, match=re.escape("up: expected gate's shape, dtype and device (5, 6)")):
         silu_mul(gate, torch.randn(5, 7, device=DEVICE))

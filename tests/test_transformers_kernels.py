@@ -41,6 +41,7 @@ LAYERS = 2
 TOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.bfloat16: 3e-2}
 rotary = importlib.import_module("varlen.ops.rotary")
 swiglu = importlib.import_module("varlen.ops.swiglu")
+cross_entropy_module = importlib.import_module("varlen.ops.cross_entropy")
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +93,7 @@ def test_patched_model_matches_transformers(dtype, arch, style, monkeypatch):
     ours = copy.deepcopy(theirs)
     counts = use_varlen_kernels(ours)
     norms = LAYERS * (2 + 2 * (arch == "qwen3")) + 1  # two per layer (Qwen3: q and k norms too), the final one
-    assert counts == {"rms_norm": norms, "mlp": LAYERS, "rotary": LAYERS}
+    assert counts == {"rms_norm": norms, "mlp": LAYERS, "rotary": LAYERS, "loss": 1}
     turns = record_calls(monkeypatch, rotary, "rotary_tables_triton")
     products = record_calls(monkeypatch, swiglu, "silu_mul_fwd_triton")
     with varlen.use_backend("triton"):
@@ -123,6 +124,55 @@ def test_transformers_code_where_the_kernels_do_not_apply(monkeypatch):
     assert torch.equal(norm(x), type(norm).forward(norm, x))
 
 
+@pytest.mark.parametrize("normalization", ["mean", "num_items_in_batch", "shift_labels"])
+def test_causal_lm_loss_matches_transformers(normalization, monkeypatch):
+    """The patched model's loss (varlen.cross_entropy on the logits as they are) against transformers' ForCausalLMLoss
+    on the same model: the label shift, ignored labels, the mean or the sum over num_items_in_batch."""
+    theirs = _model("llama", torch.float64)
+    inputs = _inputs("packed")
+    labels = inputs["input_ids"].clone()
+    labels[0, [4, 5]] = -100  # document ends, as the flattening collator marks them
+    extra = {"mean": {}, "num_items_in_batch": {"num_items_in_batch": torch.tensor(7, device=DEVICE)},
+             "shift_labels": {"shift_labels": torch.roll(labels, -1, dims=1)}}[normalization]
+    params = [p for p in theirs.parameters() if p.requires_grad]
+    want = theirs(**inputs, labels=labels, use_cache=False, **extra).loss
+    want_grads = torch.autograd.grad(want, params)
+    ours = copy.deepcopy(theirs)
+    assert use_varlen_kernels(ours)["loss"] == 1
+    losses = record_calls(monkeypatch, cross_entropy_module, "cross_entropy_fwd_triton")
+    with varlen.use_backend("triton"):
+        got = ours(**inputs, labels=labels, use_cache=False, **extra).loss
+        got_grads = torch.autograd.grad(got, [p for p in ours.parameters() if p.requires_grad])
+    # (transformers' loss is float32 even for float64 logits: it upcasts with .float(); varlen's keeps float64)
+    assert len(losses) == 1 and got.dtype == torch.float64
+    assert_close(got, want, tol=TOL[torch.float64], name="loss")
+    for (name, _), g, w in zip(theirs.named_parameters(), got_grads, want_grads, strict=True):
+        assert_close(g, w, tol=TOL[torch.float64], name=f"d{name}", floor=1e-12)
+
+
+def test_rotary_function_falls_back_where_the_kernel_does_not_apply(monkeypatch):
+    """transformers' own function for an odd head dim, another unsqueeze_dim, or an unknown keyword (which it then
+    rejects itself); the kernel for the standard call."""
+    use_varlen_kernels(_model("llama", torch.float64))
+    modeling = importlib.import_module("transformers.models.llama.modeling_llama")
+    patched, original = modeling.apply_rotary_pos_emb, modeling.apply_rotary_pos_emb.varlen_original
+    turns = record_calls(monkeypatch, rotary, "rotary_tables_triton")
+
+    def case(dim, heads_first=True):
+        q, k = (torch.randn(*((2, h, 5, dim) if heads_first else (2, 5, h, dim)), dtype=torch.float64, device=DEVICE)
+                for h in (4, 2))
+        return q, k, *(torch.rand(1, 5, dim, dtype=torch.float64, device=DEVICE) for _ in range(2))
+    with varlen.use_backend("triton"):
+        for args, kwargs in [(case(5), {}), (case(6, heads_first=False), {"unsqueeze_dim": 2})]:
+            got, want = patched(*args, **kwargs), original(*args, **kwargs)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        with pytest.raises(TypeError):
+            patched(*case(6), position_ids=None)
+        assert turns == []
+        patched(*case(6))
+        assert len(turns) == 2
+
+
 def test_calling_twice_wraps_once():
     model = _model("llama", torch.float64)
     use_varlen_kernels(model)
@@ -145,6 +195,14 @@ def test_autocast_keeps_transformers_rotation(monkeypatch):
     inputs = _inputs("packed")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want, want_grads = _logits_and_grads(theirs, **inputs)
+        # A bf16 model under autocast: the fused norm returns bf16 as transformers' does.
+        bf16 = _model("llama", torch.bfloat16)
+        bf16_want = bf16(**inputs, use_cache=False).logits
+        use_varlen_kernels(bf16)
+        bf16_got = bf16(**inputs, use_cache=False).logits
+        assert bf16_got.dtype == bf16_want.dtype
+        assert_close(bf16_got, bf16_want, tol=TOL[torch.bfloat16], name="bf16 logits")
+        assert bf16.model.norm(torch.randn(3, 64, dtype=torch.bfloat16, device=DEVICE)).dtype == torch.bfloat16
     ours = copy.deepcopy(theirs)
     use_varlen_kernels(ours)
     turns = record_calls(monkeypatch, rotary, "rotary_tables_triton")
@@ -156,3 +214,29 @@ def test_autocast_keeps_transformers_rotation(monkeypatch):
     assert_close(got, want, tol=TOL[torch.bfloat16], name="logits")
     for (name, _), g, w in zip(theirs.named_parameters(), got_grads, want_grads, strict=True):
         assert_close(g, w, tol=TOL[torch.bfloat16], name=f"d{name}", floor=1e-6)
+
+
+def test_patched_model_compiles_to_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) of the patched model: one graph, the kernels' custom ops in it, eager's logits
+    and gradients (aot_eager: dynamo and AOTAutograd trace everything but skip code generation)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _model("llama", torch.float32)
+    use_varlen_kernels(model)
+    inputs = _inputs("packed")
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    with varlen.use_backend("triton"):
+        want, want_grads = _logits_and_grads(model, **inputs)
+        got, got_grads = _logits_and_grads(torch.compile(model, fullgraph=True, backend=counter), **inputs)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1
+    # (the autograd Functions' bodies are the graph's submodules)
+    ops = [str(n.target) for g in counter.graphs for _, sub in g.named_modules() for n in sub.graph.nodes
+           if n.op == "call_function" and str(n.target).startswith("varlen.")]
+    assert sorted(set(ops)) == ["varlen.rotary_tables.default", "varlen.silu_mul_backward.default",
+                                "varlen.silu_mul_forward.default"], ops
+    assert ops.count("varlen.silu_mul_forward.default") == LAYERS
+    assert_close(got, want, tol=1e-5, name="compiled logits")
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w, tol=1e-5, floor=1e-12)

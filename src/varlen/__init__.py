@@ -12,6 +12,7 @@ from .attn.dropout import attention_dropout_mask, dropout_keep_mask
 from .attn.reference import attention_reference
 from .jagged import JaggedTensor, jagged
 from .ops import (
+    cross_entropy,
     gelu,
     layer_norm,
     linear,
@@ -36,6 +37,7 @@ __all__ = [
     "attention_dropout_mask",
     "attention_reference",
     "checks_enabled",
+    "cross_entropy",
     "dropout_keep_mask",
     "gelu",
     "jagged",

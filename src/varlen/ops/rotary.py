@@ -114,6 +114,10 @@ def rotary_tables_triton(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tens
     """``x`` ``(N, H, D)`` (any strides) turned by the angles whose cosines and sines are the first ``D / 2`` entries
     of ``cos[r]`` and ``sin[r]`` (``(N, >= D / 2)``, unit last stride; ``turn`` -1: the other way): a new
     contiguous tensor."""
+    for name, table in (("cos", cos), ("sin", sin)):
+        if x.dim() != 3 or table.dim() != 2 or table.shape[0] != x.shape[0] or table.shape[1] < x.shape[-1] // 2:
+            raise ValueError(f"{name}: expected a table of shape ({x.shape[0]}, >= {x.shape[-1] // 2}) for x of shape "
+                             f"{tuple(x.shape)} (N, H, D); got {tuple(table.shape)}")
     x, out, grid, tiles = _launch(x, turn)
     if out.numel():
         _rotary_tables_kernel[grid](x, out, cos, sin, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
@@ -195,9 +199,21 @@ class _Rotary(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- public
 def rotate_with_tables(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``x`` ``(N, ..., D)`` rotated by the angles whose cosines and sines are in the first ``D / 2`` entries of each
-    row of ``cos``, ``sin`` ``(N, D)`` (transformers' tables, both halves equal; without a gradient): the Triton
-    kernel, for transformers' ``apply_rotary_pos_emb`` (``varlen.integrations.transformers_kernels``)."""
+    """``x`` ``(N, ..., D)`` (``D`` even) rotated by the angles whose cosines and sines are in the first ``D / 2``
+    entries of each row of ``cos``, ``sin`` ``(N, >= D / 2)`` in ``x``'s dtype (transformers' tables, whose halves
+    are equal for every rope type: ``cat(freqs, freqs)``; without a gradient): the Triton kernel, for transformers'
+    ``apply_rotary_pos_emb`` (``varlen.integrations.transformers_kernels``). Raises ValueError for an odd ``D`` or
+    tables of another shape, dtype or device."""
+    if x.dim() < 2 or x.shape[-1] % 2:
+        raise ValueError(f"x: rotary embeddings turn pairs of the last dim, which must be even; got shape "
+                         f"{tuple(x.shape)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[0] != x.shape[0] or table.shape[1] < x.shape[-1] // 2:
+            raise ValueError(f"{name}: expected a table of shape ({x.shape[0]}, >= {x.shape[-1] // 2}) for x of "
+                             f"shape {tuple(x.shape)}; got {tuple(table.shape)}")
+        if table.dtype != x.dtype or table.device != x.device:
+            raise ValueError(f"{name}: expected x's dtype and device ({x.dtype}, {x.device}); got {table.dtype}, "
+                             f"{table.device}")
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
     tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin)]
     return _RotaryTables.apply(rows, *tables, 1).view(x.shape)

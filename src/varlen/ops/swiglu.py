@@ -68,6 +68,14 @@ def _tiles(n_rows: int, n_cols: int, dtype: torch.dtype) -> tuple[tuple[int, int
     return (cdiv(n_rows, block_r), cdiv(n_cols, block_c)), dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
+def _check_rows(gate: Tensor, **others: Tensor) -> None:
+    """The launchers' operands are ``(N, F)`` tensors of one shape (the custom ops can be called directly: a kernel
+    must not read outside them)."""
+    for name, t in others.items():
+        if gate.dim() != 2 or t.shape != gate.shape:
+            raise ValueError(f"{name}: expected gate's (N, F) shape {tuple(gate.shape)}, got {tuple(t.shape)}")
+
+
 def _unit_last_stride(t: Tensor) -> Tensor:
     # The kernels walk the last dim with stride 1 (a backward's gradient may be expanded or transposed).
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -75,6 +83,7 @@ def _unit_last_stride(t: Tensor) -> Tensor:
 
 def silu_mul_fwd_triton(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` of two ``(N, F)`` tensors (any row strides): a new contiguous ``(N, F)``."""
+    _check_rows(gate, up=up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
@@ -88,6 +97,7 @@ def silu_mul_fwd_triton(gate: Tensor, up: Tensor) -> Tensor:
 def silu_mul_bwd_into(gate: Tensor, up: Tensor, grad: Tensor, d_gate: Tensor, d_up: Tensor) -> None:
     """The gradients of :func:`silu_mul_fwd_triton` given ``grad``, written into ``d_gate`` and ``d_up`` (``(N, F)``,
     any row strides, last stride 1: e.g. the two halves of one tensor)."""
+    _check_rows(gate, up=up, grad=grad, d_gate=d_gate, d_up=d_up)
     if grad.numel() == 0:
         return
     gate, up, grad = _unit_last_stride(gate), _unit_last_stride(up), _unit_last_stride(grad)
@@ -98,6 +108,8 @@ def silu_mul_bwd_into(gate: Tensor, up: Tensor, grad: Tensor, d_gate: Tensor, d_
 
 def swiglu_fwd_triton(x: Tensor) -> Tensor:
     """``x`` ``(N, 2F)`` (any row stride) -> ``silu(x[:, :F]) * x[:, F:]``, a new contiguous ``(N, F)``."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        raise ValueError(f"x: expected (N, 2F) rows, got shape {tuple(x.shape)}")
     gate, up = x.chunk(2, dim=-1)
     return silu_mul_fwd_triton(gate, up)
 
@@ -112,7 +124,7 @@ def swiglu_bwd_triton(x: Tensor, grad: Tensor) -> Tensor:
 
 def silu_mul_bwd_triton(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of :func:`silu_mul_fwd_triton` w.r.t. ``gate`` and ``up``: new contiguous ``(N, F)`` tensors."""
-    d_gate, d_up = torch.empty_like(grad, dtype=gate.dtype), torch.empty_like(grad, dtype=gate.dtype)
+    d_gate, d_up = (torch.empty(grad.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
     silu_mul_bwd_into(gate, up, grad, d_gate, d_up)
     return d_gate, d_up
 
@@ -179,7 +191,11 @@ class _SiluMul(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------- public
 def swiglu_values(x: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) * up`` of a tensor ``(..., 2F)`` (gate: the first ``F`` features): the op behind
-    :func:`swiglu` and ``varlen.nn``'s ``activation="swiglu"`` on dense inputs. Returns ``(..., F)``."""
+    :func:`swiglu` and ``varlen.nn``'s ``activation="swiglu"`` on dense inputs. Returns ``(..., F)``. Raises
+    ValueError for a last dim that is odd or missing."""
+    if x.dim() < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x: SwiGLU splits the last dim into a gate and an input of equal widths, so it must be "
+                         f"even; got shape {tuple(x.shape)}")
     backend = capabilities.resolve(x.device, x.dtype, "ragged", backend)
     if backend == "torch":
         gate, up = x.chunk(2, dim=-1)
@@ -191,6 +207,10 @@ def swiglu_values(x: Tensor, backend: str | None = None) -> Tensor:
 def silu_mul(gate: Tensor, up: Tensor, backend: str | None = None) -> Tensor:
     """``silu(gate) * up`` of two tensors of one shape and dtype (the outputs of a gate and an up projection, as in
     transformers' Llama MLP): the same kernels as :func:`swiglu`, gradients for both."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Tensor) or t.dim() < 1:
+            raise TypeError(f"{name}: expected a tensor of at least one dim, got "
+                            f"{type(t).__name__ if not isinstance(t, Tensor) else 'a 0-dim tensor'}")
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
         raise ValueError(f"up: expected gate's shape, dtype and device {tuple(gate.shape)}, {gate.dtype}, "
                          f"{gate.device}; got {tuple(up.shape)}, {up.dtype}, {up.device}")

@@ -1,0 +1,103 @@
+"""varlen.cross_entropy against torch's cross-entropy of the logits in float64."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import varlen
+from conftest import DEVICE, ON_GPU
+from utils import assert_close
+
+DTYPES = [torch.float32, torch.float64, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+BACKENDS = ["torch", "triton"]
+# Vocabularies under one block, odd, a few blocks (4096 per block; 1024 in float64).
+VOCABS = [5, 100, 4097, 9000 if ON_GPU else 2100]
+
+
+def _case(rows, vocab, dtype, ignored=()):
+    logits = (3 * torch.randn(rows, vocab, device=DEVICE)).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, vocab, (rows,), device=DEVICE)
+    for r in ignored:
+        targets[r] = -100
+    return logits, targets
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_backward(dtype, vocab, reduction, backend):
+    logits, targets = _case(37, vocab, dtype, ignored=(0, 5, 36))
+    loss = varlen.cross_entropy(logits, targets, reduction=reduction, backend=backend)
+    grad = torch.randn_like(loss)
+    loss.backward(grad)
+    x64 = logits.detach().double().requires_grad_(True)
+    ref = F.cross_entropy(x64, targets, reduction=reduction)
+    ref.backward(grad.double())
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert logits.grad.dtype == dtype
+    assert_close(loss, ref, dtype, name="loss")
+    assert_close(logits.grad, x64.grad, dtype, name="dlogits")
+    if reduction == "none":
+        assert torch.equal(loss[[0, 5, 36]].detach(), torch.zeros(3, dtype=loss.dtype, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_and_other_ignore_index(backend):
+    logits = torch.randn(6, 11, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    targets = torch.tensor([3, 7, 0, 10, 7, 2], device=DEVICE)
+    assert torch.autograd.gradcheck(
+        lambda x: varlen.cross_entropy(x, targets, ignore_index=7, backend=backend), (logits,))
+    ref = F.cross_entropy(logits, targets, ignore_index=7)
+    assert_close(varlen.cross_entropy(logits, targets, ignore_index=7, backend=backend), ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_row_ignored_and_no_rows(backend):
+    logits, targets = _case(4, 9, torch.float32, ignored=range(4))
+    loss = varlen.cross_entropy(logits, targets, backend=backend)
+    assert torch.isnan(loss)  # a mean over no targets, as torch's
+    assert varlen.cross_entropy(logits, targets, reduction="sum", backend=backend).item() == 0.0
+    empty = torch.randn(0, 9, device=DEVICE, requires_grad=True)
+    out = varlen.cross_entropy(empty, torch.zeros(0, dtype=torch.int64, device=DEVICE), reduction="sum",
+                               backend=backend)
+    out.backward()
+    assert out.item() == 0.0 and empty.grad.shape == (0, 9)
+
+
+def test_strided_logits_and_int32_targets():
+    # rows of a wider tensor (a view), int32 targets; large logits (a max of 1e4 must not overflow exp)
+    wide = torch.randn(9, 30, device=DEVICE) * 1e4
+    logits, targets = wide[:, 3:20], torch.randint(0, 17, (9,), device=DEVICE, dtype=torch.int32)
+    got = varlen.cross_entropy(logits, targets, backend="triton")
+    assert_close(got, F.cross_entropy(logits.double(), targets.long()))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.tensor([0.0, 1.0, 2.0])), TypeError,
+                 "targets: expected integer class indices, got dtype torch.float32", id="float-targets"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(2, dtype=torch.int64)), ValueError,
+                 "targets: expected shape (3,) for logits of shape (N, V); got logits (3, 4) and targets (2,)",
+                 id="shape"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4, 2), torch.zeros(3, dtype=torch.int64)), ValueError,
+                 "targets: expected shape (N,) for logits of shape (N, V)", id="3-d"),
+    pytest.param(lambda: varlen.cross_entropy(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)),
+                 TypeError, "logits", id="int-logits"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), reduction="avg"),
+                 ValueError, "reduction", id="reduction"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), ignore_index=1.0),
+                 TypeError, "ignore_index: expected an int, got float", id="ignore-index"),
+])
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="on the CPU torch's own check raises for a bad target")
+def test_target_out_of_range_gives_nan_not_a_read_outside():
+    logits, targets = _case(3, 50, torch.float32)
+    targets[1] = 50
+    losses = varlen.cross_entropy(logits, targets, reduction="none")
+    assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()
