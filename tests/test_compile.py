@@ -344,7 +344,7 @@ def test_triton_only_ops_opcheck(name):
             "rotary_tables": (torch.randn(7, 2, 10, device=DEVICE)[..., :8], torch.rand(7, 8, device=DEVICE),
                               torch.rand(7, 8, device=DEVICE), -1),
             "cross_entropy_forward": (rows, targets, -100),
-            "cross_entropy_backward": (rows, targets, torch.rand(7, device=DEVICE) + 3,
+            "cross_entropy_backward": (rows, targets, torch.rand(7, device=DEVICE), torch.rand(7, device=DEVICE) + 2,
                                        torch.tensor(0.5, device=DEVICE).expand(7), -100)}[name]
     torch.library.opcheck(getattr(torch.ops.varlen, name).default, args, test_utils=_opchecks("triton"))
 
@@ -358,7 +358,7 @@ REFUSED = [
     ("cross_entropy_forward", lambda: (torch.randn(3, 4), torch.zeros(2, dtype=torch.int64), -100),
      "targets: expected shape (3,), one entry per row of logits; got (2,)"),
     ("cross_entropy_backward", lambda: (torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), torch.zeros(3),
-                                        torch.ones(1), -100), "row_scale: expected shape (3,)"),
+                                        torch.zeros(3), torch.ones(1), -100), "row_scale: expected shape (3,)"),
 
 ]
 

@@ -67,6 +67,47 @@ def test_every_row_ignored_and_no_rows(backend):
     assert out.item() == 0.0 and empty.grad.shape == (0, 9)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_logits_keep_their_precision(backend):
+    """Rows of huge equal logits (the log of the sum must not vanish into the max) and logits offset by 3e4."""
+    logits = torch.full((2, 30), -torch.finfo(torch.float32).max, device=DEVICE)
+    logits[1] = torch.randn(30, device=DEVICE) + 3e4
+    logits.requires_grad_(True)
+    targets = torch.tensor([4, 7], device=DEVICE)
+    loss = varlen.cross_entropy(logits, targets, reduction="none", backend=backend)
+    loss.sum().backward()
+    x64 = logits.detach().double().requires_grad_(True)
+    ref = F.cross_entropy(x64, targets, reduction="none")
+    ref.sum().backward()
+    assert_close(loss, ref, tol=1e-6, name="loss")
+    assert_close(logits.grad, x64.grad, tol=1e-5, name="dlogits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_raises(backend):
+    """A gradient penalty (create_graph=True, then the gradient times the input) differentiates the gradient even
+    where the incoming gradient doesn't require grad: the Triton path raises instead of dropping that term."""
+    logits, targets = _case(5, 9, torch.float64)
+    (g,) = torch.autograd.grad(varlen.cross_entropy(logits, targets, backend=backend), logits, create_graph=True)
+    if backend == "torch":
+        (g * logits).sum().backward()
+        return
+    with pytest.raises(NotImplementedError, match="varlen.cross_entropy: the Triton path has no double backward"):
+        (g * logits).sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_vocabulary_and_narrow_targets(backend):
+    """An empty vocabulary: every row ignored gives a sum of 0 (the Triton kernel reads nothing); int32 targets on
+    both backends."""
+    empty = torch.randn(3, 0, device=DEVICE)
+    ignored = torch.full((3,), -100, device=DEVICE)
+    assert varlen.cross_entropy(empty, ignored, reduction="sum", backend=backend).item() == 0.0
+    logits, targets = _case(4, 6, torch.float32)
+    got = varlen.cross_entropy(logits, targets.int(), backend=backend)
+    assert_close(got, F.cross_entropy(logits.double(), targets))
+
+
 def test_strided_logits_and_int32_targets():
     # rows of a wider tensor (a view), int32 targets; large logits (a max of 1e4 must not overflow exp)
     wide = torch.randn(9, 30, device=DEVICE) * 1e4
@@ -79,10 +120,15 @@ def test_strided_logits_and_int32_targets():
     pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.tensor([0.0, 1.0, 2.0])), TypeError,
                  "targets: expected integer class indices, got dtype torch.float32", id="float-targets"),
     pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(2, dtype=torch.int64)), ValueError,
-                 "targets: expected shape (3,) for logits of shape (N, V); got logits (3, 4) and targets (2,)",
-                 id="shape"),
+                 "targets: expected shape (3,), one per row of logits (3, 4); got (2,)", id="shape"),
     pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4, 2), torch.zeros(3, dtype=torch.int64)), ValueError,
-                 "targets: expected shape (N,) for logits of shape (N, V)", id="3-d"),
+                 "logits: expected (N, V) rows, got shape (3, 4, 2)", id="3-d"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), [0, 1, 2]), TypeError,
+                 "targets: expected a torch.Tensor, got list", id="list-targets"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.int64, device="meta")),
+                 ValueError, "targets: on meta, but logits are on cpu", id="device"),
+    pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), ignore_index=2**63),
+                 ValueError, "ignore_index: expected an int64 value", id="ignore-index-range"),
     pytest.param(lambda: varlen.cross_entropy(torch.zeros(3, 4, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)),
                  TypeError, "logits", id="int-logits"),
     pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), reduction="avg"),

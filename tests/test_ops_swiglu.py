@@ -139,6 +139,19 @@ def test_silu_mul_transposed_gradient(backend):
     assert gate.grad.is_contiguous()
 
 
+def test_double_backward_raises():
+    """A gradient penalty through the kernels raises (the torch backend differentiates twice)."""
+    x = random_jagged([3, 4], (6,), dtype=torch.float64, requires_grad=True)
+    gate, up = (torch.randn(4, 3, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))
+    for out, inputs in [(varlen.swiglu(x, backend="triton").values, (x.values,)),
+                        (silu_mul(gate, up, backend="triton"), (gate, up))]:
+        grads = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        with pytest.raises(NotImplementedError, match="the Triton path has no double backward"):
+            sum((g * i).sum() for g, i in zip(grads, inputs, strict=True)).backward()
+    (g,) = torch.autograd.grad(varlen.swiglu(x, backend="torch").values.sum(), x.values, create_graph=True)
+    (g * x.values).sum().backward()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_silu_mul_gradcheck(backend):
     gate, up = (torch.randn(5, 6, dtype=torch.float64, device=DEVICE, requires_grad=True) for _ in range(2))

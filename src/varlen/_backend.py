@@ -75,3 +75,33 @@ def gradient_op(function: type[torch.autograd.Function], run, *args):
     backward runs with grad mode off, where the Function's apply only costs host time (about 15 us on an H100
     host, a tenth of the backward call)."""
     return function.apply(*args) if torch.is_grad_enabled() else run(*args)
+
+
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Passes gradients through, attached to ``anchor`` (an input that requires grad, so that the outputs do too);
+    differentiating them again raises NotImplementedError with ``message``."""
+
+    @staticmethod
+    def forward(message, anchor, *grads):
+        return tuple(None if g is None else g.view_as(g) for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.message = inputs[0]
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(ctx.message)
+
+
+def refuse_double_backward(message: str, grads: tuple, *inputs) -> tuple:
+    """A backward's ``grads``, made to raise ``NotImplementedError(message)`` if a double backward reaches them.
+
+    ``torch.autograd.function.once_differentiable`` only guards a gradient whose incoming gradient requires grad: a
+    gradient penalty (``grad(f(x), x, create_graph=True)``, then ``(g * x).sum().backward()``) would silently miss
+    the second-order term. Here, under ``create_graph=True``, the gradients hang on one of ``inputs`` that requires
+    grad, and differentiating them raises."""
+    anchors = [t for t in inputs if t is not None and t.requires_grad]
+    if torch.is_grad_enabled() and anchors:
+        return _RefuseDoubleBackward.apply(message, anchors[0], *grads)
+    return grads

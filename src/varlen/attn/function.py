@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _amp
+from .._backend import refuse_double_backward
 from .._checks import accumulate_dtype, capturing
 from . import backends
 from .dropout import SEED_LIMIT, draw_dropout_seed
@@ -74,31 +75,6 @@ def _seed(seed: Tensor | None) -> DropoutSeed | None:
     return None if seed is None else DropoutSeed(*seed.tolist())
 
 
-class _DoubleBackward(torch.autograd.Function):
-    """Passes gradients through, attached to ``anchor`` (an input that requires grad, so that the outputs do
-    too); differentiating them again raises :data:`DOUBLE_BACKWARD`."""
-
-    @staticmethod
-    def forward(anchor, *grads):
-        return tuple(None if g is None else g.view_as(g) for g in grads)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *_):
-        raise NotImplementedError(DOUBLE_BACKWARD)
-
-
-def _guard(grads: tuple, *inputs) -> tuple:
-    """``grads``, made to raise a clear error if a double backward (``create_graph=True``) reaches them."""
-    anchors = [t for t in inputs if t is not None and t.requires_grad]
-    if torch.is_grad_enabled() and anchors:
-        return _DoubleBackward.apply(anchors[0], *grads)
-    return grads
-
-
 # --------------------------------------------------------------------------------- eager entry
 class _EagerAttention(torch.autograd.Function):
     @classmethod
@@ -131,7 +107,7 @@ class _EagerAttention(torch.autograd.Function):
         problem, opts, impl, seed = ctx.call
         with torch.no_grad():
             grads = run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs)
-        return (*_guard(grads, dout, dlse, q, k, v), None, None, None, None, None)
+        return (*refuse_double_backward(DOUBLE_BACKWARD, grads, dout, dlse, q, k, v), None, None, None, None, None)
 
     @staticmethod
     def vmap(info, in_dims, *args):

@@ -4,13 +4,13 @@
 over the rows whose target isn't ignored, as ``torch.nn.functional.cross_entropy``.
 
 The Triton kernels compute in float32 (float64 for float64) from the logits as they are: the forward reads each row
-once (online max and sum of exponentials) and keeps its log-sum-exp; the backward reads it again and writes
-``(softmax - onehot) * grad`` in the logits' dtype. Torch's path (and transformers' loss, which upcasts first) makes
-a float32 copy of the logits, their log-softmax, and a float32 gradient: for a language model's 32768 x 32000 bf16
-logits, 12 GB of extra traffic each way and 4 GB of memory. The PyTorch path (CPU) is ``F.cross_entropy`` on the
-upcast logits. A target outside ``[0, V)`` (and not ``ignore_index``) gives NaN for its row on the GPU, where checking
-would read the device on the host (torch's own kernel stops with a device-side assert there); on the CPU, torch
-raises.
+once (online max and sum of exponentials) and keeps the row's max and the log of its sum apart (their sum would lose
+the latter to rounding where logits are large); the backward reads the row again and writes ``(softmax - onehot) *
+grad`` in the logits' dtype. Torch's path (and transformers' loss, which upcasts first) makes a float32 copy of the
+logits, their log-softmax, and a float32 gradient: for a language model's 32768 x 32000 bf16 logits, 12 GB of extra
+traffic each way and 4 GB of memory. The PyTorch path (CPU) is ``F.cross_entropy`` on the upcast logits. A target
+outside ``[0, V)`` (and not ``ignore_index``) gives NaN for its row on the GPU, where checking would read the device on
+the host (torch's own kernel stops with a device-side assert there); on the CPU, torch raises.
 """
 
 from __future__ import annotations
@@ -20,20 +20,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import capabilities
-from .._backend import through_custom_op
+from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_choice, check_dtype
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
+DOUBLE_BACKWARD = ("varlen.cross_entropy: the Triton path has no double backward (create_graph=True through it); "
+                   "the torch backend has one")
 
 
 # ------------------------------------------------------------------------------------ kernels
 @triton.jit(do_not_specialize=["n_rows"])
-def _cross_entropy_fwd_kernel(logits, targets, losses, lse, n_rows, n_cols, stride_lr, ignore_index,
+def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_rows, n_cols, stride_lr, ignore_index,
                               ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    # One row: its log-sum-exp by online max and sum (a running pair per lane, combined once after the loop), the
-    # target's logit, the row's loss.
+    # One row: its max and the log of its sum of exp(x - max) by online max and sum (a running pair per lane,
+    # combined once after the loop), the target's logit, the row's loss (max - picked) + log(sum): kept apart, since
+    # max + log(sum) would lose log(sum) to rounding where |max| is large.
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride_lr
     cols = tl.arange(0, BLOCK_V)
@@ -48,21 +51,22 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, lse, n_rows, n_cols, stri
         m_lane = m_new
     m = tl.max(m_lane, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    row_lse = shift + tl.log(tl.sum(s_lane * tl.exp(m_lane - shift), 0))
+    log_sum = tl.log(tl.sum(s_lane * tl.exp(m_lane - shift), 0))
     target = tl.load(targets + row)
-    ignored = target == ignore_index
     valid = (target >= 0) & (target < n_cols)
-    picked = tl.load(base + tl.where(valid, target, 0)).to(ACC)  # (a bad target reads column 0, then gives NaN)
-    loss = tl.where(ignored, 0.0, tl.where(valid, row_lse - picked, float("nan")))
+    # (a bad target, or an empty vocabulary, reads nothing and gives NaN)
+    picked = tl.load(base + tl.where(valid, target, 0), mask=valid, other=0.0).to(ACC)
+    loss = tl.where(target == ignore_index, 0.0, tl.where(valid, (shift - picked) + log_sum, float("nan")))
     tl.store(losses + row, loss)
-    tl.store(lse + row, row_lse)
+    tl.store(row_max + row, shift)
+    tl.store(row_log_sum + row, log_sum)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _cross_entropy_bwd_kernel(logits, targets, lse, row_scale, dlogits, n_rows, n_cols, stride_lr, stride_dr,
-                              stride_scale, ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    # d logits[r, c] = (exp(logits[r, c] - lse[r]) - [c == target[r]]) * scale[r] over one block of one row; 0 on
-    # rows whose target is ignored.
+def _cross_entropy_bwd_kernel(logits, targets, row_max, row_log_sum, row_scale, dlogits, n_rows, n_cols, stride_lr,
+                              stride_dr, stride_scale, ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    # d logits[r, c] = (exp(logits[r, c] - max[r] - log_sum[r]) - [c == target[r]]) * scale[r] over one block of one
+    # row; 0 on rows whose target is ignored.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     ok = cols < n_cols
@@ -70,7 +74,8 @@ def _cross_entropy_bwd_kernel(logits, targets, lse, row_scale, dlogits, n_rows, 
     target = tl.load(targets + row)
     scale = tl.load(row_scale + row * stride_scale).to(ACC)
     scale = tl.where(target == ignore_index, 0.0, scale)
-    d = (tl.exp(x - tl.load(lse + row)) - tl.where(cols == target, 1.0, 0.0)) * scale
+    p = tl.exp((x - tl.load(row_max + row)) - tl.load(row_log_sum + row))
+    d = (p - tl.where(cols == target, 1.0, 0.0)) * scale
     tl.store(dlogits + row * stride_dr + cols, d.to(dlogits.dtype.element_ty), mask=ok)
 
 
@@ -96,33 +101,33 @@ def _check_rows(logits: Tensor, **per_row: Tensor) -> None:
                              f"{tuple(t.shape)}")
 
 
-def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """Per-row losses and log-sum-exps (the accumulation dtype) of ``logits`` ``(N, V)`` (unit column stride)."""
+def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row losses, maxima and logs of the sums of exponentials (float32; float64 for float64) of ``logits``
+    ``(N, V)`` (unit column stride)."""
     _check_rows(logits, targets=targets)
     n_rows, n_cols = logits.shape
-    acc = acc_type(logits.dtype)
     out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    losses = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
-    lse = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
+    losses, row_max, row_log_sum = (torch.empty(n_rows, dtype=out_dtype, device=logits.device) for _ in range(3))
     if n_rows:
-        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, lse, n_rows, n_cols, logits.stride(0),
-                                             ignore_index, ACC=acc, BLOCK_V=_block_v(n_cols, logits.dtype),
-                                             num_warps=8)
-    return losses, lse
+        _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, row_max, row_log_sum, n_rows, n_cols,
+                                             logits.stride(0), ignore_index, ACC=acc_type(logits.dtype),
+                                             BLOCK_V=_block_v(n_cols, logits.dtype), num_warps=8)
+    return losses, row_max, row_log_sum
 
 
-def cross_entropy_bwd_triton(logits: Tensor, targets: Tensor, lse: Tensor, row_scale: Tensor,
+def cross_entropy_bwd_triton(logits: Tensor, targets: Tensor, row_max: Tensor, row_log_sum: Tensor, row_scale: Tensor,
                              ignore_index: int) -> Tensor:
     """The gradient w.r.t. ``logits`` of ``sum_r row_scale[r] * loss[r]`` (``row_scale`` ``(N,)``, any stride, e.g.
     an expanded scalar): a new contiguous tensor in the logits' dtype."""
-    _check_rows(logits, targets=targets, lse=lse, row_scale=row_scale)
+    _check_rows(logits, targets=targets, row_max=row_max, row_log_sum=row_log_sum, row_scale=row_scale)
     n_rows, n_cols = logits.shape
     dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
     if dlogits.numel():
         block_v = _block_v(n_cols, logits.dtype)
         _cross_entropy_bwd_kernel[(n_rows, cdiv(n_cols, block_v))](
-            logits, targets, lse, row_scale, dlogits, n_rows, n_cols, logits.stride(0), dlogits.stride(0),
-            row_scale.stride(0), ignore_index, ACC=acc_type(logits.dtype), BLOCK_V=block_v, num_warps=8)
+            logits, targets, row_max, row_log_sum, row_scale, dlogits, n_rows, n_cols, logits.stride(0),
+            dlogits.stride(0), row_scale.stride(0), ignore_index, ACC=acc_type(logits.dtype), BLOCK_V=block_v,
+            num_warps=8)
     return dlogits
 
 
@@ -136,11 +141,11 @@ _bwd_op = torch.library.custom_op("varlen::cross_entropy_backward", cross_entrop
 @_fwd_op.register_fake
 def _(logits, targets, ignore_index):
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return logits.new_empty(logits.shape[:1], dtype=dtype), logits.new_empty(logits.shape[:1], dtype=dtype)
+    return tuple(logits.new_empty(logits.shape[:1], dtype=dtype) for _ in range(3))
 
 
 @_bwd_op.register_fake
-def _(logits, targets, lse, row_scale, ignore_index):
+def _(logits, targets, row_max, row_log_sum, row_scale, ignore_index):
     return logits.new_empty(logits.shape)
 
 
@@ -149,17 +154,18 @@ class _RowLosses(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index):
-        losses, lse = (_fwd_op if through_custom_op() else cross_entropy_fwd_triton)(logits, targets, ignore_index)
-        ctx.save_for_backward(logits, targets, lse)
+        fwd = _fwd_op if through_custom_op() else cross_entropy_fwd_triton
+        losses, row_max, row_log_sum = fwd(logits, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, row_max, row_log_sum)
         ctx.ignore_index = ignore_index
         return losses
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, row_max, row_log_sum = ctx.saved_tensors
         bwd = _bwd_op if through_custom_op() else cross_entropy_bwd_triton
-        return bwd(logits, targets, lse, grad, ctx.ignore_index), None, None
+        dlogits = bwd(logits, targets, row_max, row_log_sum, grad, ctx.ignore_index)
+        return (*refuse_double_backward(DOUBLE_BACKWARD, (dlogits,), logits, grad), None, None)
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -176,23 +182,33 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
             ``"none"`` (per-row losses, 0 where ignored).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: :func:`varlen.use_backend`'s).
 
-    Returns the loss in float32 (float64 for float64 logits), differentiable w.r.t. ``logits``; the gradient comes
-    in the logits' dtype. Raises TypeError for non-float logits, non-integer targets or a non-integer
-    ``ignore_index``, ValueError for shapes that don't match or another ``reduction``.
+    Returns the loss in float32 (float64 for float64 logits), differentiable w.r.t. ``logits`` (once: the Triton path
+    has no double backward); the gradient comes in the logits' dtype. Raises TypeError for non-tensors, non-float
+    logits, non-integer targets or a non-integer ``ignore_index``, ValueError for shapes that don't match, targets on
+    another device or another ``reduction``.
     """
+    for name, t in (("logits", logits), ("targets", targets)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     check_dtype("logits", logits, FLOAT_DTYPES)
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise TypeError(f"targets: expected integer class indices, got dtype {targets.dtype}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if not -(2 ** 63) <= ignore_index < 2 ** 63:
+        raise ValueError(f"ignore_index: expected an int64 value, got {ignore_index}")
     check_choice("reduction", reduction, REDUCTIONS)
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"targets: expected shape ({logits.shape[0] if logits.dim() == 2 else 'N'},) for logits of "
-                         f"shape (N, V); got logits {tuple(logits.shape)} and targets {tuple(targets.shape)}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected (N, V) rows, got shape {tuple(logits.shape)}")
+    if targets.shape != logits.shape[:1]:
+        raise ValueError(f"targets: expected shape ({logits.shape[0]},), one per row of logits {tuple(logits.shape)}; "
+                         f"got {tuple(targets.shape)}")
+    if targets.device != logits.device:
+        raise ValueError(f"targets: on {targets.device}, but logits are on {logits.device}")
     backend = capabilities.resolve(logits.device, logits.dtype, "ragged", backend)
     if backend == "torch":
         upcast = logits.double() if logits.dtype == torch.float64 else logits.float()
-        return F.cross_entropy(upcast, targets, ignore_index=ignore_index, reduction=reduction)
+        return F.cross_entropy(upcast, targets.long(), ignore_index=ignore_index, reduction=reduction)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     losses = _RowLosses.apply(logits, targets.to(torch.int64), ignore_index)

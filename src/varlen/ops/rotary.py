@@ -11,6 +11,9 @@ halves; any row and head strides, so q and k can be views of one projection) and
 registers; its backward is the same kernel turning the other way. The PyTorch path (CPU) is the same math
 in torch ops, rounding each product to ``x``'s dtype as transformers does (the kernel rounds once). The
 positions come from the device offsets, with no host sync.
+
+A second kernel takes the cosines and sines from tables instead (:func:`rotate_with_tables`: transformers' own,
+whatever rope type made them), for ``varlen.integrations.transformers_kernels``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from .. import _amp, capabilities
-from .._backend import interpreter_enabled, through_custom_op
+from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -628,6 +628,9 @@ def softmax_bwd_torch(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) 
     return (yv * (g - dot[seq])).to(y.dtype)
 
 
+DOUBLE_BACKWARD = "varlen.softmax over the ragged dim: no double backward (create_graph=True through it)"
+
+
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each step as one opaque op (whatever the backend launches inside), with its output
 # shape from the fake implementation; the host ints stay symbolic, so new lengths don't recompile. Eager
@@ -658,20 +661,20 @@ def _(y, dy, offsets, max_len, backend):
 class _RaggedSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, offsets, max_len, backend):
-        x = as_columns(values, 1)
-        y = (_softmax_fwd_op if through_custom_op() else _softmax_fwd)(x, offsets, max_len, backend)
+        fwd = _softmax_fwd_op if through_custom_op() else _softmax_fwd
+        out = fwd(as_columns(values, 1), offsets, max_len, backend).view(values.shape)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(y, offsets)
+            # (the output itself: under create_graph it carries the gradient's guard, refuse_double_backward)
+            ctx.save_for_backward(out, offsets)
         ctx.max_len, ctx.backend = max_len, backend
-        return y.view(values.shape)
+        return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        y, offsets = ctx.saved_tensors
+        out, offsets = ctx.saved_tensors
         bwd = _softmax_bwd_op if through_custom_op() else _softmax_bwd
-        dx = bwd(y, as_columns(grad, 1), offsets, ctx.max_len, ctx.backend)
-        return dx.view(grad.shape), None, None, None
+        dx = bwd(as_columns(out, 1), as_columns(grad, 1), offsets, ctx.max_len, ctx.backend)
+        return (*refuse_double_backward(DOUBLE_BACKWARD, (dx.view(grad.shape),), out, grad), None, None, None)
 
 
 # ---------------------------------------------------------------------------------------- public

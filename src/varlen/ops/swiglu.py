@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import capabilities
-from .._backend import through_custom_op
+from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_dtype
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -129,6 +129,10 @@ def silu_mul_bwd_triton(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor,
     return d_gate, d_up
 
 
+DOUBLE_BACKWARD = ("varlen.swiglu / silu_mul: the Triton path has no double backward (create_graph=True through it); "
+                   "the torch backend has one")
+
+
 # ------------------------------------------------------------------------------------ custom ops
 # torch.compile sees each step as one opaque op with its output shape from the fake implementation. Eager calls
 # run the kernels directly (varlen._backend.through_custom_op).
@@ -167,10 +171,10 @@ class _SwiGLU(torch.autograd.Function):
         return (_swiglu_fwd_op if through_custom_op() else swiglu_fwd_triton)(x)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        return (_swiglu_bwd_op if through_custom_op() else swiglu_bwd_triton)(x, grad)
+        dx = (_swiglu_bwd_op if through_custom_op() else swiglu_bwd_triton)(x, grad)
+        return refuse_double_backward(DOUBLE_BACKWARD, (dx,), x, grad)
 
 
 class _SiluMul(torch.autograd.Function):
@@ -182,10 +186,10 @@ class _SiluMul(torch.autograd.Function):
         return (_silu_mul_fwd_op if through_custom_op() else silu_mul_fwd_triton)(gate, up)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return (_silu_mul_bwd_op if through_custom_op() else silu_mul_bwd_triton)(gate, up, grad)
+        grads = (_silu_mul_bwd_op if through_custom_op() else silu_mul_bwd_triton)(gate, up, grad)
+        return refuse_double_backward(DOUBLE_BACKWARD, tuple(grads), gate, up, grad)
 
 
 # ---------------------------------------------------------------------------------------- public
