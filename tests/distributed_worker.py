@@ -20,7 +20,7 @@ from varlen.distributed import ContextParallel
 
 # Each case: attention keyword arguments plus test settings (dtype, backend, balance, lse in the loss).
 CASES = [
-    dict(causal=True, heads=(4, 2)),
+    dict(causal=True, heads=(4, 2), penalty=True),
     dict(causal=False, dims=(8, 12), softcap=3.0),
     dict(window=(5, 2), alibi="BH"),
     dict(causal=True, window=(7, None), alibi="H", prefix=True),
@@ -127,11 +127,27 @@ def run_case(cp: ContextParallel, case: dict, lengths: list[int], device: torch.
         _check("lse", lse_cp[finite], lse[:, rows][finite], tol)
         for name, got, whole_leaf in zip(("dq", "dk", "dv"), local, leaves, strict=True):
             _check(name, got.grad, whole_leaf.grad[rows], tol)
+        if case.get("penalty"):
+            _check_double_backward_raises(cp, local, options, backend, lambda out: loss(out, None, rows))
         return
     _check("out", out_cp, out64.values[rows], 1e-5, whole=out.values[rows])
     _check("lse", lse_cp[finite], lse64[:, rows][finite], 1e-6, whole=lse[:, rows][finite])
     for name, got, whole_leaf, leaf64 in zip(("dq", "dk", "dv"), local, leaves, leaves64, strict=True):
         _check(name, got.grad, leaf64.grad[rows], 1e-5, whole=whole_leaf.grad[rows])
+
+
+def _check_double_backward_raises(cp, local, options, backend, loss):
+    """A gradient penalty (create_graph=True, then the gradient times the input) raises instead of dropping the
+    second-order term; every rank raises at the same point, before any collective of the second backward. (After the
+    gradient checks: the failed backward may already have added to the leaves' gradients.)"""
+    (dq,) = torch.autograd.grad(loss(cp.attention(*local, **options, backend=backend)), local[0], create_graph=True)
+    try:
+        (dq * local[0]).sum().backward()
+    except NotImplementedError as exc:
+        if "double backward" not in str(exc):
+            raise
+    else:
+        raise AssertionError("a double backward through context-parallel attention did not raise")
 
 
 def worker(rank: int, world: int, port: int, suite: str):

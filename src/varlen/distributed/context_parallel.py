@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from .. import _amp
+from .._backend import refuse_double_backward
 from .._checks import accumulate_dtype, check_choice, check_tensor
 from ..attn import api, function
 from ..attn.options import AttentionOptions
@@ -295,7 +296,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, key_rows, *kept = ctx.saved_tensors
         block_rows, group, chunks, present, primitives = ctx.layout
@@ -319,10 +319,13 @@ class _ContextParallelAttention(torch.autograd.Function):
             dk_chunk = _scatter(grads[-2], key_rows, block_rows, group, k[:, kv_heads])
             dv_chunk = _scatter(grads[-1], key_rows, block_rows, group, v[:, kv_heads])
             if chunks == 1:
-                return (grads[0] if needs[0] else None), dk_chunk, dv_chunk, None, None, None, None, None, None
+                dq = grads[0] if needs[0] else None
+                dk, dv = dk_chunk, dv_chunk
+                break
             if needs[0]:
                 dq[:, q_heads] = grads[0]
             dk[:, kv_heads] = dk_chunk
             dv[:, kv_heads] = dv_chunk
             del grads
-        return dq, dk, dv, None, None, None, None, None, None
+        return (*refuse_double_backward(function.DOUBLE_BACKWARD, (dq, dk, dv), q, k, v, dout), None, None, None, None,
+                None, None)
