@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import assert_close, random_jagged
+from utils import check_jagged_op, random_jagged
 from varlen.ops.norm import layer_norm, rms_norm
 
 LENGTHS = {"mixed": [0, 1, 17, 300 if ON_GPU else 60, 4], "batch1": [1]}
@@ -56,20 +56,8 @@ def test_forward_backward(dtype, lengths, inner, normalized_shape, affine):
     x64, w64, b64 = leaf(x.values), leaf(weight), leaf(bias)
     host = x.host_offsets().tolist()
     ref = torch.cat([F.layer_norm(x64[s:e], shape, w64, b64, 1e-5) for s, e in pairwise(host)])
-    _check_against_reference(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64),
+    check_jagged_op(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64),
                                                        "bias": (bias, b64)})
-
-
-def _check_against_reference(x, out, dy, ref, dtype, leaves):
-    """``out`` (from ``x``) against the float64 ``ref``, and after the same backward of ``dy``, each
-    ``leaves`` pair's gradients (name: (tensor or None, its float64 copy))."""
-    out.values.backward(dy)
-    ref.backward(dy.double())
-    assert out.offsets is x.offsets and out.values.shape == x.values.shape and out.dtype == dtype
-    assert_close(out.values, ref, dtype, name="out")
-    for name, (leaf, leaf64) in leaves.items():
-        if leaf is not None:
-            assert_close(leaf.grad, leaf64.grad, dtype, name=f"d{name}")
 
 
 RMS_CASES = [
@@ -94,7 +82,7 @@ def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affi
     eps64 = torch.finfo(dtype).eps if eps is None else eps  # torch's default: the input dtype's epsilon
     ref = x64 / (x64.square().mean(dims, keepdim=True) + eps64).sqrt()
     ref = ref if w64 is None else ref * w64
-    _check_against_reference(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64)})
+    check_jagged_op(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64)})
 
 
 def test_rms_norm_gradcheck_and_nested_input():

@@ -8,7 +8,7 @@ import torch
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import assert_close, random_jagged, rel_err
+from utils import assert_close, check_jagged_op, random_jagged, rel_err
 from varlen.ops.swiglu import silu_mul, swiglu_values
 
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
@@ -30,14 +30,8 @@ def reference(values: torch.Tensor) -> torch.Tensor:
 def test_forward_backward(dtype, lengths, inner, backend):
     x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
     out = varlen.swiglu(x, backend=backend)
-    dy = torch.randn_like(out.values)
-    out.values.backward(dy)
     x64 = x.values.detach().double().requires_grad_(True)
-    ref = reference(x64)
-    ref.backward(dy.double())
-    assert out.offsets is x.offsets and out.values.dtype == dtype and out.values.shape == ref.shape
-    assert_close(out.values, ref, dtype, name="out")
-    assert_close(x.values.grad, x64.grad, dtype, name="dx")
+    check_jagged_op(x, out, torch.randn_like(out.values), reference(x64), dtype, {"x": (x.values, x64)})
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 and fp16 kernels checked against torch's own rounding on the GPU")

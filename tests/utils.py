@@ -104,3 +104,15 @@ def rotary_reference(part: torch.Tensor, base: float) -> torch.Tensor:
                        pos[:, None] * freq[None, :])
     z = torch.complex(part[..., :half], part[..., half:]) * turn.view(part.shape[0], *(1,) * (part.dim() - 2), half)
     return torch.cat([z.real, z.imag], -1)
+
+
+def check_jagged_op(x, out, dy, ref, dtype, leaves) -> None:
+    """A jagged op's result ``out`` (from ``x``) against its float64 reference ``ref``, and, after the same backward
+    of ``dy`` through both, each ``leaves`` pair's gradients (name: (tensor or None, its float64 copy))."""
+    out.values.backward(dy)
+    ref.backward(dy.double())
+    assert out.offsets is x.offsets and out.values.shape == ref.shape and out.values.dtype == dtype
+    assert_close(out.values, ref, dtype, name="out")
+    for name, (leaf, leaf64) in leaves.items():
+        if leaf is not None:
+            assert_close(leaf.grad, leaf64.grad, dtype, name=f"d{name}")

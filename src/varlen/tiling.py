@@ -37,6 +37,12 @@ def as_columns(t: torch.Tensor, lead: int) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
 
 
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has stride 1 (what the kernels walk), else a contiguous copy (a backward's
+    gradient may be expanded or transposed)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def acc_type(dtype: torch.dtype):
     """The Triton type to accumulate in: float64 for float64 inputs, else float32."""
     return tl.float64 if dtype == torch.float64 else tl.float32

@@ -23,7 +23,7 @@ from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_choice, check_dtype
 from .._triton import tl, triton
-from ..tiling import acc_type, cdiv, next_power_of_2
+from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
 REDUCTIONS = ("mean", "sum", "none")
 DOUBLE_BACKWARD = ("varlen.cross_entropy: the Triton path has no double backward (create_graph=True through it); "
@@ -209,9 +209,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
     if backend == "torch":
         upcast = logits.double() if logits.dtype == torch.float64 else logits.float()
         return F.cross_entropy(upcast, targets.long(), ignore_index=ignore_index, reduction=reduction)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    losses = _RowLosses.apply(logits, targets.to(torch.int64), ignore_index)
+    losses = _RowLosses.apply(last_dim_contiguous(logits), targets.to(torch.int64), ignore_index)
     if reduction == "none":
         return losses
     total = losses.sum()

@@ -29,7 +29,7 @@ from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_real
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import row_positions
-from ..tiling import acc_type, cdiv, next_power_of_2
+from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -92,8 +92,7 @@ def _launch(x: Tensor, turn: int) -> tuple[Tensor, Tensor, tuple[int, int], dict
     """``x`` with a unit last stride, its output, the grid and the tiles of a rotation of ``x`` ``(N, H, D)``."""
     n_rows, n_heads, dim = x.shape
     out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
-    if x.stride(-1) != 1:  # the kernel walks the last dim with stride 1 (a backward's gradient may be expanded)
-        x = x.contiguous()
+    x = last_dim_contiguous(x)
     half = dim // 2
     elems = _TILE_ELEMS_FLOAT64 if x.dtype == torch.float64 else _TILE_ELEMS
     block_half = next_power_of_2(half)
@@ -113,14 +112,25 @@ def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> 
     return out
 
 
+def _check_tables(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Tables of one row per row of ``x`` and at least ``D / 2`` entries, in ``x``'s dtype and on its device (what the
+    tables kernel reads; the custom op can also be called directly)."""
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[0] != x.shape[0] or table.shape[1] < x.shape[-1] // 2:
+            raise ValueError(f"{name}: expected a table of shape ({x.shape[0]}, >= {x.shape[-1] // 2}) for x of "
+                             f"shape {tuple(x.shape)}; got {tuple(table.shape)}")
+        if table.dtype != x.dtype or table.device != x.device:
+            raise ValueError(f"{name}: expected x's dtype and device ({x.dtype}, {x.device}); got {table.dtype}, "
+                             f"{table.device}")
+
+
 def rotary_tables_triton(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tensor:
     """``x`` ``(N, H, D)`` (any strides) turned by the angles whose cosines and sines are the first ``D / 2`` entries
     of ``cos[r]`` and ``sin[r]`` (``(N, >= D / 2)``, unit last stride; ``turn`` -1: the other way): a new
     contiguous tensor."""
-    for name, table in (("cos", cos), ("sin", sin)):
-        if x.dim() != 3 or table.dim() != 2 or table.shape[0] != x.shape[0] or table.shape[1] < x.shape[-1] // 2:
-            raise ValueError(f"{name}: expected a table of shape ({x.shape[0]}, >= {x.shape[-1] // 2}) for x of shape "
-                             f"{tuple(x.shape)} (N, H, D); got {tuple(table.shape)}")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected (N, H, D) rows, got shape {tuple(x.shape)}")
+    _check_tables(x, cos, sin)
     x, out, grid, tiles = _launch(x, turn)
     if out.numel():
         _rotary_tables_kernel[grid](x, out, cos, sin, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
@@ -210,16 +220,9 @@ def rotate_with_tables(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if x.dim() < 2 or x.shape[-1] % 2:
         raise ValueError(f"x: rotary embeddings turn pairs of the last dim, which must be even; got shape "
                          f"{tuple(x.shape)}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[0] != x.shape[0] or table.shape[1] < x.shape[-1] // 2:
-            raise ValueError(f"{name}: expected a table of shape ({x.shape[0]}, >= {x.shape[-1] // 2}) for x of "
-                             f"shape {tuple(x.shape)}; got {tuple(table.shape)}")
-        if table.dtype != x.dtype or table.device != x.device:
-            raise ValueError(f"{name}: expected x's dtype and device ({x.dtype}, {x.device}); got {table.dtype}, "
-                             f"{table.device}")
+    _check_tables(x, cos, sin)
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
-    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin)]
-    return _RotaryTables.apply(rows, *tables, 1).view(x.shape)
+    return _RotaryTables.apply(rows, last_dim_contiguous(cos), last_dim_contiguous(sin), 1).view(x.shape)
 
 
 def check_rotary_base(base, name: str = "base") -> float:

@@ -21,7 +21,7 @@ from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_dtype
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
-from ..tiling import acc_type, cdiv, next_power_of_2
+from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -76,18 +76,13 @@ def _check_rows(gate: Tensor, **others: Tensor) -> None:
             raise ValueError(f"{name}: expected gate's (N, F) shape {tuple(gate.shape)}, got {tuple(t.shape)}")
 
 
-def _unit_last_stride(t: Tensor) -> Tensor:
-    # The kernels walk the last dim with stride 1 (a backward's gradient may be expanded or transposed).
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def silu_mul_fwd_triton(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` of two ``(N, F)`` tensors (any row strides): a new contiguous ``(N, F)``."""
     _check_rows(gate, up=up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    gate, up = _unit_last_stride(gate), _unit_last_stride(up)
+    gate, up = last_dim_contiguous(gate), last_dim_contiguous(up)
     grid, tiles = _tiles(*gate.shape, gate.dtype)
     _swiglu_fwd_kernel[grid](gate, up, out, *gate.shape, gate.stride(0), up.stride(0), out.stride(0),
                              ACC=acc_type(gate.dtype), **tiles)
@@ -100,7 +95,7 @@ def silu_mul_bwd_into(gate: Tensor, up: Tensor, grad: Tensor, d_gate: Tensor, d_
     _check_rows(gate, up=up, grad=grad, d_gate=d_gate, d_up=d_up)
     if grad.numel() == 0:
         return
-    gate, up, grad = _unit_last_stride(gate), _unit_last_stride(up), _unit_last_stride(grad)
+    gate, up, grad = last_dim_contiguous(gate), last_dim_contiguous(up), last_dim_contiguous(grad)
     grid, tiles = _tiles(*grad.shape, gate.dtype)
     _swiglu_bwd_kernel[grid](gate, up, grad, d_gate, d_up, *grad.shape, gate.stride(0), up.stride(0), grad.stride(0),
                              d_gate.stride(0), d_up.stride(0), ACC=acc_type(gate.dtype), **tiles)

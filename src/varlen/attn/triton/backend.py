@@ -6,6 +6,7 @@ import torch
 
 from ..._backend import triton_unsupported_reason
 from ...capabilities import Capabilities
+from ...tiling import last_dim_contiguous
 from . import configs
 from .backward import launch_backward
 from .forward import launch_forward
@@ -18,12 +19,8 @@ CAPABILITIES = Capabilities("triton", (torch.float16, torch.bfloat16, torch.floa
                             device_check=triton_unsupported_reason)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def forward(q, k, v, bias, alibi, problem, opts, seed):
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     tma = use_tma(q, k, v)
     config = configs.forward_config(problem, q.dtype, q.device, bias=bias is not None, dropout=seed is not None,
                                     tma=tma)
@@ -31,7 +28,7 @@ def forward(q, k, v, bias, alibi, problem, opts, seed):
 
 
 def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad):
-    q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+    q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
     if dlse is not None:
         dlse = dlse.contiguous()
     tma = use_tma(q, k, v, dout)
