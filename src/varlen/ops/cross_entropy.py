@@ -24,6 +24,7 @@ from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_choice, check_dtype
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
+from ._math import exp
 
 REDUCTIONS = ("mean", "sum", "none")
 DOUBLE_BACKWARD = ("varlen.cross_entropy: the Triton path has no double backward (create_graph=True through it); "
@@ -47,11 +48,11 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
         m_new = tl.maximum(m_lane, x)
         # A lane with no finite value yet shifts by 0 so exp never sees -inf - -inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_lane = s_lane * tl.exp(m_lane - shift) + tl.exp(x - shift)
+        s_lane = s_lane * exp(m_lane - shift) + exp(x - shift)
         m_lane = m_new
     m = tl.max(m_lane, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    log_sum = tl.log(tl.sum(s_lane * tl.exp(m_lane - shift), 0))
+    log_sum = tl.log(tl.sum(s_lane * exp(m_lane - shift), 0))
     target = tl.load(targets + row)
     valid = (target >= 0) & (target < n_cols)
     # (a bad target, or an empty vocabulary, reads nothing and gives NaN)
@@ -74,7 +75,7 @@ def _cross_entropy_bwd_kernel(logits, targets, row_max, row_log_sum, row_scale, 
     target = tl.load(targets + row)
     scale = tl.load(row_scale + row * stride_scale).to(ACC)
     scale = tl.where(target == ignore_index, 0.0, scale)
-    p = tl.exp((x - tl.load(row_max + row)) - tl.load(row_log_sum + row))
+    p = exp((x - tl.load(row_max + row)) - tl.load(row_log_sum + row))
     d = (p - tl.where(cols == target, 1.0, 0.0)) * scale
     tl.store(dlogits + row * stride_dr + cols, d.to(dlogits.dtype.element_ty), mask=ok)
 

@@ -55,6 +55,7 @@ from ..tiling import (
     sequence_rows,
     sm_count,
 )
+from ._math import exp
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -73,7 +74,7 @@ def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr,
     m = tl.max(v, 0)
     # A column with no finite max (empty, or all -inf) shifts by 0 so exp never sees -inf - -inf.
     m = tl.where(m == float("-inf"), 0.0, m)
-    e = tl.exp(v - m[None, :])
+    e = exp(v - m[None, :])
     out = e * (1.0 / tl.sum(e, 0))[None, :]  # one division per column, not per element
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
@@ -96,11 +97,11 @@ def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
         m_new = tl.maximum(m_slot, v)
         # A slot with no finite value yet shifts by 0 so exp never sees -inf - -inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_slot = s_slot * tl.exp(m_slot - shift) + tl.exp(v - shift)
+        s_slot = s_slot * exp(m_slot - shift) + exp(v - shift)
         m_slot = m_new
     m = tl.max(m_slot, 0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    return m, tl.sum(s_slot * tl.exp(m_slot - shift[None, :]), 0)
+    return m, tl.sum(s_slot * exp(m_slot - shift[None, :]), 0)
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def _write_tile(x, y, start, t0, hi, cols, col_ok, shift, inv_s, stride_xr, stri
     mask = (rows < hi)[:, None] & col_ok[None, :]
     v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
                 other=float("-inf")).to(ACC)
-    out = tl.exp(v - shift[None, :]) * inv_s[None, :]
+    out = exp(v - shift[None, :]) * inv_s[None, :]
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
@@ -174,7 +175,7 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
         s_c = tl.load(part_sum + idx, mask=col_ok, other=0.0)
         m_new = tl.maximum(m, m_c)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + s_c * tl.exp(m_c - shift)
+        s = s * exp(m - shift) + s_c * exp(m_c - shift)
         m = m_new
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T)
 
@@ -222,7 +223,7 @@ def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC:
         m_new = tl.maximum(m, tl.max(m_c, 0))
         # A column with no finite max yet shifts by 0 so exp never sees -inf - -inf.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(s_c * tl.exp(m_c - shift[None, :]), 0)
+        s = s * exp(m - shift) + tl.sum(s_c * exp(m_c - shift[None, :]), 0)
         m = m_new
     return m, s
 
@@ -261,13 +262,13 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     m = tl.max(v, 0)
     # A column with no finite max (all -inf) shifts by 0 so exp never sees -inf - -inf.
     shift = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp(v - shift[None, :])
+    p = exp(v - shift[None, :])
     m_all, s = _share_max_sum(m, tl.sum(p, 0), part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols,
                               cols, col_ok, ACC, BLOCK_F, SLICE)
     # exp(x - max) = p * exp(shift - max), one exp and one division per column. A column all -inf in this tile
     # (p = 0) but finite elsewhere gets 0: its factor could overflow. All -inf everywhere keeps 0 * (1 / 0)
     # = NaN, as torch.softmax gives.
-    factor = tl.exp(shift - tl.where(m_all == float("-inf"), 0.0, m_all)) / s
+    factor = exp(shift - tl.where(m_all == float("-inf"), 0.0, m_all)) / s
     factor = tl.where((m == float("-inf")) & (m_all != float("-inf")), 0.0, factor)
     out = p * factor[None, :]
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
@@ -468,10 +469,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
     the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles of
     ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower blocks were
     not measured). None off the GPU or under the interpreter (whose programs run one at a time: a wait would never
-    end). H100, % of copy bandwidth against the split path: float32 forward 77% vs 62%, backward bf16 78% vs 58%,
-    float32 86% vs 60%. The 16-bit forward held in registers ran at 45% at best (16K elements per tile; 35% at 64
-    KiB), below split's 52%; read twice, 50% against split's 44% on an H200, and 61% on the H100 with its loops
-    pipelined and the re-read last tile first (bench/NOTES.md)."""
+    end). H100, % of copy bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%,
+    float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K elements per tile), below
+    split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first; bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
