@@ -5,8 +5,8 @@ Run on a GPU machine:
     PYTHONPATH=src python3 bench/jagged_ops.py --out results.md
 
 Ops: softmax over the ragged dim, sum over the ragged dim, jagged -> padded and padded -> jagged, rotary
-embeddings (the features as heads of 64), SwiGLU (the features as a gate and an input), each forward and
-backward. For every op the table gives the
+embeddings (the features as heads of 64), SwiGLU (the features as a gate and an input), RMS and layer norm over
+the features, each forward and backward. For every op the table gives the
 median time (``triton.testing.do_bench``,
 L2 flushed between runs), the bandwidth over the op's *minimal* bytes (each input read once, each
 output written once, padding included only where it is the op's own output) and its share of the
@@ -214,6 +214,28 @@ def cases(x: varlen.JaggedTensor, padded: torch.Tensor, mask: torch.Tensor):
         "torch.nested": try_case(lambda: grad_of(nested_swiglu().values(), values, g_half)),
         "padded dense": grad_of(torch_swiglu(padded), padded, g_padded[..., :F // 2]),
     }))
+
+    # layer and RMS norm over the features (torch: its fused kernels; the backward asks for the weight's (and
+    # bias's) gradient too, as training does)
+    weight = torch.randn(F, dtype=values.dtype, device=values.device, requires_grad=True)
+    bias = torch.randn(F, dtype=values.dtype, device=values.device, requires_grad=True)
+    norms = {"rms_norm": (lambda t: varlen.rms_norm(t, F, weight, 1e-6),
+                          lambda t: torch.nn.functional.rms_norm(t, (F,), weight, 1e-6), (weight,)),
+             "layer_norm": (lambda t: varlen.layer_norm(t, F, weight, bias),
+                            lambda t: torch.nn.functional.layer_norm(t, (F,), weight, bias), (weight, bias))}
+    for name, (ours, theirs, params) in norms.items():
+        def backward_of(out, inp, g, params=params):
+            return lambda: torch.autograd.grad(out, (inp, *params), g, retain_graph=True)
+        rows.append((name, "fwd", 2 * n, {
+            "varlen": lambda ours=ours: ours(x),
+            "torch.nested": try_case(lambda theirs=theirs: lambda: theirs(nested())),
+            "padded dense": lambda theirs=theirs: theirs(padded),
+        }))
+        rows.append((name, "bwd", 3 * n, {
+            "varlen": backward_of(ours(x).values, values, g_values),
+            "torch.nested": try_case(lambda theirs=theirs: backward_of(theirs(nested()).values(), values, g_values)),
+            "padded dense": backward_of(theirs(padded), padded, g_padded),
+        }))
     return rows
 
 

@@ -454,6 +454,7 @@ LABEL_PREFIX = "train_llm::"
 # Kernel names that say what they compute, checked before the launching module's label (a projection inside
 # the attention module is a matmul). The aten names cover the CPU smoke run, where ops stand in for kernels.
 NAMED_CATEGORIES = (
+    ("norms", re.compile(r"_norm_(fwd|bwd|sum_parts)_")),  # (before attention's "_bwd_")
     ("rotary", re.compile(r"_rotary_")),
     ("swiglu", re.compile(r"_swiglu_")),
     ("loss", re.compile(r"_cross_entropy_")),

@@ -26,8 +26,9 @@ from varlen.nn import TransformerEncoderLayer
 # through the interpreter here (slow, so only in the opcheck tests, with tiny shapes).
 TRITON_RUNS = _backend.triton_unsupported_reason(DEVICE) is None
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
-# SwiGLU calls its custom ops on the Triton path only (the torch path is torch ops, with their own autograd).
-SWIGLU_BACKEND = "triton" if TRITON_RUNS else "torch"
+# SwiGLU and the norms call their custom ops on the Triton path only (the torch path is torch ops, with their own
+# autograd).
+ROW_BACKEND = "triton" if TRITON_RUNS else "torch"
 
 E, HEADS = 8, 2
 
@@ -70,13 +71,13 @@ def _check_compiled_matches_eager(fn, inputs, params, dtype, backend="aot_eager"
 # ------------------------------------------------------------------------------------------ models
 def attention_block(x, w_qkv, w_out, norm_weight):
     """Pre-norm causal self-attention and activations on a jagged (B, j, E) batch."""
-    h = varlen.layer_norm(x, E, norm_weight)
+    h = varlen.layer_norm(x, E, norm_weight, backend=ROW_BACKEND)
     qkv = varlen.linear(h, w_qkv)
     rows = qkv.values.unflatten(-1, (3, HEADS, -1))
     q, k, v = (qkv.with_values(rows[:, i]) for i in range(3))
     o = varlen.attention(q, k, v, causal=True)
     o = varlen.linear(o.with_values(o.values.flatten(-2)), w_out)
-    return varlen.silu(varlen.gelu(varlen.relu(o))), varlen.swiglu(o, backend=SWIGLU_BACKEND)
+    return varlen.silu(varlen.gelu(varlen.relu(o))), varlen.swiglu(o, backend=ROW_BACKEND)
 
 
 def ragged_ops(x, w, w_seq):
@@ -334,7 +335,8 @@ def test_jagged_ops_opcheck(name, backend):
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="these custom ops are the ops' Triton paths")
 @pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
-                                  "rotary_tables", "cross_entropy_forward", "cross_entropy_backward"])
+                                  "rotary_tables", "cross_entropy_forward", "cross_entropy_backward", "norm_forward",
+                                  "norm_backward"])
 def test_triton_only_ops_opcheck(name):
     rows = torch.randn(7, 3, 10, device=DEVICE)[:, 1]  # rows 30 apart
     half, grad = rows[:, :5], torch.randn(7, 5, device=DEVICE)
@@ -345,7 +347,10 @@ def test_triton_only_ops_opcheck(name):
                               torch.rand(7, 8, device=DEVICE), -1),
             "cross_entropy_forward": (rows, targets, -100),
             "cross_entropy_backward": (rows, targets, torch.rand(7, device=DEVICE), torch.rand(7, device=DEVICE) + 2,
-                                       torch.tensor(0.5, device=DEVICE).expand(7), -100)}[name]
+                                       torch.tensor(0.5, device=DEVICE).expand(7), -100),
+            "norm_forward": (rows, torch.rand(10, device=DEVICE), torch.rand(10, device=DEVICE), 1e-5, True),
+            "norm_backward": (rows, torch.rand(10, device=DEVICE), torch.randn(10, 7, device=DEVICE).t(),
+                              torch.randn(7, device=DEVICE), torch.rand(7, device=DEVICE) + 1, True, True, True)}[name]
     torch.library.opcheck(getattr(torch.ops.varlen, name).default, args, test_utils=_opchecks("triton"))
 
 
@@ -359,6 +364,10 @@ REFUSED = [
      "targets: expected shape (3,), one entry per row of logits; got (2,)"),
     ("cross_entropy_backward", lambda: (torch.randn(3, 4), torch.zeros(3, dtype=torch.int64), torch.zeros(3),
                                         torch.zeros(3), torch.ones(1), -100), "row_scale: expected shape (3,)"),
+    ("norm_forward", lambda: (torch.randn(3, 4), torch.ones(5), None, 1e-5, False), "weight: expected shape (4,)"),
+    ("norm_forward", lambda: (torch.randn(3, 9000), None, None, 1e-5, False), "x: expected (N, F) rows with 0 < F"),
+    ("norm_backward", lambda: (torch.randn(3, 4), None, torch.randn(3, 4), torch.zeros(3), torch.ones(2), True,
+                               False, False), "rstd: expected shape (3,)"),
 
 ]
 
@@ -385,10 +394,12 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         "varlen.ops.linear": ("_grouped_matmul_op", "_transposed_matmul_op"),
         "varlen.ops.rotary": ("_rotate_op",),
         "varlen.ops.swiglu": ("_swiglu_fwd_op", "_swiglu_bwd_op"),
+        "varlen.ops._norm_kernels": ("_norm_fwd_op", "_norm_bwd_op"),
     }
     ops = {"ragged_softmax_forward", "ragged_softmax_backward", "segment_sum", "broadcast_rows", "jagged_to_padded",
            "padded_to_jagged", "gather_position", "scatter_position", "grouped_matmul", "transposed_matmul",
-           "rotary"} | ({"swiglu_forward", "swiglu_backward"} if SWIGLU_BACKEND == "triton" else set())
+           "rotary"} | ({"swiglu_forward", "swiglu_backward", "norm_forward", "norm_backward"}
+                        if ROW_BACKEND == "triton" else set())
     seen = set()
 
     class Recorder(TorchDispatchMode):
@@ -401,7 +412,8 @@ def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkey
         back = varlen.padding.padded_to_jagged(x.to_padded(), x.offsets, x.total, x.max_len)
         loss = (varlen.sum(x, 1).sum() + varlen.softmax(x, 1).values[:, 0].sum() + back.square().sum()
                 + varlen.select(x, 1, -1, fill_value=0.0).sum() + varlen.matmul(x, w).values.square().sum()
-                + varlen.rotary(x).values[:, 0].sum() + varlen.swiglu(x, backend=SWIGLU_BACKEND).values.sum())
+                + varlen.rotary(x).values[:, 0].sum() + varlen.swiglu(x, backend=ROW_BACKEND).values.sum()
+                + varlen.rms_norm(x, 2, backend=ROW_BACKEND).values[:, 0].sum())
         loss.backward()
         return x.values.grad, w.grad
 

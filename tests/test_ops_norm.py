@@ -1,4 +1,4 @@
-"""varlen.layer_norm and varlen.rms_norm against per-sequence float64 references."""
+"""varlen.layer_norm and varlen.rms_norm (both backends) against per-sequence float64 references."""
 
 import re
 from itertools import pairwise
@@ -9,11 +9,13 @@ import torch.nn.functional as F
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import check_jagged_op, random_jagged
-from varlen.ops.norm import layer_norm, rms_norm
+from utils import assert_close, check_jagged_op, random_jagged, rel_err
+from varlen.ops import _norm_kernels
+from varlen.ops.norm import layer_norm, normalize, rms_norm
 
 LENGTHS = {"mixed": [0, 1, 17, 300 if ON_GPU else 60, 4], "batch1": [1]}
 DTYPES = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if ON_GPU else [])
+BACKENDS = ["torch", "triton"]
 
 
 def _id(dtype):
@@ -42,13 +44,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, lengths, inner, normalized_shape, affine", CASES)
-def test_forward_backward(dtype, lengths, inner, normalized_shape, affine):
-    # One implementation serves every backend (PyTorch's fused layer norm on the flat values).
+def test_forward_backward(dtype, lengths, inner, normalized_shape, affine, backend):
     x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
     weight = _affine(normalized_shape, dtype, affine != "none")
     bias = _affine(normalized_shape, dtype, affine == "weight+bias")
-    out = layer_norm(x, normalized_shape, weight, bias, eps=1e-5)
+    out = layer_norm(x, normalized_shape, weight, bias, eps=1e-5, backend=backend)
     dy = torch.randn_like(out.values)
 
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -69,43 +71,114 @@ RMS_CASES = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype, lengths, inner, normalized_shape, affine, eps", RMS_CASES)
-def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affine, eps):
+def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affine, eps, backend):
     x = random_jagged(LENGTHS[lengths], inner, dtype=dtype, requires_grad=True)
     weight = _affine(normalized_shape, dtype, affine == "weight")
-    out = rms_norm(x, normalized_shape, weight, eps)
+    out = rms_norm(x, normalized_shape, weight, eps, backend=backend)
     dy = torch.randn_like(out.values)
 
     dims = tuple(range(-(1 if isinstance(normalized_shape, int) else len(normalized_shape)), 0))
     x64 = x.values.detach().double().requires_grad_(True)
     w64 = None if weight is None else weight.detach().double().requires_grad_(True)
-    eps64 = torch.finfo(dtype).eps if eps is None else eps  # torch's default: the input dtype's epsilon
+    # torch's default: the epsilon of the dtype it computes in (float32's for 16-bit inputs)
+    eps64 = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps if eps is None else eps
     ref = x64 / (x64.square().mean(dims, keepdim=True) + eps64).sqrt()
     ref = ref if w64 is None else ref * w64
     check_jagged_op(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64)})
 
 
-def test_rms_norm_gradcheck_and_nested_input():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_norm_gradcheck_and_nested_input(backend):
     x = random_jagged([2, 0, 3], (2, 3), dtype=torch.float64)
     w = torch.randn(3, dtype=torch.float64, device=DEVICE)
     inputs = tuple(t.detach().clone().requires_grad_(True) for t in (x.values, w))
-    assert torch.autograd.gradcheck(lambda v, w: rms_norm(x.with_values(v), 3, w, 1e-6).values, inputs)
-    assert torch.equal(rms_norm(x.to_nested(), 3, w).values, F.rms_norm(x.values, (3,), w))
+    assert torch.autograd.gradcheck(lambda v, w: rms_norm(x.with_values(v), 3, w, 1e-6, backend=backend).values,
+                                    inputs)
+    assert_close(rms_norm(x.to_nested(), 3, w, backend=backend).values, F.rms_norm(x.values, (3,), w))
 
 
-def test_gradcheck():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck(backend):
     x = random_jagged([2, 0, 3], (2, 3), dtype=torch.float64)
     w = torch.randn(3, dtype=torch.float64, device=DEVICE)
     b = torch.randn(3, dtype=torch.float64, device=DEVICE)
     inputs = tuple(t.detach().clone().requires_grad_(True) for t in (x.values, w, b))
-    assert torch.autograd.gradcheck(lambda v, w, b: layer_norm(x.with_values(v), 3, w, b).values, inputs)
+    assert torch.autograd.gradcheck(lambda v, w, b: layer_norm(x.with_values(v), 3, w, b, backend=backend).values,
+                                    inputs)
 
 
 def test_nested_input():
     x = random_jagged([3, 0, 5], (8,))
     out = layer_norm(x.to_nested(), 8)
     assert isinstance(out, varlen.JaggedTensor)
-    assert torch.equal(out.values, F.layer_norm(x.values, (8,)))
+    assert_close(out.values, F.layer_norm(x.values, (8,)))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 and fp16 kernels checked against torch's own rounding on the GPU")
+@pytest.mark.parametrize("centered", [True, False], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kernels_err_no_more_than_torch(dtype, centered):
+    """flash-attn's rule: the kernels' error against float64 at most twice torch's at the same precision, on rows
+    of a language model's width (and of the widest the kernels take)."""
+    for n_cols in (768, _norm_kernels.max_cols(dtype)):
+        x = (3 * torch.randn(2000, n_cols, dtype=dtype, device=DEVICE) + 1).requires_grad_(True)
+        w = (1 + 0.5 * torch.randn(n_cols, dtype=dtype, device=DEVICE)).requires_grad_(True)
+        b = torch.randn(n_cols, dtype=dtype, device=DEVICE).requires_grad_(True) if centered else None
+        leaves = [t for t in (x, w, b) if t is not None]
+        dy = torch.randn_like(x)
+        results = {}
+        for backend in BACKENDS:
+            out = normalize(x, (n_cols,), w, b, 1e-5, centered=centered, backend=backend)
+            results[backend] = (out, *torch.autograd.grad(out, leaves, dy))
+        leaves64 = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = normalize(leaves64[0], (n_cols,), *leaves64[1:], *([] if centered else [None]), 1e-5,
+                        centered=centered, backend="torch")
+        want = (ref, *torch.autograd.grad(ref, leaves64, dy.double()))
+        names = ("out", "dx", "dweight", "dbias")[:len(want)]
+        for name, ours, torchs, ref in zip(names, results["triton"], results["torch"], want, strict=True):
+            assert rel_err(ours, ref) <= 2 * rel_err(torchs, ref), f"F{n_cols} {name}: {rel_err(ours, ref):.3g} " \
+                f"against torch's {rel_err(torchs, ref):.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layouts_and_partial_gradients(backend):
+    """A strided weight, rows of a wider tensor, a transposed gradient, and gradients asked for x alone or the
+    weight alone (the kernel skips the others)."""
+    base = torch.randn(9, 2, 24, dtype=torch.float64, device=DEVICE)
+    values = base[:, 1, 2:22]  # rows 48 apart
+    w = torch.randn(40, dtype=torch.float64, device=DEVICE)[::2]  # stride 2
+    b = torch.randn(20, dtype=torch.float64, device=DEVICE)
+    g = torch.randn(20, 9, dtype=torch.float64, device=DEVICE).t()
+    for wants in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
+        leaves = [t.detach().requires_grad_(want) for t, want in zip((values, w, b), wants, strict=True)]
+        out = normalize(leaves[0], (20,), *leaves[1:], 1e-5, centered=True, backend=backend)
+        ref_leaves = [t.detach().clone().requires_grad_(want) for t, want in zip((values, w, b), wants, strict=True)]
+        ref = F.layer_norm(ref_leaves[0], (20,), *ref_leaves[1:], 1e-5)
+        assert_close(out, ref)
+        asked = [i for i, want in enumerate(wants) if want]
+        got = torch.autograd.grad(out, [leaves[i] for i in asked], g)
+        want = torch.autograd.grad(ref, [ref_leaves[i] for i in asked], g)
+        for i, a, r in zip(asked, got, want, strict=True):
+            assert_close(a, r, name=f"gradient {i}")
+
+
+def test_rows_wider_than_the_kernels_take_torch_and_triton_says_why():
+    n_cols = _norm_kernels.max_cols(torch.float64) + 1
+    x = random_jagged([3, 2], (n_cols,), dtype=torch.float64)
+    assert_close(rms_norm(x, n_cols).values, F.rms_norm(x.values, (n_cols,)))
+    if varlen._backend.triton_unsupported_reason(DEVICE) is None:
+        with pytest.raises(ValueError, match=re.escape(f"backend='triton' can't take normalized_shape ({n_cols},)")):
+            rms_norm(x, n_cols, backend="triton")
+
+
+@pytest.mark.skipif(varlen._backend.triton_unsupported_reason(DEVICE) is not None, reason="the Triton path's guard")
+def test_gradient_penalty_raises():
+    x = random_jagged([3, 2], (8,), dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(layer_norm(x, 8, backend="triton").values.square().sum(), x.values, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        (g * x.values).sum().backward()
 
 
 def _x(inner=(3, 4)):
@@ -155,3 +228,23 @@ BAD += [
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_rms_norm_defaults_and_weight_dtype_as_torch(dtype, backend):
+    """eps None is the epsilon of the dtype torch computes in (float32's for 16-bit inputs: at rows of magnitude 0.01
+    the input dtype's would move the result by tens of percent), and a weight of another dtype gives the input's
+    dtype (torch's rms_norm has no autocast rule, so autocast hands it such pairs)."""
+    values = 0.01 * torch.randn(6, 3, 40, device=DEVICE)
+    w = 1 + 0.5 * torch.randn(40, device=DEVICE)
+    x = values.to(dtype)
+    for weight in (None, w.to(dtype), w):
+        out = normalize(x, (40,), weight, None, None, centered=False, backend=backend)
+        x64 = x.double()
+        ref = x64 / (x64.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
+        ref = ref if weight is None else ref * weight.double()
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype)
+        if weight is not None:
+            assert out.dtype == F.rms_norm(x, (40,), weight).dtype

@@ -29,6 +29,7 @@ import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close, record_calls
 from varlen.integrations.transformers_kernels import use_varlen_kernels
+from varlen.ops import _norm_kernels
 
 ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -96,9 +97,11 @@ def test_patched_model_matches_transformers(dtype, arch, style, monkeypatch):
     assert counts == {"rms_norm": norms, "mlp": LAYERS, "rotary": LAYERS, "loss": 1}
     turns = record_calls(monkeypatch, rotary, "rotary_tables_triton")
     products = record_calls(monkeypatch, swiglu, "silu_mul_fwd_triton")
+    normalized = record_calls(monkeypatch, _norm_kernels, "norm_fwd_triton")
     with varlen.use_backend("triton"):
         got, got_grads = _logits_and_grads(ours, **inputs)
     assert len(turns) == 2 * LAYERS * 2 and len(products) == LAYERS  # q and k, forward and backward; the MLPs
+    assert len(normalized) == norms
     valid = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
     assert_close(got[valid], want[valid], tol=TOL[dtype], name="logits")
     for (name, _), g, w in zip(theirs.named_parameters(), got_grads, want_grads, strict=True):
@@ -234,9 +237,11 @@ def test_patched_model_compiles_to_one_graph(monkeypatch):
     # (the autograd Functions' bodies are the graph's submodules)
     ops = [str(n.target) for g in counter.graphs for _, sub in g.named_modules() for n in sub.graph.nodes
            if n.op == "call_function" and str(n.target).startswith("varlen.")]
-    assert sorted(set(ops)) == ["varlen.rotary_tables.default", "varlen.silu_mul_backward.default",
+    assert sorted(set(ops)) == ["varlen.norm_backward.default", "varlen.norm_forward.default",
+                                "varlen.rotary_tables.default", "varlen.silu_mul_backward.default",
                                 "varlen.silu_mul_forward.default"], ops
     assert ops.count("varlen.silu_mul_forward.default") == LAYERS
+    assert ops.count("varlen.norm_forward.default") == 2 * LAYERS + 1
     assert_close(got, want, tol=1e-5, name="compiled logits")
     for g, w in zip(got_grads, want_grads, strict=True):
         assert_close(g, w, tol=1e-5, floor=1e-12)

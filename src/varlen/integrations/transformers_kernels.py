@@ -9,9 +9,10 @@ Usage::
 What it replaces, in the architectures whose layers compute what these kernels compute (Llama, Mistral, Qwen2,
 Qwen3; other modules are left alone):
 
-- each RMSNorm module's forward: torch's fused ``rms_norm`` (one kernel each way, where transformers' float32 math
-  takes several elementwise ones). It rounds once where transformers rounds the normalized value before the weight's
-  product: results within one rounding of transformers'.
+- each RMSNorm module's forward: varlen's norm kernels (``varlen.ops.norm.normalize``: one kernel each way, the
+  weight's gradient summed in the same backward pass, where transformers' float32 math takes several elementwise
+  kernels; torch's fused ``rms_norm`` where varlen's ops run PyTorch). It rounds once where transformers rounds the
+  normalized value before the weight's product: results within one rounding of transformers'.
 - each MLP module's forward (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): ``silu(gate) * up`` in one varlen
   kernel each way (:func:`varlen.ops.swiglu.silu_mul`), the projections as before.
 - a causal language model's ``loss_function`` (transformers' ``ForCausalLMLoss``, which takes a float32 copy of the
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from .. import capabilities
 from ..ops.cross_entropy import cross_entropy
+from ..ops.norm import normalize
 from ..ops.rotary import rotate_with_tables
 from ..ops.swiglu import silu_mul
 
@@ -53,7 +55,8 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != self.weight.dtype:  # transformers' product then promotes: keep its result dtype
         return type(self).forward(self, hidden_states)
     # (autocast runs rms_norm in float32: transformers' norm returns the input's dtype)
-    return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.variance_epsilon).to(hidden_states.dtype)
+    return normalize(hidden_states, tuple(self.weight.shape), self.weight, None, self.variance_epsilon,
+                     centered=False).to(hidden_states.dtype)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:

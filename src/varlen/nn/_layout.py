@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .. import _amp, ops
 from .._checks import FLOAT_DTYPES, check_dtype
 from ..jagged import JaggedTensor, as_jagged
+from ..ops.norm import normalize
 from ..ops.rotary import rotate
 from ..ops.swiglu import swiglu_values
 
@@ -55,10 +56,12 @@ def linear(x, layer: torch.nn.Linear):
 
 
 def norm(x, module: torch.nn.LayerNorm | torch.nn.RMSNorm):
-    """A ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` applied to each token."""
+    """A ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` applied to each token (varlen's norm kernels on CUDA)."""
+    rms = isinstance(module, torch.nn.RMSNorm)
     if not is_jagged(x):
-        return module(x)
-    if isinstance(module, torch.nn.RMSNorm):
+        return normalize(x, tuple(module.normalized_shape), module.weight, None if rms else module.bias, module.eps,
+                         centered=not rms)
+    if rms:
         return ops.rms_norm(x, module.normalized_shape, module.weight, module.eps)
     return ops.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
 

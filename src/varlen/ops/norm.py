@@ -1,22 +1,26 @@
 """Layer and RMS normalization of jagged tensors over trailing (inner) dims.
 
-Normalizing over inner dims treats every row of ``values`` on its own, so each op runs once on the
-flat ``values`` with ``torch.nn.functional.layer_norm`` (whose backward, ``native_layer_norm_backward``
-as in PyTorch's ``layer_norm_backward_nested``, gives the gradients of x, weight and bias in one fused
-pass) or ``torch.nn.functional.rms_norm``. The same code runs on every device, whatever
-:func:`varlen.use_backend` says.
+Normalizing over inner dims treats every row of ``values`` on its own, so each op runs once on the flat ``values``.
+On CUDA the Triton kernels (``_norm_kernels.py``) run it, forward and backward, each row read once and written once;
+the gradients of the weight and bias are summed in the same backward pass, in a fixed order. Otherwise (the CPU,
+``backend="torch"``, rows wider than the kernels take) ``torch.nn.functional.layer_norm`` (whose backward,
+``native_layer_norm_backward`` as in PyTorch's ``layer_norm_backward_nested``, gives the gradients of x, weight and
+bias in one fused pass) or ``torch.nn.functional.rms_norm``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .. import _amp
+from .. import _amp, capabilities
+from .._backend import scoped
 from .._checks import FLOAT_DTYPES, check_dtype, check_real, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged
+from ._norm_kernels import NormRows, max_cols
 
 
 def _normalized_shape(normalized_shape) -> tuple[int, ...]:
@@ -45,7 +49,7 @@ def _check_affine(name: str, t, shape: tuple[int, ...], x: JaggedTensor) -> None
 
 def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               eps: float = 1e-5) -> JaggedTensor:
+               eps: float = 1e-5, *, backend: str | None = None) -> JaggedTensor:
     """Layer norm of a jagged ``(B, j, *inner)`` over the trailing dims ``normalized_shape``.
 
     Args:
@@ -55,19 +59,21 @@ def layer_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[
             sequences of different lengths.
         weight, bias: optional ``normalized_shape`` tensors, ``x``'s dtype and device.
         eps: added to the variance, >= 0.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (default: :func:`varlen.use_backend`'s).
 
     Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x, weight and bias. Under
     ``torch.autocast`` it follows ``torch.nn.functional.layer_norm`` (float32 on CUDA).
     Raises TypeError (non-jagged ``x``, wrong types, dtype mismatch) or ValueError (shapes, device,
-    ``eps`` < 0) naming the argument.
+    ``eps`` < 0, ``backend="triton"`` where it can't run) naming the argument.
     """
     x = as_jagged(x, "x")
     shape = _check_norm(x, normalized_shape, {"weight": weight, "bias": bias}, eps)
-    return x.with_values(F.layer_norm(x.values, shape, weight, bias, float(eps)))
+    return x.with_values(normalize(x.values, shape, weight, bias, float(eps), centered=True, backend=backend))
 
 
 def rms_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[int],
-             weight: torch.Tensor | None = None, eps: float | None = None) -> JaggedTensor:
+             weight: torch.Tensor | None = None, eps: float | None = None, *,
+             backend: str | None = None) -> JaggedTensor:
     """RMS norm of a jagged ``(B, j, *inner)`` over the trailing dims ``normalized_shape``:
     ``x / sqrt(mean(x**2) + eps) * weight``, as ``torch.nn.functional.rms_norm``.
 
@@ -76,15 +82,55 @@ def rms_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[in
         normalized_shape: an int or a sequence of ints equal to the last dims of ``inner`` (not the ragged
             dim, as :func:`layer_norm`).
         weight: optional ``normalized_shape`` tensor, ``x``'s dtype and device.
-        eps: added to the mean square, >= 0; None takes ``torch.finfo(x.dtype).eps``, as torch.
+        eps: added to the mean square, >= 0; None takes the epsilon of the dtype it computes in (float32's for
+            16-bit and float32 ``x``, float64's for float64), as torch.
+        backend: as :func:`layer_norm`.
 
-    Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x and weight. Under ``torch.autocast``
-    it follows ``torch.nn.functional.rms_norm``. Raises TypeError / ValueError naming the argument, as
+    Returns a JaggedTensor with ``x``'s offsets and dtype, differentiable w.r.t. x and weight. Like
+    ``torch.nn.functional.rms_norm`` it has no autocast rule (its arithmetic is float32 whatever ``x``'s dtype; under
+    autocast the weight may have another dtype). Raises TypeError / ValueError naming the argument, as
     :func:`layer_norm`.
     """
     x = as_jagged(x, "x")
     shape = _check_norm(x, normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
-    return x.with_values(F.rms_norm(x.values, shape, weight, None if eps is None else float(eps)))
+    return x.with_values(normalize(x.values, shape, weight, None, None if eps is None else float(eps),
+                                   centered=False, backend=backend))
+
+
+def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
+              eps: float | None, *, centered: bool, backend: str | None = None) -> torch.Tensor:
+    """Layer norm (``centered``) or RMS norm (``bias`` None) of ``values`` over its last dims ``shape``, as
+    ``torch.nn.functional.layer_norm`` / ``rms_norm``: the op behind :func:`layer_norm`, :func:`rms_norm`,
+    ``varlen.nn``'s norms on dense inputs and ``use_varlen_kernels``' RMSNorm. The arguments are not checked here
+    (the public functions do).
+
+    torch's rules, kept on the Triton path: layer norm runs in float32 under CUDA autocast (its inputs cast), and
+    otherwise takes one dtype (mixed dtypes get torch's error); RMS norm has no autocast rule: it computes in float32
+    (float64 for float64) with a weight of any dtype and returns ``values``' dtype, and ``eps`` None is the epsilon of
+    that computing dtype (float32's for 16-bit inputs)."""
+    resolved = capabilities.resolve(values.device, values.dtype, "ragged", backend)
+    n_cols = math.prod(shape)
+    if resolved == "triton" and n_cols > max_cols(values.dtype):
+        if (scoped() if backend is None else backend) == "triton":
+            raise ValueError(f"backend='triton' can't take normalized_shape {shape}: the kernels normalize rows of "
+                             f"at most {max_cols(values.dtype)} elements ({values.dtype}); use backend='torch'")
+        resolved = "torch"
+    if centered and _amp.autocast_dtype(values.device) is None:
+        mixed = any(t is not None and t.dtype != values.dtype for t in (weight, bias))
+    else:
+        mixed = False
+    if resolved == "torch" or values.numel() == 0 or mixed:  # (mixed: torch's error)
+        if centered:
+            return F.layer_norm(values, shape, weight, bias, 1e-5 if eps is None else eps)
+        return F.rms_norm(values, shape, weight, eps)
+    if centered:
+        values, weight, bias = _amp.cast(_amp.FLOAT32, values.device, values, weight, bias)
+    if eps is None:
+        eps = torch.finfo(torch.float64 if values.dtype == torch.float64 else torch.float32).eps
+    rows = values.reshape(-1, n_cols)  # a view wherever the leading dims are one stride apart
+    out = NormRows.apply(rows, None if weight is None else weight.reshape(n_cols),
+                         None if bias is None else bias.reshape(n_cols), float(eps), centered)
+    return out.view(values.shape)
 
 
 def _check_norm(x: JaggedTensor, normalized_shape, affine: dict, eps) -> tuple[int, ...]:
