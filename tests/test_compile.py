@@ -336,7 +336,7 @@ def test_jagged_ops_opcheck(name, backend):
 @pytest.mark.skipif(not TRITON_RUNS, reason="these custom ops are the ops' Triton paths")
 @pytest.mark.parametrize("name", ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
                                   "rotary_tables", "cross_entropy_forward", "cross_entropy_backward", "norm_forward",
-                                  "norm_backward"])
+                                  "norm_backward", "rms_norm_forward", "rms_norm_backward"])
 def test_triton_only_ops_opcheck(name):
     rows = torch.randn(7, 3, 10, device=DEVICE)[:, 1]  # rows 30 apart
     half, grad = rows[:, :5], torch.randn(7, 5, device=DEVICE)
@@ -350,8 +350,13 @@ def test_triton_only_ops_opcheck(name):
                                        torch.tensor(0.5, device=DEVICE).expand(7), -100),
             "norm_forward": (rows, torch.rand(10, device=DEVICE), torch.rand(10, device=DEVICE), 1e-5, True),
             "norm_backward": (rows, torch.rand(10, device=DEVICE), torch.randn(10, 7, device=DEVICE).t(),
-                              torch.randn(7, device=DEVICE), torch.rand(7, device=DEVICE) + 1, True, True, True)}[name]
-    torch.library.opcheck(getattr(torch.ops.varlen, name).default, args, test_utils=_opchecks("triton"))
+                              torch.randn(7, device=DEVICE), torch.rand(7, device=DEVICE) + 1, True, True, True),
+            # RMS norm without a weight (no mean; the bias's gradient alone is not asked for)
+            "rms_norm_forward": (rows, None, None, 1e-5, False),
+            "rms_norm_backward": (rows, None, grad.repeat(1, 2), torch.empty(0, device=DEVICE),
+                                  torch.rand(7, device=DEVICE) + 1, False, False, False)}[name]
+    op = name.removeprefix("rms_")
+    torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks("triton"))
 
 
 REFUSED = [
@@ -366,6 +371,7 @@ REFUSED = [
                                         torch.zeros(3), torch.ones(1), -100), "row_scale: expected shape (3,)"),
     ("norm_forward", lambda: (torch.randn(3, 4), torch.ones(5), None, 1e-5, False), "weight: expected shape (4,)"),
     ("norm_forward", lambda: (torch.randn(3, 9000), None, None, 1e-5, False), "x: expected (N, F) rows with 0 < F"),
+    ("norm_forward", lambda: (torch.randn(8), None, None, 1e-5, False), "x: expected (N, F) rows with 0 < F"),
     ("norm_backward", lambda: (torch.randn(3, 4), None, torch.randn(3, 4), torch.zeros(3), torch.ones(2), True,
                                False, False), "rstd: expected shape (3,)"),
 
@@ -377,6 +383,13 @@ def test_triton_only_ops_refuse_operands_the_kernels_would_read_past(name, args,
     """Called directly (torch.ops.varlen.*), the custom ops check the shapes their kernels index by."""
     with pytest.raises(ValueError, match=re.escape(message)):
         getattr(torch.ops.varlen, name)(*args())
+
+
+def test_norm_ops_refuse_integers():
+    with pytest.raises(TypeError, match=re.escape("x: dtype int32 is not supported")):
+        torch.ops.varlen.norm_forward(torch.ones(2, 4, dtype=torch.int32), None, None, 1e-5, False)
+    with pytest.raises(TypeError, match=re.escape("weight: dtype int64 is not supported")):
+        torch.ops.varlen.norm_forward(torch.ones(2, 4), torch.ones(4, dtype=torch.int64), None, 1e-5, False)
 
 
 def test_eager_jagged_ops_skip_the_custom_ops_and_dispatch_modes_see_them(monkeypatch):

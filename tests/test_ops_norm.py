@@ -142,32 +142,78 @@ def test_kernels_err_no_more_than_torch(dtype, centered):
                 f"against torch's {rel_err(torchs, ref):.3g}"
 
 
+def _layer_norm64(x, w, b, eps=1e-5):
+    """Layer norm of the last dim in float64, from its definition."""
+    x = x.double()
+    out = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    out = out if w is None else out * w.double()
+    return out if b is None else out + b.double()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layouts_and_partial_gradients(backend):
-    """A strided weight, rows of a wider tensor, a transposed gradient, and gradients asked for x alone or the
-    weight alone (the kernel skips the others)."""
+    """A strided weight, rows of a wider tensor, a transposed gradient, a bias without a weight, and gradients asked
+    for any one input alone (the kernel skips the others), against the float64 definition."""
     base = torch.randn(9, 2, 24, dtype=torch.float64, device=DEVICE)
     values = base[:, 1, 2:22]  # rows 48 apart
     w = torch.randn(40, dtype=torch.float64, device=DEVICE)[::2]  # stride 2
     b = torch.randn(20, dtype=torch.float64, device=DEVICE)
     g = torch.randn(20, 9, dtype=torch.float64, device=DEVICE).t()
-    for wants in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
-        leaves = [t.detach().requires_grad_(want) for t, want in zip((values, w, b), wants, strict=True)]
-        out = normalize(leaves[0], (20,), *leaves[1:], 1e-5, centered=True, backend=backend)
-        ref_leaves = [t.detach().clone().requires_grad_(want) for t, want in zip((values, w, b), wants, strict=True)]
-        ref = F.layer_norm(ref_leaves[0], (20,), *ref_leaves[1:], 1e-5)
-        assert_close(out, ref)
-        asked = [i for i, want in enumerate(wants) if want]
-        got = torch.autograd.grad(out, [leaves[i] for i in asked], g)
-        want = torch.autograd.grad(ref, [ref_leaves[i] for i in asked], g)
-        for i, a, r in zip(asked, got, want, strict=True):
-            assert_close(a, r, name=f"gradient {i}")
+    for affine in ((w, b), (None, b)):
+        for wants in ((True, True, True), (True, False, False), (False, True, False), (False, False, True)):
+            wants = [want and t is not None for t, want in zip((values, *affine), wants, strict=True)]
+            if not any(wants):
+                continue
+            inputs = [None if t is None else t.detach().requires_grad_(want)
+                      for t, want in zip((values, *affine), wants, strict=True)]
+            refs = [None if t is None else t.detach().clone().requires_grad_(want)
+                    for t, want in zip((values, *affine), wants, strict=True)]
+            out = normalize(inputs[0], (20,), *inputs[1:], 1e-5, centered=True, backend=backend)
+            ref = _layer_norm64(*refs)
+            assert_close(out, ref)
+            asked = [i for i, want in enumerate(wants) if want]
+            got = torch.autograd.grad(out, [inputs[i] for i in asked], g)
+            want = torch.autograd.grad(ref, [refs[i] for i in asked], g)
+            for i, a, r in zip(asked, got, want, strict=True):
+                assert_close(a, r, name=f"gradient {i}")
+
+
+@pytest.mark.skipif(varlen._backend.triton_unsupported_reason(DEVICE) is not None, reason="the Triton kernels")
+@pytest.mark.parametrize("centered", [True, False], ids=["layer", "rms"])
+def test_backward_programs_and_their_partial_sums(centered, monkeypatch):
+    """The backward's programs each keep partial weight and bias gradients, summed after the launch in rows of 64:
+    with many programs (a GPU's count; the interpreter's device has one SM), sums of 1 to 90 partial rows."""
+    monkeypatch.setattr(_norm_kernels, "sm_count", lambda device: 23)  # 92 programs
+    for n_rows, n_cols in ((3, 5), (97, 1000), (400, 7)):
+        x = torch.randn(n_rows, n_cols, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        w = torch.randn(n_cols, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        b = torch.randn(n_cols, dtype=torch.float64, device=DEVICE, requires_grad=True) if centered else None
+        leaves = [t for t in (x, w, b) if t is not None]
+        g = torch.randn(n_rows, n_cols, dtype=torch.float64, device=DEVICE)
+        got = torch.autograd.grad(normalize(x, (n_cols,), w, b, 1e-5, centered=centered, backend="triton"), leaves, g)
+        ref = (_layer_norm64(x, w, b) if centered
+               else x / (x.square().mean(-1, keepdim=True) + 1e-5).sqrt() * w)
+        want = torch.autograd.grad(ref, leaves, g)
+        for name, a, r in zip("xwb", got, want, strict=False):
+            assert_close(a, r, name=f"F{n_cols} d{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_rows_of_tiny_variance(backend):
+    """eps reaches the float64 kernels in full (Triton passes Python floats as float32: 1e-5 would move such rows by
+    1e-8)."""
+    x = 1e-3 * torch.randn(7, 50, dtype=torch.float64, device=DEVICE)
+    for centered in (True, False):
+        out = normalize(x, (50,), None, None, 1e-5, centered=centered, backend=backend)
+        ref = (_layer_norm64(x, None, None) if centered else x / (x.square().mean(-1, keepdim=True) + 1e-5).sqrt())
+        assert_close(out, ref, tol=1e-12)
 
 
 def test_rows_wider_than_the_kernels_take_torch_and_triton_says_why():
     n_cols = _norm_kernels.max_cols(torch.float64) + 1
     x = random_jagged([3, 2], (n_cols,), dtype=torch.float64)
-    assert_close(rms_norm(x, n_cols).values, F.rms_norm(x.values, (n_cols,)))
+    eps = torch.finfo(torch.float64).eps
+    assert_close(rms_norm(x, n_cols).values, x.values / (x.values.square().mean(-1, keepdim=True) + eps).sqrt())
     if varlen._backend.triton_unsupported_reason(DEVICE) is None:
         with pytest.raises(ValueError, match=re.escape(f"backend='triton' can't take normalized_shape ({n_cols},)")):
             rms_norm(x, n_cols, backend="triton")
@@ -235,7 +281,7 @@ def test_bad_input(call, error, message):
 def test_rms_norm_defaults_and_weight_dtype_as_torch(dtype, backend):
     """eps None is the epsilon of the dtype torch computes in (float32's for 16-bit inputs: at rows of magnitude 0.01
     the input dtype's would move the result by tens of percent), and a weight of another dtype gives the input's
-    dtype (torch's rms_norm has no autocast rule, so autocast hands it such pairs)."""
+    dtype (as torch's rms_norm, outside autocast and under torch 2.11's, which has no rule for it)."""
     values = 0.01 * torch.randn(6, 3, 40, device=DEVICE)
     w = 1 + 0.5 * torch.randn(40, device=DEVICE)
     x = values.to(dtype)

@@ -6,8 +6,8 @@ device; ``softmax`` and ``sum`` run in float32 on CUDA (on the CPU they keep the
 of dtype float64 are never cast. varlen's ops that are torch ops underneath (``linear``, the pointwise
 activations) get torch's casts as they are; the ops that run varlen's own kernels (attention, the per-sequence
 matmuls, the ragged-dim softmax and sum, ``layer_norm``) apply the same rule through :func:`cast`, so that a model
-keeps the precision it would have with the matching torch ops (``rms_norm``, like torch's, has no rule). The casts
-are ordinary ``Tensor.to`` calls: gradients flow back to the parameters in their own dtype.
+keeps the precision it would have with the matching torch ops (``rms_norm`` too, where this torch has a rule for it).
+The casts are ordinary ``Tensor.to`` calls: gradients flow back to the parameters in their own dtype.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ _SILU_CLASSES = ("SiLU", "SiLUActivation")
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if hidden_states.dtype != self.weight.dtype:  # transformers' product then promotes: keep its result dtype
         return type(self).forward(self, hidden_states)
-    # (autocast runs rms_norm in float32: transformers' norm returns the input's dtype)
+    # (autocast may run rms_norm in float32, torch >= 2.12: transformers' norm returns the input's dtype)
     return normalize(hidden_states, tuple(self.weight.shape), self.weight, None, self.variance_epsilon,
                      centered=False).to(hidden_states.dtype)
 

@@ -51,6 +51,15 @@ def rowwise(x, fn):
     return x.with_values(fn(x.values)) if is_jagged(x) else fn(x)
 
 
+def split(x, sizes: tuple[int, ...], dim: int):
+    """``x``'s tokens cut into consecutive parts of ``sizes`` along the token dim ``dim`` (negative: counted from the
+    last), as views. One ``split`` rather than a slice per part: autograd then builds the gradient of ``x`` with one
+    ``cat``, where slices would each fill a zero tensor of ``x``'s shape, copy their gradient in and add them up."""
+    if not is_jagged(x):
+        return list(x.split(list(sizes), dim=dim))
+    return [x.with_values(part) for part in x.values.split(list(sizes), dim=dim)]
+
+
 def linear(x, layer: torch.nn.Linear):
     return ops.linear(x, layer.weight, layer.bias) if is_jagged(x) else layer(x)
 

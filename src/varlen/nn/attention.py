@@ -112,29 +112,25 @@ class MultiheadAttention(nn.Module):
             raise ValueError("key: is None but value is given; pass key too (value=None means value = key)")
         E, kv, rotary = self.embed_dim, self.kv_dim, self.rotary_base
         if key is None:
-            qkv = self._project(query, 0, E + 2 * kv)
             # q's and k's heads lie side by side in each row: one rotation turns both.
-            qk = self._heads(qkv, 0, E + kv)
+            qk, v = self._heads(self._project(query, 0, E + 2 * kv), (E + kv, kv))
             if rotary is not None:
                 qk = _layout.rotary(qk, rotary)
-            q, k = (_layout.rowwise(qk, lambda rows, part=part: rows[..., part, :]) for part in
-                    (slice(0, self.num_heads), slice(self.num_heads, None)))
-            v = self._heads(qkv, E + kv, E + 2 * kv)
+            q, k = _layout.split(qk, (self.num_heads, self.num_kv_heads), dim=-2)
         else:
             key = _layout.as_input(key, "key", E, dtype)
             if _layout.is_jagged(key) != _layout.is_jagged(query):
                 raise TypeError("key: its layout (jagged or dense) differs from query's; pass both jagged or "
                                 "both dense")
-            q = self._heads(self._project(query, 0, E), 0, E)
+            (q,) = self._heads(self._project(query, 0, E), (E,))
             if value is None or value is key:
-                kv_rows = self._project(key, E, E + 2 * kv)
-                k, v = self._heads(kv_rows, 0, kv), self._heads(kv_rows, kv, 2 * kv)
+                k, v = self._heads(self._project(key, E, E + 2 * kv), (kv, kv))
             else:
                 value = _layout.as_input(value, "value", E, dtype)
                 if _layout.is_jagged(value) != _layout.is_jagged(key):
                     raise TypeError("value: its layout (jagged or dense) differs from key's")
-                k = self._heads(self._project(key, E, E + kv), 0, kv)
-                v = self._heads(self._project(value, E + kv, E + 2 * kv), 0, kv)
+                (k,) = self._heads(self._project(key, E, E + kv), (kv,))
+                (v,) = self._heads(self._project(value, E + kv, E + 2 * kv), (kv,))
             if rotary is not None:
                 q, k = _layout.rotary(q, rotary), _layout.rotary(k, rotary)
         out = attention(q, k, v, causal=self.causal, window=self.window, bias=attn_bias,
@@ -148,9 +144,11 @@ class MultiheadAttention(nn.Module):
         b = None if self.in_proj_bias is None else self.in_proj_bias[lo:hi]
         return ops.linear(x, w, b) if _layout.is_jagged(x) else F.linear(x, w, b)
 
-    def _heads(self, x, lo: int, hi: int):
-        """Features ``[lo, hi)`` of projected tokens as ``(..., heads, head_dim)``: a view, no copy."""
-        return _layout.rowwise(x, lambda rows: rows[..., lo:hi].unflatten(-1, (-1, self.head_dim)))
+    def _heads(self, x, widths: tuple[int, ...]):
+        """Projected tokens cut into consecutive parts of ``widths`` features, each as ``(..., heads, head_dim)``:
+        views, no copy (:func:`_layout.split`)."""
+        return [_layout.rowwise(part, lambda rows: rows.unflatten(-1, (-1, self.head_dim)))
+                for part in _layout.split(x, widths, dim=-1)]
 
     def extra_repr(self) -> str:
         window = "" if self.window is None else f", window={self.window}"

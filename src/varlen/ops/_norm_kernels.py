@@ -12,10 +12,13 @@ a kernel that runs at a third of the bandwidth on tall rows (32768 x 768: 115 us
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import Tensor
 
 from .._backend import refuse_double_backward, through_custom_op
+from .._checks import FLOAT_DTYPES, check_dtype
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2, sm_count
 
@@ -31,10 +34,11 @@ def _inverse_sqrt(v):
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, stride_yr, eps,
+def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, stride_yr, eps_hi, eps_lo,
                      CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
-    # BLOCK_R whole rows (BLOCK_F >= n_cols): their statistics, then the normalized rows.
+    # BLOCK_R whole rows (BLOCK_F >= n_cols): their statistics, then the normalized rows. eps arrives as two float32
+    # halves (Triton passes Python floats as float32; float64 rows need its other bits).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.arange(0, BLOCK_F)
     row_ok = rows < n_rows
@@ -45,7 +49,7 @@ def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, 
         mu = tl.sum(v, 1) / n_cols
         v = tl.where(mask, v - mu[:, None], 0.0)
         tl.store(mean + rows, mu, mask=row_ok)
-    r = _inverse_sqrt(tl.sum(v * v, 1) / n_cols + eps)
+    r = _inverse_sqrt(tl.sum(v * v, 1) / n_cols + eps_hi + eps_lo)  # (each added in ACC)
     tl.store(rstd + rows, r, mask=row_ok)
     out = v * r[:, None]
     if HAS_WEIGHT:
@@ -68,8 +72,8 @@ def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_
         w = tl.load(weight + cols, mask=col_ok, other=0.0).to(ACC)
     weight_acc = tl.zeros([BLOCK_R, BLOCK_F], ACC)
     bias_acc = tl.zeros([BLOCK_R, BLOCK_F], ACC)
-    for r0 in range(tl.program_id(0) * BLOCK_R, n_rows, tl.num_programs(0) * BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    for r0 in range(tl.program_id(0).to(tl.int64) * BLOCK_R, n_rows, tl.num_programs(0) * BLOCK_R):  # (int64: no
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)  # wrap past 2**31 rows)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         v = tl.load(x + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(ACC)
@@ -141,17 +145,30 @@ def _tiles(n_cols: int, dtype: torch.dtype, tile_elems: int) -> dict:
     return dict(BLOCK_R=block_r, BLOCK_F=block_f, num_warps=num_warps)
 
 
-def _check_rows(x: Tensor, n_cols: int, **operands: Tensor | None) -> None:
-    """The launchers' operands: ``x`` ``(N, F)`` with ``0 < F <=`` :func:`max_cols`, per-column ones ``(F,)``, per-row
-    ones ``(N,)``, the gradient ``(N, F)`` (the custom ops can be called directly: a kernel must not read outside
-    them)."""
-    if x.dim() != 2 or not 0 < n_cols <= max_cols(x.dtype):
+def _check_rows(x: Tensor, **operands: Tensor | None) -> None:
+    """The launchers' operands: float ``x`` ``(N, F)`` with ``0 < F <=`` :func:`max_cols`, float per-column ones
+    ``(F,)``, per-row ones ``(N,)``, the gradient ``(N, F)`` (the custom ops can be called directly: a kernel must not
+    read outside them, nor take integers for floats)."""
+    check_dtype("x", x, FLOAT_DTYPES)
+    if x.dim() != 2 or not 0 < x.shape[-1] <= max_cols(x.dtype):
         raise ValueError(f"x: expected (N, F) rows with 0 < F <= {max_cols(x.dtype)}, got shape {tuple(x.shape)}")
-    shapes = {"weight": (n_cols,), "bias": (n_cols,), "mean": (x.shape[0],), "rstd": (x.shape[0],),
-              "grad": tuple(x.shape)}
+    n_rows, n_cols = x.shape
+    shapes = {"weight": (n_cols,), "bias": (n_cols,), "mean": (n_rows,), "rstd": (n_rows,), "grad": (n_rows, n_cols)}
     for name, t in operands.items():
-        if t is not None and tuple(t.shape) != shapes[name]:
+        if t is None:
+            continue
+        check_dtype(name, t, FLOAT_DTYPES)
+        if tuple(t.shape) != shapes[name]:
             raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
+
+
+def _float32_halves(value: float) -> tuple[float, float]:
+    """``value`` as float32 high and low parts whose float64 sum keeps 48 of its bits."""
+    try:
+        high = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond float32's range: inf in the kernels either way
+        return value, 0.0
+    return high, value - high
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -163,8 +180,8 @@ def norm_fwd_triton(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     """Layer norm (``centered``) or RMS norm of the rows of ``x`` ``(N, F)`` (any row stride): the normalized rows (a
     new contiguous tensor in ``x``'s dtype), each row's mean (empty unless ``centered``) and rstd (float32; float64
     for float64)."""
+    _check_rows(x, weight=weight, bias=bias)
     n_rows, n_cols = x.shape
-    _check_rows(x, n_cols, weight=weight, bias=bias)
     stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows if centered else 0, dtype=stat_dtype, device=x.device)
@@ -173,7 +190,8 @@ def norm_fwd_triton(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         x, weight, bias = last_dim_contiguous(x), _contiguous(weight), _contiguous(bias)
         tiles = _tiles(n_cols, x.dtype, _FWD_TILE_ELEMS)
         _norm_fwd_kernel[(cdiv(n_rows, tiles["BLOCK_R"]),)](
-            x, weight, bias, y, mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), eps, CENTERED=centered,
+            x, weight, bias, y, mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), *_float32_halves(eps),
+            CENTERED=centered,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC=acc_type(x.dtype), **tiles)
     return y, mean, rstd
 
@@ -182,8 +200,8 @@ def norm_bwd_triton(x: Tensor, weight: Tensor | None, grad: Tensor, mean: Tensor
                     weight_grad: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`norm_fwd_triton` given ``grad``: ``dx`` (contiguous, ``x``'s dtype), and the weight's
     and bias's (their dtype; empty where not asked for)."""
+    _check_rows(x, weight=weight, grad=grad, mean=mean if centered else None, rstd=rstd)
     n_rows, n_cols = x.shape
-    _check_rows(x, n_cols, weight=weight, grad=grad, mean=mean if centered else None, rstd=rstd)
     if weight_grad and weight is None:
         raise ValueError("weight_grad: there is no weight")
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)

@@ -22,9 +22,9 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_choice, check_dtype
+from .._kernel_math import exp
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
-from ._math import exp
 
 REDUCTIONS = ("mean", "sum", "none")
 DOUBLE_BACKWARD = ("varlen.cross_entropy: the Triton path has no double backward (create_graph=True through it); "

@@ -86,15 +86,20 @@ def rms_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[in
             16-bit and float32 ``x``, float64's for float64), as torch.
         backend: as :func:`layer_norm`.
 
-    Returns a JaggedTensor with ``x``'s offsets and dtype, differentiable w.r.t. x and weight. Like
-    ``torch.nn.functional.rms_norm`` it has no autocast rule (its arithmetic is float32 whatever ``x``'s dtype; under
-    autocast the weight may have another dtype). Raises TypeError / ValueError naming the argument, as
-    :func:`layer_norm`.
+    Returns a JaggedTensor with ``x``'s offsets, differentiable w.r.t. x and weight. Under ``torch.autocast`` it
+    follows ``torch.nn.functional.rms_norm``: float32 on CUDA from torch 2.12 on; torch 2.11 has no rule (the
+    arithmetic is float32 whatever ``x``'s dtype, the result in ``x``'s dtype, the weight of any dtype). Raises
+    TypeError / ValueError naming the argument, as :func:`layer_norm`.
     """
     x = as_jagged(x, "x")
     shape = _check_norm(x, normalized_shape, {"weight": weight}, 0.0 if eps is None else eps)
     return x.with_values(normalize(x.values, shape, weight, None, None if eps is None else float(eps),
                                    centered=False, backend=backend))
+
+
+# Whether torch's autocast runs rms_norm in float32 on CUDA, as it does layer_norm: from torch 2.12 on (2.11 has no
+# rule for it: a 16-bit input with a float32 weight gives the input's dtype).
+RMS_NORM_AUTOCASTS = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
 
 
 def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -104,10 +109,11 @@ def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor
     ``varlen.nn``'s norms on dense inputs and ``use_varlen_kernels``' RMSNorm. The arguments are not checked here
     (the public functions do).
 
-    torch's rules, kept on the Triton path: layer norm runs in float32 under CUDA autocast (its inputs cast), and
-    otherwise takes one dtype (mixed dtypes get torch's error); RMS norm has no autocast rule: it computes in float32
-    (float64 for float64) with a weight of any dtype and returns ``values``' dtype, and ``eps`` None is the epsilon of
-    that computing dtype (float32's for 16-bit inputs)."""
+    torch's rules, kept on the Triton path: under CUDA autocast layer norm runs in float32 (its inputs cast), and RMS
+    norm too where this torch has that rule (:data:`RMS_NORM_AUTOCASTS`); after that, layer norm takes one dtype
+    (mixed dtypes get torch's error), while RMS norm computes in float32 (float64 for float64) with a weight of any
+    dtype and returns ``values``' dtype. ``eps`` None: 1e-5 for layer norm, and for RMS norm the epsilon of the
+    dtype it computes in (float32's for 16-bit inputs)."""
     resolved = capabilities.resolve(values.device, values.dtype, "ragged", backend)
     n_cols = math.prod(shape)
     if resolved == "triton" and n_cols > max_cols(values.dtype):
@@ -115,16 +121,16 @@ def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor
             raise ValueError(f"backend='triton' can't take normalized_shape {shape}: the kernels normalize rows of "
                              f"at most {max_cols(values.dtype)} elements ({values.dtype}); use backend='torch'")
         resolved = "torch"
-    if centered and _amp.autocast_dtype(values.device) is None:
-        mixed = any(t is not None and t.dtype != values.dtype for t in (weight, bias))
-    else:
-        mixed = False
-    if resolved == "torch" or values.numel() == 0 or mixed:  # (mixed: torch's error)
+    if centered and eps is None:
+        eps = 1e-5
+    if resolved == "torch" or values.numel() == 0:
         if centered:
-            return F.layer_norm(values, shape, weight, bias, 1e-5 if eps is None else eps)
+            return F.layer_norm(values, shape, weight, bias, eps)
         return F.rms_norm(values, shape, weight, eps)
-    if centered:
+    if centered or RMS_NORM_AUTOCASTS:
         values, weight, bias = _amp.cast(_amp.FLOAT32, values.device, values, weight, bias)
+    if centered and any(t is not None and t.dtype != values.dtype for t in (weight, bias)):
+        return F.layer_norm(values, shape, weight, bias, eps)  # torch's error for mixed dtypes
     if eps is None:
         eps = torch.finfo(torch.float64 if values.dtype == torch.float64 else torch.float32).eps
     rows = values.reshape(-1, n_cols)  # a view wherever the leading dims are one stride apart

@@ -42,6 +42,7 @@ from torch import Tensor
 from .. import _amp, capabilities
 from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
+from .._kernel_math import exp
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
@@ -55,7 +56,6 @@ from ..tiling import (
     sequence_rows,
     sm_count,
 )
-from ._math import exp
 
 
 # ------------------------------------------------------------------------------------ kernels

@@ -49,11 +49,12 @@ from __future__ import annotations
 
 import torch
 
+from ..._kernel_math import LN2
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator, raw_scores
 from ..triton.masks import Mask, band_keys, in_band, tile_stages
 from ..triton.program import Rows, Seqs, bounds, lse_offset, rows
-from ..triton.scores import LN2, Dropout
+from ..triton.scores import Dropout
 from . import common
 from .common import (
     HAVE_GLUON,

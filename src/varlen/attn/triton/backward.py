@@ -23,6 +23,7 @@ import collections
 
 import torch
 
+from ..._kernel_math import LOG2E
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
@@ -53,7 +54,6 @@ from .program import (
     sequence,
 )
 from .scores import (
-    LOG2E,
     Dropout,
     HeadDropout,
     HeadScores,

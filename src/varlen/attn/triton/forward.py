@@ -12,6 +12,7 @@ takes the rest.
 
 import torch
 
+from ..._kernel_math import LN2
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import forward as gluon_forward
@@ -20,7 +21,6 @@ from .masks import Mask, SeqMask, key_stages, mask_args
 from .parts import bf16_parts, dot6, load_parts, part_args, part_descs, runs_split, split_bf16, trans3
 from .program import Rows, Seq, Seqs, base, batch, lse_row, prologue, rows, seqs
 from .scores import (
-    LN2,
     Dropout,
     HeadDropout,
     HeadScores,

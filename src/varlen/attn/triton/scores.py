@@ -20,12 +20,11 @@ import collections
 
 import torch
 
+from ..._kernel_math import LOG2E
 from ..._triton import tl, triton
 from ..dropout import PHILOX_ROUNDS, dropout_keep_scale, dropout_threshold
 from .masks import SeqMask, visible
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
 _PHILOX_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
 # Runtime values (host bundles); placeholders where a modifier is off. Strides are fields of their own, not a

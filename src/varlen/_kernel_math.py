@@ -1,10 +1,11 @@
-"""Elementwise math shared by the jagged-op kernels."""
+"""Math shared by the Triton kernels: log2(e), ln(2), and ``exp`` through ``exp2``."""
 
 from __future__ import annotations
 
-from .._triton import tl, triton
+from ._triton import tl, triton
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
