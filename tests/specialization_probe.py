@@ -31,7 +31,11 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 import varlen  # noqa: E402
 import varlen.attn.triton.backend  # noqa: E402, F401  (imported on first use otherwise: after the flag below)
 import varlen.ops._linear_kernels  # noqa: E402, F401
+from varlen.ops import _norm_kernels  # noqa: E402
 
+# The norms' backward launches as many programs as a GPU holds (one SM on the CPU): an H100's count, so that short
+# batches' program counts vary as they do there.
+_norm_kernels.sm_count = lambda device: 132
 # varlen sends CPU tensors to its Triton path only under the interpreter flag, read at each call.
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -73,6 +77,9 @@ def one_batch(gen: torch.Generator, layer: varlen.nn.TransformerEncoderLayer) ->
     varlen.select(x, 1, -1, fill_value=0.0).sum().backward()
     w = torch.randn(len(lengths), 16, 8, requires_grad=True)
     varlen.matmul(x, w).values.sum().backward()
+    norm_weight = torch.randn(16, requires_grad=True)
+    varlen.rms_norm(x, 16, norm_weight).values.sum().backward()
+    varlen.layer_norm(x, 16, norm_weight, norm_weight).values.sum().backward()
     hidden = q.with_values(torch.randn(q.total, layer.self_attn.embed_dim))
     layer(hidden).values.sum().backward()
 

@@ -3,7 +3,7 @@
 Each row is normalized on its own: ``y = (x - mean) * rstd * weight + bias`` (layer norm, ``centered``) or
 ``y = x * rstd * weight`` (RMS norm), ``rstd = 1 / sqrt(mean((x - mean)**2) + eps)`` (the mean square for RMS norm),
 in float32 (float64 for float64), each result rounded once. The forward reads each row once and writes it once,
-keeping the mean and rstd per row (float32) for the backward. The backward reads ``x`` and the gradient once and
+keeping the mean and rstd per row (in that dtype) for the backward. The backward reads ``x`` and the gradient once and
 writes ``dx``; the weight's and bias's gradients are sums over all rows, which each program accumulates over the
 rows it takes (a fixed stride of row tiles) in registers and writes once: one partial row per program, added up in a
 fixed order after the launch (deterministic). torch's backward reads the rows once more for the weight's gradient, in
@@ -97,10 +97,11 @@ def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_
         tl.store(bias_part + tl.program_id(0) * n_cols + cols, tl.sum(bias_acc, 0), mask=col_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts"])
 def _norm_sum_parts_kernel(parts, first, second, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    # first (program_id(1) == 0) or second = the sum over p, in order, of parts[program_id(1), p, :], for one block of
-    # columns: the weight's and the bias's gradients from the backward programs' partial rows.
+    # first (program_id(1) == 0) or second = the sum over p, in a fixed order, of parts[program_id(1), p, :], for one
+    # block of columns: the weight's and the bias's gradients from the backward programs' partial rows (as many as
+    # the backward had programs: fewer than the GPU's slots for short batches, so not a specialized integer).
     which = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < n_cols
