@@ -80,6 +80,9 @@ def one_batch(gen: torch.Generator, layer: varlen.nn.TransformerEncoderLayer) ->
     norm_weight = torch.randn(16, requires_grad=True)
     varlen.rms_norm(x, 16, norm_weight).values.sum().backward()
     varlen.layer_norm(x, 16, norm_weight, norm_weight).values.sum().backward()
+    varlen.swiglu(x).values.sum().backward()
+    varlen.rotary(q).values.sum().backward()
+    varlen.cross_entropy(x.values, torch.randint(0, 16, (x.total,), generator=gen)).backward()
     hidden = q.with_values(torch.randn(q.total, layer.self_attn.embed_dim))
     layer(hidden).values.sum().backward()
 

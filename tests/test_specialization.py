@@ -25,7 +25,8 @@ def test_random_batches_reuse_the_warm_up_variants():
     # The probe saw the kernels of attention (forward, backward, dQ kernel) and of the jagged ops.
     assert {"_attn_fwd_kernel", "_bwd_kv_kernel", "_bwd_q_kernel", "_jagged_to_padded_kernel",
             "_segment_sum_kernel", "_softmax_single_kernel", "_grouped_matmul_kernel", "_norm_fwd_kernel",
-            "_norm_bwd_kernel", "_norm_sum_parts_kernel"} <= set(report["kernels"])
+            "_norm_bwd_kernel", "_norm_sum_parts_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
+            "_rotary_kernel", "_cross_entropy_fwd_kernel", "_cross_entropy_bwd_kernel"} <= set(report["kernels"])
     assert report["new_after_warmup"] == {}, json.dumps(report["new_after_warmup"], indent=1)
 
 
