@@ -198,6 +198,19 @@ def test_backward_programs_and_their_partial_sums(centered, monkeypatch):
             assert_close(a, r, name=f"F{n_cols} d{name}")
 
 
+def test_eps_reaches_the_kernels_as_two_float32_halves():
+    """Triton passes Python floats as float32 (the interpreter doesn't, so the float64 test below only bites on a
+    GPU): eps goes as a float32 high part and the rest, whose float64 sum is eps to 48 bits; past float32's range,
+    inf and 0 (not inf - inf: NaN)."""
+    for eps in (1e-5, 1e-12, 0.1, 3.0, 0.0):
+        high, low = _norm_kernels.float32_halves(eps)
+        assert torch.tensor(high, dtype=torch.float32).item() == high
+        low32 = torch.tensor(low, dtype=torch.float32).item()
+        assert abs(high + low32 - eps) <= 2.0 ** -48 * eps
+    for eps in (1e39, float("inf")):
+        assert _norm_kernels.float32_halves(eps) == (float("inf"), 0.0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_float64_rows_of_tiny_variance(backend):
     """eps reaches the float64 kernels in full (Triton passes Python floats as float32: 1e-5 would move such rows by

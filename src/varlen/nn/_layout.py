@@ -52,9 +52,12 @@ def rowwise(x, fn):
 
 
 def split(x, sizes: tuple[int, ...], dim: int):
-    """``x``'s tokens cut into consecutive parts of ``sizes`` along the token dim ``dim`` (negative: counted from the
-    last), as views. One ``split`` rather than a slice per part: autograd then builds the gradient of ``x`` with one
-    ``cat``, where slices would each fill a zero tensor of ``x``'s shape, copy their gradient in and add them up."""
+    """``x``'s tokens cut into consecutive parts of ``sizes`` along the token dim ``dim`` (negative, counted from the
+    last: jagged values and dense tensors number their leading dims differently), as views. One ``split`` rather than
+    a slice per part: autograd then builds the gradient of ``x`` with one ``cat``, where slices would each fill a zero
+    tensor of ``x``'s shape, copy their gradient in and add them up."""
+    if dim >= 0:
+        raise ValueError(f"dim: expected a negative dim (counted from the last), got {dim}")
     if not is_jagged(x):
         return list(x.split(list(sizes), dim=dim))
     return [x.with_values(part) for part in x.values.split(list(sizes), dim=dim)]

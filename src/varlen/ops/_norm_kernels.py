@@ -12,6 +12,7 @@ a kernel that runs at a third of the bandwidth on tall rows (32768 x 768: 115 us
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -163,12 +164,12 @@ def _check_rows(x: Tensor, **operands: Tensor | None) -> None:
             raise ValueError(f"{name}: expected shape {shapes[name]}, got {tuple(t.shape)}")
 
 
-def _float32_halves(value: float) -> tuple[float, float]:
-    """``value`` as float32 high and low parts whose float64 sum keeps 48 of its bits."""
-    try:
-        high = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # beyond float32's range: inf in the kernels either way
-        return value, 0.0
+def float32_halves(value: float) -> tuple[float, float]:
+    """``value`` as float32 high and low parts whose float64 sum keeps 48 of its bits; beyond float32's range, inf
+    and 0 (the low part would be inf - inf)."""
+    high = struct.unpack("f", struct.pack("f", value))[0]
+    if not math.isfinite(high):
+        return high, 0.0
     return high, value - high
 
 
@@ -191,7 +192,7 @@ def norm_fwd_triton(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         x, weight, bias = last_dim_contiguous(x), _contiguous(weight), _contiguous(bias)
         tiles = _tiles(n_cols, x.dtype, _FWD_TILE_ELEMS)
         _norm_fwd_kernel[(cdiv(n_rows, tiles["BLOCK_R"]),)](
-            x, weight, bias, y, mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), *_float32_halves(eps),
+            x, weight, bias, y, mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), *float32_halves(eps),
             CENTERED=centered,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC=acc_type(x.dtype), **tiles)
     return y, mean, rstd
