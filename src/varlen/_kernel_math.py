@@ -1,4 +1,5 @@
-"""Math shared by the Triton kernels: log2(e), ln(2), and ``exp`` through ``exp2``."""
+"""Math shared by the Triton kernels: log2(e), ln(2), ``exp`` through ``exp2``, and the online max and sum of
+exponentials (the softmax and cross-entropy kernels' statistics)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,21 @@ def exp(x):
         return tl.exp(x)
     else:
         return tl.exp2(x * LOG2E)
+
+
+@triton.jit
+def merge_max_sum(m, s, m_other, s_other):
+    """Two running (max, sum of exp(x - max)) pairs as one, elementwise (``s_other`` 1.0: ``m_other`` is one more
+    value). A slot with no finite max yet shifts by 0, so exp never sees -inf - -inf."""
+    m_new = tl.maximum(m, m_other)
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, s * exp(m - shift) + s_other * exp(m_other - shift)
+
+
+@triton.jit
+def reduce_max_sum(m, s):
+    """The running pairs of ``m``, ``s`` along their first axis as one: (max, sum of exp(x - max)); the max is -inf
+    where no value was finite (the sum then from a shift of 0)."""
+    top = tl.max(m, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    return top, tl.sum(s * exp(m - tl.expand_dims(shift, 0)), 0)

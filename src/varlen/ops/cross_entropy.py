@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_choice, check_dtype
-from .._kernel_math import exp
+from .._kernel_math import exp, merge_max_sum, reduce_max_sum
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
@@ -45,14 +45,10 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
     s_lane = tl.zeros([BLOCK_V], ACC)
     for v0 in range(0, n_cols, BLOCK_V):
         x = tl.load(base + v0 + cols, mask=v0 + cols < n_cols, other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m_lane, x)
-        # A lane with no finite value yet shifts by 0 so exp never sees -inf - -inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_lane = s_lane * exp(m_lane - shift) + exp(x - shift)
-        m_lane = m_new
-    m = tl.max(m_lane, 0)
+        m_lane, s_lane = merge_max_sum(m_lane, s_lane, x, 1.0)
+    m, total = reduce_max_sum(m_lane, s_lane)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    log_sum = tl.log(tl.sum(s_lane * exp(m_lane - shift), 0))
+    log_sum = tl.log(total)
     target = tl.load(targets + row)
     valid = (target >= 0) & (target < n_cols)
     # (a bad target, or an empty vocabulary, reads nothing and gives NaN)

@@ -42,7 +42,7 @@ from torch import Tensor
 from .. import _amp, capabilities
 from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
-from .._kernel_math import exp
+from .._kernel_math import exp, merge_max_sum, reduce_max_sum
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
@@ -94,14 +94,8 @@ def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
         mask = (rows < hi)[:, None] & col_ok[None, :]
         v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
                     other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m_slot, v)
-        # A slot with no finite value yet shifts by 0 so exp never sees -inf - -inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_slot = s_slot * exp(m_slot - shift) + exp(v - shift)
-        m_slot = m_new
-    m = tl.max(m_slot, 0)
-    shift = tl.where(m == float("-inf"), 0.0, m)
-    return m, tl.sum(s_slot * exp(m_slot - shift[None, :]), 0)
+        m_slot, s_slot = merge_max_sum(m_slot, s_slot, v, 1.0)
+    return reduce_max_sum(m_slot, s_slot)
 
 
 @triton.jit
@@ -173,10 +167,7 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
         idx = (first + c) * n_cols + cols
         m_c = tl.load(part_max + idx, mask=col_ok, other=float("-inf"))
         s_c = tl.load(part_sum + idx, mask=col_ok, other=0.0)
-        m_new = tl.maximum(m, m_c)
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * exp(m - shift) + s_c * exp(m_c - shift)
-        m = m_new
+        m, s = merge_max_sum(m, s, m_c, s_c)
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T)
 
 
