@@ -20,6 +20,9 @@ import torch
 LOWER_PRECISION = "lower_precision"  # torch.matmul, bmm, linear, scaled_dot_product_attention
 FLOAT32 = "float32"  # torch.softmax, torch.sum
 _DEVICES = {LOWER_PRECISION: ("cpu", "cuda"), FLOAT32: ("cuda",)}
+# Whether torch's autocast runs rms_norm in float32 on CUDA, as it does layer_norm: from torch 2.12 on (2.11 has no
+# rule for it: a 16-bit input with a float32 weight gives the input's dtype).
+RMS_NORM_AUTOCASTS = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:

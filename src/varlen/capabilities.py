@@ -124,20 +124,21 @@ JAGGED_KERNELS = {
 # attn/torch_backend.py and its fused CPU path, attn/cpu_fused.py.
 
 
-def resolve(device: torch.device, dtype: torch.dtype, kernels: str, requested: str | None = None) -> str:
+def resolve(device: torch.device, dtype: torch.dtype, kernels: str, requested: str | None = None,
+            other_reason: str | None = None) -> str:
     """The backend (``"triton"`` or ``"torch"``) that runs a jagged op on ``device`` and ``dtype``.
 
     ``kernels``: the family of Triton kernels the op would run (:data:`JAGGED_KERNELS`). ``requested`` (an
-    op's ``backend=``) overrides the scoped choice of ``varlen.use_backend``. ``"auto"``: Triton on CUDA
-    where the family takes the dtype, else PyTorch; ``"triton"`` where it can't raises ValueError saying
-    why.
+    op's ``backend=``) overrides the scoped choice of ``varlen.use_backend``. ``other_reason``: why this op's
+    kernels can't take this call, beyond device and dtype (None: they can). ``"auto"``: Triton on CUDA where the
+    kernels take the call, else PyTorch; ``"triton"`` where they can't raises ValueError saying why.
     """
     name = scoped() if requested is None else requested
     check_choice("backend", name, BACKENDS)
     if name == "torch":
         return "torch"
     caps = JAGGED_KERNELS[kernels]
-    reasons = [r for r in (caps.device_reason(device), caps.dtype_reason(dtype)) if r]
+    reasons = [r for r in (caps.device_reason(device), caps.dtype_reason(dtype), other_reason) if r]
     if name == "auto":
         return "triton" if device.type == "cuda" and not reasons else "torch"
     if reasons:

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import _amp, capabilities
-from .._backend import scoped
 from .._checks import FLOAT_DTYPES, check_dtype, check_real, check_same_device, check_same_dtype, check_tensor
 from ..jagged import JaggedTensor, as_jagged
 from ._norm_kernels import NormRows, max_cols
@@ -97,11 +96,6 @@ def rms_norm(x: JaggedTensor | torch.Tensor, normalized_shape: int | Sequence[in
                                    centered=False, backend=backend))
 
 
-# Whether torch's autocast runs rms_norm in float32 on CUDA, as it does layer_norm: from torch 2.12 on (2.11 has no
-# rule for it: a 16-bit input with a float32 weight gives the input's dtype).
-RMS_NORM_AUTOCASTS = torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
-
-
 def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor | None, bias: torch.Tensor | None,
               eps: float | None, *, centered: bool, backend: str | None = None) -> torch.Tensor:
     """Layer norm (``centered``) or RMS norm (``bias`` None) of ``values`` over its last dims ``shape``, as
@@ -110,24 +104,21 @@ def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor
     (the public functions do).
 
     torch's rules, kept on the Triton path: under CUDA autocast layer norm runs in float32 (its inputs cast), and RMS
-    norm too where this torch has that rule (:data:`RMS_NORM_AUTOCASTS`); after that, layer norm takes one dtype
+    norm too where this torch has that rule (``_amp.RMS_NORM_AUTOCASTS``); after that, layer norm takes one dtype
     (mixed dtypes get torch's error), while RMS norm computes in float32 (float64 for float64) with a weight of any
     dtype and returns ``values``' dtype. ``eps`` None: 1e-5 for layer norm, and for RMS norm the epsilon of the
     dtype it computes in (float32's for 16-bit inputs)."""
-    resolved = capabilities.resolve(values.device, values.dtype, "ragged", backend)
     n_cols = math.prod(shape)
-    if resolved == "triton" and n_cols > max_cols(values.dtype):
-        if (scoped() if backend is None else backend) == "triton":
-            raise ValueError(f"backend='triton' can't take normalized_shape {shape}: the kernels normalize rows of "
-                             f"at most {max_cols(values.dtype)} elements ({values.dtype}); use backend='torch'")
-        resolved = "torch"
+    too_wide = (f"normalized_shape {shape} (the kernels normalize rows of at most {max_cols(values.dtype)} elements "
+                f"in {values.dtype}; use backend='torch')" if n_cols > max_cols(values.dtype) else None)
+    resolved = capabilities.resolve(values.device, values.dtype, "ragged", backend, too_wide)
     if centered and eps is None:
         eps = 1e-5
     if resolved == "torch" or values.numel() == 0:
         if centered:
             return F.layer_norm(values, shape, weight, bias, eps)
         return F.rms_norm(values, shape, weight, eps)
-    if centered or RMS_NORM_AUTOCASTS:
+    if centered or _amp.RMS_NORM_AUTOCASTS:
         values, weight, bias = _amp.cast(_amp.FLOAT32, values.device, values, weight, bias)
     if centered and any(t is not None and t.dtype != values.dtype for t in (weight, bias)):
         return F.layer_norm(values, shape, weight, bias, eps)  # torch's error for mixed dtypes
