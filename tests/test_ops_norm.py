@@ -33,6 +33,21 @@ def _affine(shape, dtype, on):
     return (1 + 0.5 * torch.randn(shape, dtype=dtype, device=DEVICE)).requires_grad_(True)
 
 
+def _rms_norm64(x, w, eps, dims=(-1,)):
+    """RMS norm over ``dims`` in float64, from its definition."""
+    x = x.double()
+    out = x / (x.square().mean(dims, keepdim=True) + eps).sqrt()
+    return out if w is None else out * w.double()
+
+
+def _layer_norm64(x, w, b, eps=1e-5):
+    """Layer norm of the last dim in float64, from its definition."""
+    x = x.double()
+    out = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    out = out if w is None else out * w.double()
+    return out if b is None else out + b.double()
+
+
 # Normalizing a single element gives x_hat = 0: weight's gradient is 0 and both sides hold only
 # rounding noise (float64 ~1e-13, float32 ~1e-5), so that pair isn't compared.
 CASES = [
@@ -84,8 +99,7 @@ def test_rms_norm_forward_backward(dtype, lengths, inner, normalized_shape, affi
     w64 = None if weight is None else weight.detach().double().requires_grad_(True)
     # torch's default: the epsilon of the dtype it computes in (float32's for 16-bit inputs)
     eps64 = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps if eps is None else eps
-    ref = x64 / (x64.square().mean(dims, keepdim=True) + eps64).sqrt()
-    ref = ref if w64 is None else ref * w64
+    ref = _rms_norm64(x64, w64, eps64, dims)
     check_jagged_op(x, out, dy, ref, dtype, {"x": (x.values, x64), "weight": (weight, w64)})
 
 
@@ -142,14 +156,6 @@ def test_kernels_err_no_more_than_torch(dtype, centered):
                 f"against torch's {rel_err(torchs, ref):.3g}"
 
 
-def _layer_norm64(x, w, b, eps=1e-5):
-    """Layer norm of the last dim in float64, from its definition."""
-    x = x.double()
-    out = (x - x.mean(-1, keepdim=True)) / (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
-    out = out if w is None else out * w.double()
-    return out if b is None else out + b.double()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_layouts_and_partial_gradients(backend):
     """A strided weight, rows of a wider tensor, a transposed gradient, a bias without a weight, and gradients asked
@@ -191,8 +197,7 @@ def test_backward_programs_and_their_partial_sums(centered, monkeypatch):
         leaves = [t for t in (x, w, b) if t is not None]
         g = torch.randn(n_rows, n_cols, dtype=torch.float64, device=DEVICE)
         got = torch.autograd.grad(normalize(x, (n_cols,), w, b, 1e-5, centered=centered, backend="triton"), leaves, g)
-        ref = (_layer_norm64(x, w, b) if centered
-               else x / (x.square().mean(-1, keepdim=True) + 1e-5).sqrt() * w)
+        ref = _layer_norm64(x, w, b) if centered else _rms_norm64(x, w, 1e-5)
         want = torch.autograd.grad(ref, leaves, g)
         for name, a, r in zip("xwb", got, want, strict=False):
             assert_close(a, r, name=f"F{n_cols} d{name}")
@@ -218,7 +223,7 @@ def test_float64_rows_of_tiny_variance(backend):
     x = 1e-3 * torch.randn(7, 50, dtype=torch.float64, device=DEVICE)
     for centered in (True, False):
         out = normalize(x, (50,), None, None, 1e-5, centered=centered, backend=backend)
-        ref = (_layer_norm64(x, None, None) if centered else x / (x.square().mean(-1, keepdim=True) + 1e-5).sqrt())
+        ref = _layer_norm64(x, None, None) if centered else _rms_norm64(x, None, 1e-5)
         assert_close(out, ref, tol=1e-12)
 
 
@@ -226,7 +231,7 @@ def test_rows_wider_than_the_kernels_take_torch_and_triton_says_why():
     n_cols = _norm_kernels.max_cols(torch.float64) + 1
     x = random_jagged([3, 2], (n_cols,), dtype=torch.float64)
     eps = torch.finfo(torch.float64).eps
-    assert_close(rms_norm(x, n_cols).values, x.values / (x.values.square().mean(-1, keepdim=True) + eps).sqrt())
+    assert_close(rms_norm(x, n_cols).values, _rms_norm64(x.values, None, eps))
     if varlen._backend.triton_unsupported_reason(DEVICE) is None:
         with pytest.raises(ValueError, match=re.escape(f"backend='triton' can't take normalized_shape ({n_cols},)")):
             rms_norm(x, n_cols, backend="triton")
@@ -300,9 +305,7 @@ def test_rms_norm_defaults_and_weight_dtype_as_torch(dtype, backend):
     x = values.to(dtype)
     for weight in (None, w.to(dtype), w):
         out = normalize(x, (40,), weight, None, None, centered=False, backend=backend)
-        x64 = x.double()
-        ref = x64 / (x64.square().mean(-1, keepdim=True) + torch.finfo(torch.float32).eps).sqrt()
-        ref = ref if weight is None else ref * weight.double()
+        ref = _rms_norm64(x, weight, torch.finfo(torch.float32).eps)
         assert out.dtype == dtype
         assert_close(out, ref, dtype)
         if weight is not None:
