@@ -8,10 +8,12 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import assert_close, checkable_dtypes, random_jagged, random_lengths
+from utils import assert_close, checkable_dtypes, random_jagged, random_lengths, rel_err
+from varlen.attn.triton.configs import compute_capability
 from varlen.capabilities import JAGGED_KERNELS
 
 softmax_ops = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
+_softmax_gluon = importlib.import_module("varlen.ops._softmax_gluon")
 
 # Under the interpreter, masked lanes (columns past F, empty sequences) compute 0 / 0 in numpy; those
 # lanes are never stored.
@@ -156,6 +158,41 @@ def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypa
         softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, plan)
 
 
+@pytest.mark.parametrize("sms", [132, 78])
+def test_16_bit_forward_shared_tiers_at_the_bound(sms, monkeypatch):
+    """The 16-bit forward's chunks held in shared memory (where ``_softmax_gluon`` takes the input): the first of
+    ``SHARED_TIERS`` whose chunks of a sequence fit the bound, then split; blocks of fewer than 64 columns, inputs it
+    doesn't take, float32 and the backward keep their plans. A GPU of ``sms`` SMs, chosen off the GPU."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: sms)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: sms)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu, most = torch.device("cuda"), sms // 2
+    (rows_a, block_a, warps_a), (rows_b, block_b, warps_b) = softmax_ops.SHARED_TIERS
+    for max_len, tier in ((4096, (rows_a, block_a, warps_a)), (most * rows_a, (rows_a, block_a, warps_a)),
+                          (most * rows_a + 1, (rows_b, block_b, warps_b)), (most * rows_b, (rows_b, block_b, warps_b)),
+                          (most * rows_b + 1, None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 1024, 2, gpu, shared=True)
+        assert plan.shared == plan.cooperative == (tier is not None) and not plan.rereads, max_len
+        if tier is not None:
+            assert (plan.chunk_rows, plan.block_t, plan.num_warps) == tier and plan.block_f == 64
+    assert softmax_ops.softmax_plan(64, 4096, 1024, 2, gpu).rereads  # an input the kernel doesn't take
+    assert softmax_ops.softmax_plan(64, 4096, 20, 2, gpu, shared=True).rereads  # blocks of 32 columns
+    for elem_size, inputs in ((4, 1), (2, 2), (4, 2)):
+        plan = softmax_ops.softmax_plan(64, 4096, 1024, elem_size, gpu, inputs=inputs, shared=True)
+        assert plan.cooperative and not plan.shared and plan.chunk_rows == plan.block_t
+
+
+def test_shared_plan_refused_where_it_cannot_run(device):
+    """A plan holding chunks in shared memory runs the Gluon kernel: refused off an sm_90 GPU, for float32 and for
+    rows TMA can't load; the backward refuses it everywhere."""
+    plan = softmax_ops.SoftmaxPlan(block_t=64, block_f=64, chunk_rows=192, num_warps=2, cooperative=True, shared=True)
+    x = random_jagged([3, 20], (64,), dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="plan: a chunk held in shared memory needs fp16/bf16 values"):
+        softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, plan)
+    with pytest.raises(ValueError, match="plan: the cooperative backward holds its chunk in one tile of registers"):
+        softmax_ops.softmax_bwd_triton(x.values, x.values, x.offsets, x.max_len, plan)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_in_one_sequence_stays_there(backend, device):
     lengths = [3, 17, 0, 5]
@@ -282,8 +319,9 @@ def test_bad_inputs(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows, the 16-bit backward in tiles of
-    128 rows up to 8448 and 256 beyond; 16-bit forward, chunks read twice: up to 33K rows, 33000 near that bound),
-    split across many programs (a few long sequences), and one very long sequence."""
+    128 rows up to 8448 and 256 beyond; 16-bit forward, chunks held in shared memory on sm_90: 192 rows up to 12672
+    (12000 near that bound), 512 up to 33792 (33000), elsewhere read twice), split across many programs (a few long
+    sequences), and one very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
@@ -297,9 +335,10 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 @pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (20,), (40,)], ids=str)
 @pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
 def test_gpu_narrow_columns(inner, lengths, device, poison_empty):
-    """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements; the
-    16-bit backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count), with
-    rows of 16-byte multiples and not (20, 40 columns)."""
+    """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements (at 40
+    columns a block of 64, held in shared memory on sm_90: TMA fills the missing columns with zeros); the 16-bit
+    backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count), with rows of
+    16-byte multiples and not (20, 40 columns)."""
     x = random_jagged(lengths, inner, dtype=torch.bfloat16, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
@@ -307,3 +346,58 @@ def test_gpu_narrow_columns(inner, lengths, device, poison_empty):
     ref_y, ref_dx = reference(x.values, lengths, g)
     assert_close(y.values, ref_y, torch.bfloat16)
     assert_close(x.values.grad, ref_dx, torch.bfloat16)
+
+
+SHARED_PLANS = [softmax_ops.SoftmaxPlan(block_t=64, block_f=64, chunk_rows=192, num_warps=2, cooperative=True,
+                                        shared=True),
+                softmax_ops.SoftmaxPlan(block_t=128, block_f=64, chunk_rows=512, num_warps=4, cooperative=True,
+                                        shared=True),
+                softmax_ops.SoftmaxPlan(block_t=64, block_f=64, chunk_rows=64, num_warps=4, cooperative=True,
+                                        shared=True)]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(not _softmax_gluon.applies(torch.zeros(8, 8, dtype=torch.bfloat16, device="cuda"))
+                    if ON_GPU else True, reason="the shared-memory softmax forward needs an sm_90 GPU with Gluon")
+@pytest.mark.parametrize("plan", SHARED_PLANS, ids=["192x64w2", "512x128w4", "64x64w4"])
+@pytest.mark.parametrize("n_cols", [8, 40, 64, 200, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_shared_plans(plan, n_cols, dtype, device, poison_empty):
+    """Every plan shape the Gluon kernel takes (both tiers, and one tile per chunk), at lengths 0, 1, 17, 1000 and
+    chunk edges, columns fewer than a block, one block, and partial blocks; -inf in a column, a column all -inf
+    (NaN, as torch), a large max arriving late and a NaN kept in its column; within twice torch's own error at the
+    same precision (flash-attn's rule)."""
+    lengths = [0, 1, 17, 1000, 191, 192, 193, 0, 513, 2000]
+    x = random_jagged(lengths, (n_cols,), dtype=torch.float32, device=device)
+    values = 8 * x.values
+    values[1:18, 0] = -math.inf  # sequence 2 (17 rows), column 0: all -inf
+    values[18:500, n_cols - 1] = -math.inf  # most of a long sequence's last column: its max arrives late
+    values[900, n_cols // 2] = 60.0  # a large max after smaller values: the running sums rescale
+    values[1200, n_cols - 1] = math.nan  # sequence 4 (191 rows from 1018), the last column
+    x16 = values.to(dtype)
+    y = softmax_ops.softmax_fwd_triton(x16, x.offsets, x.max_len, plan)
+    ref, _ = reference(x16, lengths)
+    torch_y = torch.cat([torch.softmax(part, 0) for part in x16.split(lengths)])
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[1:18, 0]).all()
+    assert torch.isnan(y[1018:1209, n_cols - 1]).all()
+    finite = ~torch.isnan(ref)
+    assert rel_err(y[finite], ref[finite]) <= 2 * rel_err(torch_y[finite], ref[finite])
+    again = softmax_ops.softmax_fwd_triton(x16, x.offsets, x.max_len, plan)
+    assert torch.equal(again.view(torch.int16), y.view(torch.int16))  # bit for bit, NaNs included
+
+
+@pytest.mark.gpu_only
+def test_gpu_16_bit_forward_plan_follows_the_input(device):
+    """Aligned 16-bit rows on an sm_90 GPU take the shared-memory kernel; a base off 16 bytes, a row stride off 16
+    bytes or a column stride other than 1 take the chunks read twice, with the same results."""
+    big = torch.randn(3000, 1040, dtype=torch.bfloat16, device=device)
+    offsets = torch.tensor([0, 1000, 1001, 3000], device=device)
+    aligned = big[:, :1024]
+    assert _softmax_gluon.applies(aligned) == (compute_capability(device)[0] == 9 and _softmax_gluon.HAVE_GLUON)
+    for x in (big[:, 1:1025], big[:, :1020].contiguous()[:, :1012], big[:, ::2]):
+        assert not _softmax_gluon.applies(x)
+    want = softmax_ops.softmax_fwd_torch(aligned.double(), offsets)
+    for x in (aligned, big[:, 8:1032], big[:, 1:1025]):
+        y = softmax_ops.softmax_fwd_triton(x, offsets, 2000)
+        assert_close(y, softmax_ops.softmax_fwd_torch(x.double(), offsets), torch.bfloat16)
+    assert_close(softmax_ops.softmax_fwd_triton(aligned, offsets, 2000), want, torch.bfloat16)

@@ -5,9 +5,10 @@
 
 Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
 ``cooperative`` path (tiles held in registers: float32 forward and every backward, the 16-bit one in tiles of 128
-rows at 4096 and 256 at 12000; chunks read twice: the 16-bit forward) and the ``split`` path, at 1024 columns as
-``bench/jagged_ops.py`` and at 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a CUDA device,
-its SM count stood in for). Outputs stay unwritten (nothing is run).
+rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory by the Gluon kernel, 192 rows at
+12000 and 512 at 33000, and read twice where that kernel doesn't take the input) and the ``split`` path, at 1024
+columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
+CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
 """
 
 import importlib
@@ -17,12 +18,14 @@ import torch
 import varlen.tiling
 
 softmax = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
+softmax_gluon = importlib.import_module("varlen.ops._softmax_gluon")
 
 # The plans are chosen for an H100; these tensors are CPU ones.
 GPU = torch.device("cuda")
 varlen.tiling.sm_count = softmax.sm_count = lambda device: 132
+softmax_gluon.applies = lambda x: x.dtype in (torch.float16, torch.bfloat16) and x.shape[1] % 8 == 0  # (CPU tensors)
 # The benchmark's width, and narrow ones (blocks of fewer than 64 columns, whose tiles scale their rows).
-WIDTHS = (1024, 3, 1)
+WIDTHS = (1024, 40, 3, 1)
 
 
 def main():
@@ -31,11 +34,14 @@ def main():
         for n_cols in WIDTHS:
             x = torch.zeros(4096, n_cols, dtype=dtype)
             size = x.element_size()
-            for max_len in (4, 4096, 12000, 70000):
+            for max_len in (4, 4096, 12000, 33000, 70000):
                 fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU)
+                fwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, shared=softmax_gluon.applies(x))
                 bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2)
-                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {bwd}", flush=True)
+                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {fwd_shared}, {bwd}", flush=True)
                 y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
+                if fwd_shared != fwd:
+                    softmax.softmax_fwd_triton(x, offsets, max_len, fwd_shared)
                 softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
 
 

@@ -19,7 +19,8 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
   per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
   writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile; 16-bit
-  inputs as their own 16-bit values), so each input is read once, as ``single``; the 16-bit forward reads
+  inputs as their own 16-bit values), so each input is read once, as ``single``. The 16-bit forward holds
+  its chunk in shared memory on sm_90 (``_softmax_gluon``: TMA loads, a Gluon kernel); elsewhere it reads
   its chunk again for the write, moments after the first read (held in registers, it ran slower than
   split: see :func:`_cooperative_plan`).
   Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
@@ -56,6 +57,8 @@ from ..tiling import (
     sequence_rows,
     sm_count,
 )
+from . import _softmax_gluon
+from ._cooperative import claim_chunk, wait_for_group
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -172,31 +175,6 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
 
 
 @triton.jit
-def _claim_chunk(tickets, offsets, total, n_chunks, n_col_tiles, CHUNK_ROWS: tl.constexpr):
-    """The chunk (``CHUNK_ROWS`` rows of one column block) a cooperative program takes, in the order programs
-    start: the sequence b, the column tile, the group (b, column tile) whose chunks wait for each other, the
-    chunk's index in it, the sequence's first row and length, and the number of chunks holding rows (at most
-    ``n_chunks``: a sequence longer than the host's max_len, from wrong offsets, has no chunks past it)."""
-    item = tl.atomic_add(tickets, 1)
-    chunk = item % n_chunks
-    group = item // n_chunks
-    b = group // n_col_tiles
-    start, length = sequence_rows(offsets, b, total)
-    n_live = tl.minimum(tl.cdiv(length, CHUNK_ROWS), n_chunks).to(tl.int32)
-    return b, group % n_col_tiles, group, chunk, start, length, n_live
-
-
-@triton.jit
-def _wait_for_group(tickets, group, n_live):
-    """Count this chunk's statistics as published (after every thread's stores: the barrier), then wait until
-    all ``n_live`` chunks of the group have published theirs."""
-    tl.debug_barrier()
-    done = tl.atomic_add(tickets + 1 + group, 1) + 1
-    while done < n_live:
-        done = tl.atomic_add(tickets + 1 + group, 0)
-
-
-@triton.jit
 def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC: tl.constexpr,
                    BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
     """The max and sum of exponentials per column of a (sequence, column block) from its ``n_live`` chunks'
@@ -228,7 +206,7 @@ def _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks,
     idx = (first + chunk) * n_cols + cols
     tl.store(part_max + idx, m, mask=col_ok)
     tl.store(part_sum + idx, s, mask=col_ok)
-    _wait_for_group(tickets, group, n_live)
+    wait_for_group(tickets, group, n_live)
     return _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
 
 
@@ -240,7 +218,7 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     # go to the partials, the sequence's are combined from all of them (in tile order: every tile gets the
     # same), then the tile is rescaled per column and written. x is read once and each element takes one exp
     # (taking exp(x - max) again after the wait made the 16-bit tile bound by the exp unit).
-    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
+    b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                     n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
@@ -275,7 +253,7 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     # to find the chunk in L2, it mostly doesn't (H100, ncu: DRAM reads 2.06x the input in order, 1.99x reversed;
     # 256-row chunks 1.1x but slower: bench/NOTES.md). The 16-bit forward: every way of holding its tile ran
     # slower than the split path.
-    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
+    b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                     n_col_tiles, CHUNK_ROWS)
     if chunk >= n_live:
         return
@@ -368,7 +346,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     # HOLD_16: 16-bit inputs are held across the wait as their own 16-bit values and converted again after it
     # (through _opaque, else the compiler keeps the float32 values of the first conversion: twice the registers,
     # which spilled 300 bytes at 256-row tiles; H100: 68% -> 78% of copy with 128-row tiles, bench/NOTES.md).
-    b, col_tile, group, chunk, start, length, n_live = _claim_chunk(tickets, offsets, total, n_chunks,
+    b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                     n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
@@ -381,7 +359,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     first = b.to(tl.int64) * n_chunks
     tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(y_held.to(ACC) * g_held.to(ACC), 0)[None, :],
              mask=col_ok)
-    _wait_for_group(tickets, group, n_live)
+    wait_for_group(tickets, group, n_live)
     # The partials of SLICE tiles at once, added in tile order (as _group_max_sum).
     dot = tl.zeros([1, BLOCK_F], ACC)
     for c0 in range(0, n_live, SLICE):
@@ -407,7 +385,8 @@ class SoftmaxPlan:
     ``chunk_rows`` None means the ``single`` path (``block_t`` >= the longest length); otherwise the
     ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``), or with ``cooperative``
     the ``cooperative`` path, one chunk per program: held in registers where ``chunk_rows == block_t``,
-    read twice in tiles of ``block_t`` rows where it is a larger multiple (the forward only).
+    read twice in tiles of ``block_t`` rows where it is a larger multiple (the forward only), or with ``shared``
+    held in shared memory in tiles of ``block_t`` rows (the 16-bit forward's Gluon kernel, ``_softmax_gluon``).
     """
 
     block_t: int
@@ -415,11 +394,12 @@ class SoftmaxPlan:
     chunk_rows: int | None
     num_warps: int = 4
     cooperative: bool = False
+    shared: bool = False
 
     @property
     def rereads(self) -> bool:
         """Whether a cooperative plan reads its chunks twice (``chunk_rows > block_t``) rather than holding them."""
-        return self.cooperative and self.chunk_rows != self.block_t
+        return self.cooperative and self.chunk_rows != self.block_t and not self.shared
 
 
 # Bytes of input one float32 cooperative program holds in registers (its tile of each input), its columns (every
@@ -440,6 +420,11 @@ REREAD_BLOCK_T = 32
 # 3 deep 56.1%, 2 deep lower (bench/NOTES.md). Triton pipelines 64-column blocks of 16-byte-aligned rows only
 # (cp.async copies 4 to 16 bytes): narrower blocks load one tile at a time.
 REREAD_STAGES = 4
+# The 16-bit forward's chunks held in shared memory (_softmax_gluon, sm_90): (rows, rows per tile, warps), the first
+# whose chunks of a sequence fit the bound. H100 sweep (bench/NOTES.md), % of copy at bench/jagged_ops.py's shape /
+# sequences of 4K-16K rows: 192 x 64 at 2 warps 81.0 / (past the bound), 256 x 64 x 2 80.7 / 76.4, 512 x 128 x 4
+# 80.0 / 78.6, 1024 rows 39-41 (one program per SM), against the re-read chunks' 63.2 / 61.8.
+SHARED_TIERS = ((192, 64, 2), (512, 128, 4))
 # The 16-bit backward holds its tile as the inputs' 16-bit values: 128 rows (32 KiB of input) where a sequence's
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
 # 64 x 64 60% at 4 warps, 71% at 2; sequences of 4K-16K rows, 256 x 64: 73.5%; bench/NOTES.md).
@@ -453,19 +438,25 @@ def cooperative_max_chunks(device: torch.device) -> int:
     return sm_count(device) // 2
 
 
-def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
-                      device: torch.device) -> SoftmaxPlan | None:
+def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, device: torch.device,
+                      shared: bool) -> SoftmaxPlan | None:
     """Blocks of 64 columns, 4 warps, where a sequence's tiles fit :func:`cooperative_max_chunks`: float32 tiles
     holding 64 KiB of input; the 16-bit backward's of ``HELD_16_BLOCK_T`` rows (twice that where those would pass
     the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles of
     ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower blocks were
-    not measured). None off the GPU or under the interpreter (whose programs run one at a time: a wait would never
-    end). H100, % of copy bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%,
-    float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K elements per tile), below
-    split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first; bench/NOTES.md)."""
+    not measured), or, where ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns, its chunks
+    held in shared memory (:data:`SHARED_TIERS`). None off the GPU or under the interpreter (whose programs run one
+    at a time: a wait would never end). H100, % of copy bandwidth against the split path: float32 forward 83% vs
+    62%, backward bf16 78% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K
+    elements per tile), below split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first); held
+    in shared memory, 81% (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
+    if inputs == 1 and elem_size < 4 and shared and block_f == COOPERATIVE_COLS:
+        for chunk_rows, block_t, warps in SHARED_TIERS:
+            if cdiv(max_len, chunk_rows) <= cooperative_max_chunks(device):
+                return SoftmaxPlan(block_t, block_f, chunk_rows, warps, cooperative=True, shared=True)
     if inputs == 1 and elem_size < 4:
         narrow = COOPERATIVE_COLS // block_f
         block_t, chunk_rows = REREAD_BLOCK_T * narrow, REREAD_CHUNK_ROWS * narrow
@@ -480,8 +471,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int,
 
 
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
-                 inputs: int = 1) -> SoftmaxPlan:
-    """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward): ``single``
+                 inputs: int = 1, shared: bool = False) -> SoftmaxPlan:
+    """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward; ``shared``: whether
+    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`): ``single``
     when a sequence fits a tile of ~8K elements (64K under the interpreter) whose rows are at least one
     32-byte sector wide per input, else ``cooperative`` where it applies (:func:`_cooperative_plan`), else
     ``split``.
@@ -496,7 +488,7 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     block_f = min(next_power_of_2(n_cols), budget // full_t)
     if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
         return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
-    cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device)
+    cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device, shared)
     if cooperative is not None:
         return cooperative
     block_f = min(next_power_of_2(n_cols), max(1, 256 // elem_size) if on_gpu else 256)
@@ -529,7 +521,7 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     y = torch.empty((total, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device)
+    plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device, shared=_softmax_gluon.applies(x))
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
     acc = acc_type(x.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
@@ -540,6 +532,10 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     part_dtype = accumulate_dtype(x.dtype)
     part_max = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=x.device)
     part_sum = torch.empty_like(part_max)
+    if plan.shared:
+        _softmax_gluon.launch(x, y, offsets, part_max, part_sum, _tickets(batch, n_col_tiles, x.device), n_chunks,
+                              n_col_tiles, plan, COMBINE_SLICE)
+        return y
     if plan.cooperative:
         reread = dict(CHUNK_ROWS=plan.chunk_rows, STAGES=REREAD_STAGES)
         kernel, chunk = ((_softmax_cooperative_reread_kernel, reread) if plan.rereads
@@ -565,9 +561,10 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if dx.numel() == 0:
         return dx
     plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2)
-    if plan.rereads:
-        raise ValueError(f"plan: the cooperative backward holds its chunk in one tile (chunk_rows == block_t); got "
-                         f"chunk_rows {plan.chunk_rows} and block_t {plan.block_t}")
+    if plan.rereads or plan.shared:
+        raise ValueError(f"plan: the cooperative backward holds its chunk in one tile of registers (chunk_rows == "
+                         f"block_t, not shared); got chunk_rows {plan.chunk_rows}, block_t {plan.block_t}, shared "
+                         f"{plan.shared}")
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
