@@ -311,17 +311,20 @@ def _jagged_op_cases(backend):
         "grouped_matmul": (values, offsets, max_len, torch.randn(3, 4, 5, device=DEVICE), backend),
         "transposed_matmul": (values, torch.randn(total, 5, device=DEVICE), offsets, max_len, backend),
         "rotary": (values.view(-1, 1, 4), torch.arange(total, device=DEVICE), torch.tensor([1.0, 0.1], device=DEVICE),
-                   -1, backend),
+                   -1, backend, 0),
+        # positions counted from the offsets (varlen.rotary's call)
+        "rotary_offsets": (values.view(-1, 1, 4), offsets, torch.tensor([1.0, 0.1], device=DEVICE), 1, backend,
+                           max_len),
         # heads-major rows (the kernel's output, and the fake's, are contiguous whatever the input's layout)
         "rotary_heads_major": (torch.randn(2, total, 4, device=DEVICE).transpose(0, 1),
                                torch.arange(total, device=DEVICE), torch.tensor([1.0, 0.1], device=DEVICE), 1,
-                               backend),
+                               backend, 0),
     }
 
 
 JAGGED_OPS = ["jagged_to_padded", "padded_to_jagged", "ragged_softmax_forward", "ragged_softmax_backward",
               "segment_sum", "segment_mean", "broadcast_rows", "gather_position", "scatter_position",
-              "grouped_matmul", "transposed_matmul", "rotary", "rotary_heads_major"]
+              "grouped_matmul", "transposed_matmul", "rotary", "rotary_offsets", "rotary_heads_major"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -329,7 +332,7 @@ JAGGED_OPS = ["jagged_to_padded", "padded_to_jagged", "ragged_softmax_forward", 
 def test_jagged_ops_opcheck(name, backend):
     args = _jagged_op_cases(backend)[name]
     # (a mean over no rows is NaN: no empty sequence)
-    op = {"segment_mean": "segment_sum", "rotary_heads_major": "rotary"}.get(name, name)
+    op = {"segment_mean": "segment_sum", "rotary_offsets": "rotary", "rotary_heads_major": "rotary"}.get(name, name)
     torch.library.opcheck(getattr(torch.ops.varlen, op).default, args, test_utils=_opchecks(backend))
 
 

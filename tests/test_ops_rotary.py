@@ -151,3 +151,39 @@ BAD = [
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("offsets, width", [
+    ([0, 3, 3, 10, 11], 7),  # an empty sequence; the longest length
+    ([0, 3, 3, 10, 11], 4),  # a width below the longest length: positions clamped to width - 1
+    ([2, 5, 9], 6),  # rows before the first offset (position clamped at 0)
+    ([0, 4, 100], 100),  # an end past the rows
+    ([0, 6, 2, 9, 11], 11),  # decreasing offsets (untrusted metadata): the same sequence ids as searchsorted's
+    ([0], 1),  # no sequence
+], ids=["empty", "clamped", "before-first", "end-past-rows", "decreasing", "no-sequence"])
+def test_kernel_positions_from_offsets_match_row_positions(offsets, width):
+    """The Triton kernel finds each row's position from the offsets itself; it turns every row as the positions
+    ``offsets.row_positions`` computes (the PyTorch path's) would, bit for bit, whatever the offsets say."""
+    from varlen.offsets import row_positions
+    from varlen.ops.rotary import rotary_triton
+
+    x = torch.randn(11, 2, 8, device=DEVICE)
+    inv_freq = torch.tensor([1.0, 0.3, 0.1, 0.01], device=DEVICE)
+    offsets = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
+    positions = row_positions(offsets, 11, width)[1]
+    assert torch.equal(rotary_triton(x, offsets, inv_freq, 1, width), rotary_triton(x, positions, inv_freq, 1))
+
+
+def test_kernel_positions_many_sequences():
+    """A binary search over 1000 sequences (ten steps), empty ones included, against the positions' tensor."""
+    from varlen.offsets import row_positions
+    from varlen.ops.rotary import rotary_triton
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 5, (1000,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(DEVICE)
+    total, width = int(offsets[-1]), int(lengths.max())
+    x = torch.randn(total, 1, 4, device=DEVICE)
+    inv_freq = torch.tensor([1.0, 0.1], device=DEVICE)
+    positions = row_positions(offsets, total, width)[1]
+    assert torch.equal(rotary_triton(x, offsets, inv_freq, -1, width), rotary_triton(x, positions, inv_freq, -1))

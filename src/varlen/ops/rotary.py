@@ -10,7 +10,9 @@ The Triton kernel reads each row once and writes it once (the pairs of every hea
 halves; any row and head strides, so q and k can be views of one projection) and takes its angles in
 registers; its backward is the same kernel turning the other way. The PyTorch path (CPU) is the same math
 in torch ops, rounding each product to ``x``'s dtype as transformers does (the kernel rounds once). The
-positions come from the device offsets, with no host sync.
+positions come from the device offsets, with no host sync: the kernel finds each row's sequence itself (a binary
+search over the offsets, a few cached loads per row), where the PyTorch path computes them with torch ops
+(``offsets.row_positions``: about seven small kernels per call).
 
 A second kernel takes the cosines and sines from tables instead (:func:`rotate_with_tables`: transformers' own,
 whatever rope type made them), for ``varlen.integrations.transformers_kernels``.
@@ -48,16 +50,40 @@ def _turn_rows(x, out, rows, cos, sin, n_rows, n_heads, stride_xr, stride_xh, st
     tl.store(out + first + HALF, (x2 * cos + x1 * sin).to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit
+def _positions_from_offsets(offsets, rows, n_seqs, n_steps, width):
+    """Each row's position in its sequence: the row minus the first row of the sequence whose end is the first
+    greater than the row (``offsets.segment_ids``' rule, by a binary search of ``n_steps`` = bit length of ``n_seqs``
+    steps over the ends; rows past the last end go to the last sequence), clamped to ``[0, width - 1]`` as
+    ``offsets.row_positions`` clamps them. Every load lies within the ``n_seqs + 1`` offsets, whatever they say."""
+    lo = tl.zeros(rows.shape, tl.int32)
+    hi = tl.full(rows.shape, 0, tl.int32) + n_seqs
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        right = open_ & (tl.load(offsets + 1 + mid, mask=open_, other=0).to(tl.int64) <= rows)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    seq = tl.maximum(tl.minimum(lo, n_seqs - 1), 0)
+    start = tl.load(offsets + seq).to(tl.int64)
+    return tl.minimum(tl.maximum(rows - start, 0), width - 1)
+
+
+@triton.jit(do_not_specialize=["n_rows", "n_seqs", "n_steps", "width"])
 def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
-                   TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * positions[r] * inv_freq: both halves
-    # of BLOCK_R rows x BLOCK_H heads per program.
+                   n_seqs, n_steps, width, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   FROM_OFFSETS: tl.constexpr):
+    # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * position(r) * inv_freq: both halves
+    # of BLOCK_R rows x BLOCK_H heads per program. position(r): positions[r], or with FROM_OFFSETS counted from
+    # its sequence's first row (``positions`` then holds the n_seqs + 1 offsets).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
-    angles = (tl.load(positions + rows, mask=rows < n_rows, other=0).to(ACC)[:, None]
-              * tl.load(inv_freq + pairs, mask=pairs < HALF, other=0.0)[None, :])
+    if FROM_OFFSETS:
+        position = _positions_from_offsets(positions, rows, n_seqs, n_steps, width)
+    else:
+        position = tl.load(positions + rows, mask=rows < n_rows, other=0)
+    angles = (position.to(ACC)[:, None] * tl.load(inv_freq + pairs, mask=pairs < HALF, other=0.0)[None, :])
     # Rounded to x's dtype, as transformers rounds its cos and sin tables.
     cos = tl.cos(angles).to(x.dtype.element_ty).to(ACC)[:, None, :]
     sin = (TURN * tl.sin(angles)).to(x.dtype.element_ty).to(ACC)[:, None, :]
@@ -103,12 +129,15 @@ def _launch(x: Tensor, turn: int) -> tuple[Tensor, Tensor, tuple[int, int], dict
     return x, out, (cdiv(n_rows, block_r), cdiv(n_heads, block_h)), tiles
 
 
-def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> Tensor:
-    """``x`` ``(N, H, D)`` (any strides) turned by ``turn * positions[r] * inv_freq``: a new contiguous tensor."""
+def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, width: int = 0) -> Tensor:
+    """``x`` ``(N, H, D)`` (any strides) turned by ``turn * position * inv_freq``: a new contiguous tensor. The
+    positions as :func:`rotate` takes them (``width`` 0: ``positions[r]``; else offsets)."""
     x, out, grid, tiles = _launch(x, turn)
     if out.numel():
+        n_seqs = positions.shape[0] - 1 if width else 0
         _rotary_kernel[grid](x, out, positions, inv_freq, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
-                             out.stride(0), out.stride(1), **tiles)
+                             out.stride(0), out.stride(1), n_seqs, n_seqs.bit_length(), width,
+                             FROM_OFFSETS=width > 0, **tiles)
     return out
 
 
@@ -151,21 +180,24 @@ def rotary_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> T
 # ------------------------------------------------------------------------------------ custom op
 # torch.compile sees the rotation as one opaque op with its output shape from the fake implementation. Eager
 # calls run the implementation directly (varlen._backend.through_custom_op).
-def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str) -> Tensor:
-    rotate = rotary_triton if backend == "triton" else rotary_torch
-    return rotate(x, positions, inv_freq, turn)
+def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str, width: int) -> Tensor:
+    if backend == "triton":
+        return rotary_triton(x, positions, inv_freq, turn, width)
+    if width:
+        positions = row_positions(positions, x.shape[0], width)[1]
+    return rotary_torch(x, positions, inv_freq, turn)
 
 
 _rotate_op = torch.library.custom_op("varlen::rotary", _rotate, mutates_args=())
 
 
 @_rotate_op.register_fake
-def _(x, positions, inv_freq, turn, backend):
+def _(x, positions, inv_freq, turn, backend, width):
     return x.new_empty(x.shape)
 
 
-def _run_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str) -> Tensor:
-    return (_rotate_op if through_custom_op() else _rotate)(x, positions, inv_freq, turn, backend)
+def _run_rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str, width: int) -> Tensor:
+    return (_rotate_op if through_custom_op() else _rotate)(x, positions, inv_freq, turn, backend, width)
 
 
 _rotate_tables_op = torch.library.custom_op("varlen::rotary_tables", rotary_tables_triton, mutates_args=())
@@ -197,17 +229,17 @@ class _RotaryTables(torch.autograd.Function):
 
 class _Rotary(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, positions, inv_freq, turn, backend):
+    def forward(ctx, x, positions, inv_freq, turn, backend, width):
         ctx.save_for_backward(positions, inv_freq)
-        ctx.turn, ctx.backend = turn, backend
-        return _run_rotate(x, positions, inv_freq, turn, backend)
+        ctx.turn, ctx.backend, ctx.width = turn, backend, width
+        return _run_rotate(x, positions, inv_freq, turn, backend, width)
 
     @staticmethod
     def backward(ctx, grad):
         # The transpose of a rotation turns the other way.
         positions, inv_freq = ctx.saved_tensors
-        dx = gradient_op(_Rotary, _run_rotate, grad, positions, inv_freq, -ctx.turn, ctx.backend)
-        return dx, None, None, None, None
+        dx = gradient_op(_Rotary, _run_rotate, grad, positions, inv_freq, -ctx.turn, ctx.backend, ctx.width)
+        return dx, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -231,16 +263,19 @@ def check_rotary_base(base, name: str = "base") -> float:
     return float(base)
 
 
-def rotate(x: Tensor, positions: Tensor, base: float, backend: str | None = None) -> Tensor:
-    """``x`` ``(N, ..., D)`` (``D`` even) rotated by ``positions`` ``(N,)`` (integers): the op behind
-    :func:`rotary` and the ``varlen.nn`` modules' dense inputs."""
+def rotate(x: Tensor, positions: Tensor, base: float, backend: str | None = None, width: int = 0) -> Tensor:
+    """``x`` ``(N, ..., D)`` (``D`` even) rotated by each row's position: the op behind :func:`rotary` and the
+    ``varlen.nn`` modules' dense inputs. ``width`` 0: ``positions`` ``(N,)`` (integers) holds them; ``width`` > 0:
+    ``positions`` holds the ``B + 1`` offsets of the sequences the rows belong to, and each row's position is
+    counted from its sequence's first row, clamped to ``width - 1`` (the longest length:
+    ``offsets.row_positions``' rule)."""
     half = x.shape[-1] // 2
     exact = accumulate_dtype(x.dtype)
     inv_freq = 1.0 / base ** (torch.arange(0, half, device=x.device, dtype=exact) / half)
     backend = capabilities.resolve(x.device, x.dtype, "ragged", backend)
     # (N, heads, D): a view wherever the heads are one stride apart
     rows = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
-    return _Rotary.apply(rows, positions, inv_freq, 1, backend).view(x.shape)
+    return _Rotary.apply(rows, positions, inv_freq, 1, backend, width).view(x.shape)
 
 
 def rotary(x: JaggedTensor | Tensor, base: float = 10000.0, *, backend: str | None = None) -> JaggedTensor:
@@ -262,5 +297,4 @@ def rotary(x: JaggedTensor | Tensor, base: float = 10000.0, *, backend: str | No
     if x.values.dim() < 2 or x.values.shape[-1] % 2:
         raise ValueError(f"x: rotary embeddings turn pairs of the last dim, which must be even; got inner shape "
                          f"{tuple(x.inner_shape)}")
-    _, positions = row_positions(x.offsets, x.values.shape[0], max(x.max_len, 1))
-    return x.with_values(rotate(x.values, positions, base, backend))
+    return x.with_values(rotate(x.values, x.offsets, base, backend, width=max(x.max_len, 1)))
