@@ -1,5 +1,6 @@
 """varlen.softmax over the ragged dim (Triton kernels, PyTorch path) and over inner dims."""
 
+import dataclasses
 import importlib
 import math
 
@@ -184,11 +185,18 @@ def test_16_bit_forward_shared_tiers_at_the_bound(sms, monkeypatch):
 
 def test_shared_plan_refused_where_it_cannot_run(device):
     """A plan holding chunks in shared memory runs the Gluon kernel: refused off an sm_90 GPU, for float32 and for
-    rows TMA can't load; the backward refuses it everywhere."""
+    rows TMA can't load, and in shapes the kernel doesn't take; the backward refuses it everywhere."""
     plan = softmax_ops.SoftmaxPlan(block_t=64, block_f=64, chunk_rows=192, num_warps=2, cooperative=True, shared=True)
     x = random_jagged([3, 20], (64,), dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match="plan: a chunk held in shared memory needs fp16/bf16 values"):
         softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, plan)
+    for bad in (dict(block_t=48), dict(block_t=512, chunk_rows=512), dict(chunk_rows=100), dict(block_f=32),
+                dict(num_warps=3), dict(block_t=256, chunk_rows=2048)):
+        with pytest.raises(ValueError, match="plan: a chunk held in shared memory takes blocks of 64 columns"):
+            softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, dataclasses.replace(plan, **bad))
+    for bad in (dict(cooperative=False), dict(chunk_rows=None)):
+        with pytest.raises(ValueError, match="plan: shared=True holds a cooperative plan's chunks"):
+            softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len, dataclasses.replace(plan, **bad))
     with pytest.raises(ValueError, match="plan: the cooperative backward holds its chunk in one tile of registers"):
         softmax_ops.softmax_bwd_triton(x.values, x.values, x.offsets, x.max_len, plan)
 
@@ -382,22 +390,56 @@ def test_gpu_shared_plans(plan, n_cols, dtype, device, poison_empty):
     assert torch.isnan(y[1018:1209, n_cols - 1]).all()
     finite = ~torch.isnan(ref)
     assert rel_err(y[finite], ref[finite]) <= 2 * rel_err(torch_y[finite], ref[finite])
+    # (the largest error too: an error in one column would hide in the norm of all of them)
+    assert (y[finite] - ref[finite]).abs().max() <= 2 * (torch_y[finite] - ref[finite]).abs().max()
     again = softmax_ops.softmax_fwd_triton(x16, x.offsets, x.max_len, plan)
     assert torch.equal(again.view(torch.int16), y.view(torch.int16))  # bit for bit, NaNs included
 
 
 @pytest.mark.gpu_only
-def test_gpu_16_bit_forward_plan_follows_the_input(device):
-    """Aligned 16-bit rows on an sm_90 GPU take the shared-memory kernel; a base off 16 bytes, a row stride off 16
-    bytes or a column stride other than 1 take the chunks read twice, with the same results."""
+def test_gpu_16_bit_forward_plan_follows_the_input(device, monkeypatch):
+    """Aligned 16-bit rows on an sm_90 GPU take the shared-memory kernel (varlen.softmax's automatic plan); a base
+    off 16 bytes, a row stride off 16 bytes or a column stride other than 1 take the chunks read twice, with the same
+    results."""
+    launches = []
+    real_launch = _softmax_gluon.launch
+    monkeypatch.setattr(_softmax_gluon, "launch", lambda *args: launches.append(args[0]) or real_launch(*args))
     big = torch.randn(3000, 1040, dtype=torch.bfloat16, device=device)
     offsets = torch.tensor([0, 1000, 1001, 3000], device=device)
-    aligned = big[:, :1024]
-    assert _softmax_gluon.applies(aligned) == (compute_capability(device)[0] == 9 and _softmax_gluon.HAVE_GLUON)
-    for x in (big[:, 1:1025], big[:, :1020].contiguous()[:, :1012], big[:, ::2]):
-        assert not _softmax_gluon.applies(x)
-    want = softmax_ops.softmax_fwd_torch(aligned.double(), offsets)
-    for x in (aligned, big[:, 8:1032], big[:, 1:1025]):
-        y = softmax_ops.softmax_fwd_triton(x, offsets, 2000)
+    on_sm90 = compute_capability(device)[0] == 9 and _softmax_gluon.HAVE_GLUON and torch.version.hip is None
+    for x, shared in ((big[:, :1024], on_sm90), (big[:, 8:1032], on_sm90), (big[:, 1:1025], False),
+                      (big[:, :1020].contiguous()[:, :1012], False), (big[:, ::2], False)):
+        assert _softmax_gluon.applies(x) == shared
+        launches.clear()
+        y = varlen.softmax(varlen.JaggedTensor(x, offsets, 1999), 1).values
+        assert len(launches) == shared
         assert_close(y, softmax_ops.softmax_fwd_torch(x.double(), offsets), torch.bfloat16)
-    assert_close(softmax_ops.softmax_fwd_triton(aligned, offsets, 2000), want, torch.bfloat16)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("dtype, fills", [
+    (torch.bfloat16, [-1e9, torch.finfo(torch.bfloat16).min, 1e6, -1e30]),
+    (torch.float16, [-65504.0, 60000.0, -30000.0, 65504.0]),
+], ids=["bf16", "fp16"])
+def test_gpu_16_bit_forward_large_magnitudes(dtype, fills, device):
+    """Columns filled with large values (mask fills such as -1e9 or the dtype's lowest, values near the dtype's
+    largest) and single huge values: every plan's forward within twice torch's own error, columns summing to 1
+    (an exponent taken as x log2(e) - max log2(e) lost max log2(e)'s rounding there: a column of -1e9 summed to
+    1e-11, and past 2.4e38 overflowed to NaN)."""
+    lengths = [3000, 17, 700]
+    x = torch.randn(sum(lengths), 1024, device=device)
+    for c, fill in enumerate(fills):
+        x[:, c] = fill  # every row
+        x[::7, 64 + c] = fill  # every seventh row, with randn between
+    if dtype == torch.bfloat16:
+        x[100, 200] = 1e30
+        x[200, 201] = 3e38
+    x = x.to(dtype)
+    offsets = torch.tensor([0, 3000, 3017, 3717], device=device)
+    ref = softmax_ops.softmax_fwd_torch(x.double(), offsets)
+    torch_err = (torch.cat([torch.softmax(part, 0) for part in x.split(lengths)]).double() - ref).abs().max()
+    y = varlen.softmax(varlen.JaggedTensor(x, offsets, 3000), 1).values
+    assert torch.isfinite(y).all()
+    assert (y.double() - ref).abs().max() <= 2 * torch_err
+    sums = torch.stack([part.double().sum(0) for part in y.split(lengths)])
+    assert (sums - 1).abs().max() < 0.05

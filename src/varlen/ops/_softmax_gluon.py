@@ -11,10 +11,10 @@ bandwidth at best; read twice (statistics, then the write), 63%, the second read
 - publishes, waits for its group (``_cooperative.wait_for_group``), combines the group's statistics in chunk order;
 - writes the chunk from shared memory, one more exponential per element.
 
-x is read from DRAM once and no register holds the chunk. The exponentials take ``exp2(x log2(e) - max log2(e))``:
-one FMA and the MUFU per element where ``_kernel_math.exp(x - max)`` takes a subtraction, a multiply and the MUFU
-(H100: +1 to 1.4 points of copy bandwidth). For 16-bit outputs the FMA form's rounding (one float32 ulp of
-``max log2(e)`` in the exponent) stays far below the output's.
+x is read from DRAM once and no register holds the chunk. The statistics and exponentials are the Triton kernels'
+(``_kernel_math``: ``exp(x - max)``, accurate at any magnitude). ``exp2(x log2(e) - max log2(e))``, one FMA instead
+of a subtraction and a multiply, ran 1-1.5 points of copy bandwidth faster but put the rounding of ``max log2(e)`` in
+every exponent: a column of -1e9 summed to 1e-11, and bf16 values past 2.4e38 overflowed to NaN (bench/NOTES.md).
 
 Applies (:func:`applies`) on an sm_90 GPU with Gluon, to fp16 / bf16 values whose rows are contiguous and TMA-aligned
 (16-byte base and row stride): the descriptor spans all rows x columns of ``x``; a tile past a sequence's end reads
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import interpreter_enabled
-from .._kernel_math import merge_max_sum, reduce_max_sum
+from .._kernel_math import exp, merge_max_sum, reduce_max_sum
 from ..attn.gluon.common import (
     HAVE_GLUON,
     TensorDescriptor,
@@ -43,6 +43,7 @@ from ..attn.triton.launch import tma_aligned
 from ._cooperative import claim_chunk, wait_for_group
 
 COLS = 64  # columns per chunk (a block of 128 bytes: the TMA box's row, one swizzle span)
+MAX_CHUNK_BYTES = 128 * 1024  # of input per program (an H100 SM has 227 KiB of shared memory)
 
 if HAVE_GLUON:
     @gluon.jit
@@ -50,7 +51,8 @@ if HAVE_GLUON:
                        BLOCK_F: gl.constexpr, SLICE: gl.constexpr):
         """The (sequence, column block)'s max and sum of exponentials per column from its ``n_live`` chunks'
         partials, in chunk order (every chunk gets the same), ``SLICE`` chunks' partials per load, from L2 (.cg: other
-        SMs wrote them)."""
+        SMs wrote them). ``softmax._group_max_sum``'s work with the layouts Gluon needs (that helper's aranges have
+        none)."""
         m = gl.full([BLOCK_F], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
         s = gl.zeros([BLOCK_F], gl.float32, gl.SliceLayout(0, layout))
         for c0 in range(0, n_live, SLICE):
@@ -68,7 +70,6 @@ if HAVE_GLUON:
                                stride_yr, CHUNK_ROWS: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_F: gl.constexpr,
                                SLICE: gl.constexpr, NUM_WARPS: gl.constexpr):
         N_TILES: gl.constexpr = CHUNK_ROWS // BLOCK_T
-        LOG2E: gl.constexpr = 1.4426950408889634
         dtype: gl.constexpr = x_desc.dtype
         # 16 bytes per thread along a row; the warps side by side along the columns, so the reductions over rows
         # stay inside a warp (no shared memory, no barrier per tile).
@@ -103,25 +104,20 @@ if HAVE_GLUON:
             for t in range(n_tiles):
                 mbarrier.wait(landed.index(t), 0)
                 rows = lo + t * BLOCK_T + gl.arange(0, BLOCK_T, layout=row_layout).to(gl.int64)
-                v = tiles.index(t).load(layout).to(gl.float32)
-                v = gl.where((rows < hi)[:, None], v, float("-inf"))  # (rows of the next sequence, or zeros)
-                m_new = gl.maximum(m, gl.max(v, 0))
-                # A column with no finite max yet shifts by 0, so exp2 never sees -inf - -inf.
-                shift = gl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
-                s = s * gl.exp2(m * LOG2E - shift) + gl.sum(gl.exp2(v * LOG2E - shift[None, :]), 0)
-                m = m_new
+                # (past the chunk: rows of the next sequence, or zeros)
+                v = gl.where((rows < hi)[:, None], tiles.index(t).load(layout).to(gl.float32), float("-inf"))
+                m, s = merge_max_sum(m, s, *reduce_max_sum(v, 1.0))
             first = b.to(gl.int64) * n_chunks
             idx = (first + chunk) * n_cols + cols
             gl.store(part_max + idx, m, mask=col_ok)
             gl.store(part_sum + idx, s, mask=col_ok)
             wait_for_group(tickets, group, n_live)
             m, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, layout, BLOCK_F, SLICE)
-            shift = gl.where(m == float("-inf"), 0.0, m) * LOG2E
+            shift = gl.where(m == float("-inf"), 0.0, m)
             inv_s = 1.0 / s  # one division per column (a column all -inf: 1 / 0, and 0 * inf = NaN, as torch)
             for t in range(n_tiles):
                 rows = lo + t * BLOCK_T + gl.arange(0, BLOCK_T, layout=row_layout).to(gl.int64)
-                v = tiles.index(t).load(layout).to(gl.float32)
-                out = gl.exp2(v * LOG2E - shift[None, :]) * inv_s[None, :]
+                out = exp(tiles.index(t).load(layout).to(gl.float32) - shift[None, :]) * inv_s[None, :]
                 gl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(dtype),
                          mask=(rows < hi)[:, None] & col_ok[None, :])
         for i in gl.static_range(N_TILES):
@@ -129,9 +125,10 @@ if HAVE_GLUON:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel takes ``x`` ``(total, F)`` here: Gluon on an sm_90 GPU (not the interpreter), fp16 or bf16,
-    rows contiguous and TMA-aligned (16-byte base and row stride), row indices within TMA's int32 coordinates."""
-    if not HAVE_GLUON or interpreter_enabled() or x.device.type != "cuda":
+    """Whether the kernel takes ``x`` ``(total, F)`` here: Gluon on an sm_90 NVIDIA GPU (not the interpreter, not
+    ROCm), fp16 or bf16, rows contiguous and TMA-aligned (16-byte base and row stride), fewer than 2**31 rows (TMA's
+    int32 coordinates)."""
+    if not HAVE_GLUON or interpreter_enabled() or x.device.type != "cuda" or torch.version.hip is not None:
         return False
     if x.dtype not in (torch.float16, torch.bfloat16) or x.stride(1) != 1 or x.shape[0] >= 2**31:
         return False
@@ -141,12 +138,16 @@ def applies(x: torch.Tensor) -> bool:
 def launch(x, y, offsets, part_max, part_sum, tickets, n_chunks, n_col_tiles, plan, combine_slice) -> None:
     """Run the kernel with ``plan`` (a :class:`softmax.SoftmaxPlan` with ``shared``) on ``x`` where :func:`applies`;
     the partials and tickets as the cooperative Triton kernels take them."""
-    if plan.block_f != COLS or plan.chunk_rows % plan.block_t or plan.num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"plan: a chunk held in shared memory takes blocks of {COLS} columns, chunk_rows a "
-                         f"multiple of block_t and 1-8 warps (a power of 2); got {plan}")
+    if (plan.block_f != COLS or plan.block_t not in (16, 32, 64, 128, 256)
+            or plan.chunk_rows % plan.block_t or plan.chunk_rows * COLS * x.element_size() > MAX_CHUNK_BYTES
+            or plan.num_warps not in (1, 2, 4, 8)):
+        raise ValueError(f"plan: a chunk held in shared memory takes blocks of {COLS} columns, "
+                         f"block_t a power of 2 from 16 to 256 (a TMA box), chunk_rows a multiple of it of at most "
+                         f"{MAX_CHUNK_BYTES} bytes of input, and 1, 2, 4 or 8 warps; got {plan}")
     if not applies(x):
-        raise ValueError(f"plan: a chunk held in shared memory needs fp16/bf16 values with contiguous, 16-byte aligned "
-                         f"rows on an sm_90 GPU with Gluon; got {x.dtype} of strides {tuple(x.stride())} on {x.device}")
+        raise ValueError(f"plan: a chunk held in shared memory needs fp16/bf16 values of fewer than 2**31 rows, "
+                         f"contiguous and 16-byte aligned, on an sm_90 NVIDIA GPU with Gluon; got {x.dtype} of shape "
+                         f"{tuple(x.shape)} and strides {tuple(x.stride())} on {x.device}")
     total, n_cols = x.shape
     desc = TensorDescriptor(x, [total, n_cols], [x.stride(0), 1], [plan.block_t, COLS],
                             shared_layout((plan.block_t, COLS), x.dtype))

@@ -421,9 +421,10 @@ REREAD_BLOCK_T = 32
 # (cp.async copies 4 to 16 bytes): narrower blocks load one tile at a time.
 REREAD_STAGES = 4
 # The 16-bit forward's chunks held in shared memory (_softmax_gluon, sm_90): (rows, rows per tile, warps), the first
-# whose chunks of a sequence fit the bound. H100 sweep (bench/NOTES.md), % of copy at bench/jagged_ops.py's shape /
-# sequences of 4K-16K rows: 192 x 64 at 2 warps 81.0 / (past the bound), 256 x 64 x 2 80.7 / 76.4, 512 x 128 x 4
-# 80.0 / 78.6, 1024 rows 39-41 (one program per SM), against the re-read chunks' 63.2 / 61.8.
+# whose chunks of a sequence fit the bound. H100 sweep (bench/NOTES.md; exponents then in an FMA form 1-1.5 points
+# faster, since dropped for its rounding), % of copy at bench/jagged_ops.py's shape / sequences of 4K-16K rows:
+# 192 x 64 at 2 warps 81.0 / (past the bound), 256 x 64 x 2 80.7 / 76.4, 512 x 128 x 4 80.0 / 78.6, 1024 rows 39-41
+# (one program per SM), against the re-read chunks' 63.2 / 61.8.
 SHARED_TIERS = ((192, 64, 2), (512, 128, 4))
 # The 16-bit backward holds its tile as the inputs' 16-bit values: 128 rows (32 KiB of input) where a sequence's
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
@@ -440,16 +441,16 @@ def cooperative_max_chunks(device: torch.device) -> int:
 
 def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, device: torch.device,
                       shared: bool) -> SoftmaxPlan | None:
-    """Blocks of 64 columns, 4 warps, where a sequence's tiles fit :func:`cooperative_max_chunks`: float32 tiles
-    holding 64 KiB of input; the 16-bit backward's of ``HELD_16_BLOCK_T`` rows (twice that where those would pass
-    the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles of
-    ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile: narrower blocks were
-    not measured), or, where ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns, its chunks
-    held in shared memory (:data:`SHARED_TIERS`). None off the GPU or under the interpreter (whose programs run one
-    at a time: a wait would never end). H100, % of copy bandwidth against the split path: float32 forward 83% vs
-    62%, backward bf16 78% vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K
-    elements per tile), below split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first); held
-    in shared memory, 81% (bench/NOTES.md)."""
+    """Blocks of 64 columns, 4 warps (2 in the first shared tier), where a sequence's tiles fit
+    :func:`cooperative_max_chunks`: float32 tiles holding 64 KiB of input; the 16-bit backward's of
+    ``HELD_16_BLOCK_T`` rows (twice that where those would pass the bound); the 16-bit forward's chunks of
+    ``REREAD_CHUNK_ROWS`` rows read twice in tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns
+    keep the elements per tile: narrower blocks were not measured), or, where ``shared`` (the input suits
+    ``_softmax_gluon``) and a block has 64 columns, its chunks held in shared memory (:data:`SHARED_TIERS`). None off
+    the GPU or under the interpreter (whose programs run one at a time: a wait would never end). H100, % of copy
+    bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%, float32 86% vs 60%. The
+    16-bit forward held in registers ran at 53% at best (16K elements per tile), below split's 56%; read twice, 63%
+    (its loops pipelined, the re-read last tile first); held in shared memory, 78-79% (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
@@ -498,9 +499,16 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     return SoftmaxPlan(block_t, block_f, chunk_rows, 8 if on_gpu else 4)
 
 
-def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int) -> tuple[int, int, int]:
+def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int,
+                  device: torch.device) -> tuple[int, int, int]:
     n_col_tiles = cdiv(n_cols, plan.block_f)
     n_chunks = 1 if plan.chunk_rows is None else max(1, cdiv(max_len, plan.chunk_rows))
+    if plan.shared and not (plan.cooperative and plan.chunk_rows):
+        raise ValueError(f"plan: shared=True holds a cooperative plan's chunks in shared memory; got {plan}")
+    if plan.cooperative and device.type == "cuda" and n_chunks > cooperative_max_chunks(device):
+        raise ValueError(f"plan: the cooperative path's {n_chunks} chunks per sequence (max_len {max_len}, "
+                         f"chunk_rows {plan.chunk_rows}) could wait for chunks that never start; at most "
+                         f"{cooperative_max_chunks(device)} on this GPU")
     if plan.cooperative and n_chunks > 1 and interpreter_enabled():
         raise ValueError(f"plan: the cooperative path's {n_chunks} chunks per sequence would wait for each other "
                          "forever under Triton's interpreter (it runs one program at a time); use one chunk per "
@@ -522,7 +530,7 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     if y.numel() == 0:
         return y
     plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device, shared=_softmax_gluon.applies(x))
-    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
+    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, x.device)
     acc = acc_type(x.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
     if plan.chunk_rows is None:
@@ -565,7 +573,7 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         raise ValueError(f"plan: the cooperative backward holds its chunk in one tile of registers (chunk_rows == "
                          f"block_t, not shared); got chunk_rows {plan.chunk_rows}, block_t {plan.block_t}, shared "
                          f"{plan.shared}")
-    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols)
+    n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, y.device)
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
     if plan.chunk_rows is None:
