@@ -187,3 +187,16 @@ def test_kernel_positions_many_sequences():
     inv_freq = torch.tensor([1.0, 0.1], device=DEVICE)
     positions = row_positions(offsets, total, width)[1]
     assert torch.equal(rotary_triton(x, offsets, inv_freq, -1, width), rotary_triton(x, positions, inv_freq, -1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_op_width_and_strided_offsets(backend):
+    """The custom op called directly: a negative width is refused (the backends would read it differently), and
+    offsets given as a strided view turn the rows as their contiguous copy does."""
+    x = torch.randn(11, 2, 8, device=DEVICE)
+    inv_freq = torch.tensor([1.0, 0.3, 0.1, 0.01], device=DEVICE)
+    spaced = torch.tensor([0, 99, 3, 99, 10, 99, 11], dtype=torch.int32, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="width: expected 0 .* got -1"):
+        torch.ops.varlen.rotary(x, spaced.contiguous(), inv_freq, 1, backend, -1)
+    assert torch.equal(torch.ops.varlen.rotary(x, spaced, inv_freq, 1, backend, 7),
+                       torch.ops.varlen.rotary(x, spaced.contiguous(), inv_freq, 1, backend, 7))

@@ -55,11 +55,12 @@ def _positions_from_offsets(offsets, rows, n_seqs, n_steps, width):
     """Each row's position in its sequence: the row minus the first row of the sequence whose end is the first
     greater than the row (``offsets.segment_ids``' rule, by a binary search of ``n_steps`` = bit length of ``n_seqs``
     steps over the ends; rows past the last end go to the last sequence), clamped to ``[0, width - 1]`` as
-    ``offsets.row_positions`` clamps them. Every load lies within the ``n_seqs + 1`` offsets, whatever they say."""
+    ``offsets.row_positions`` clamps them. Every load lies within the ``n_seqs + 1`` offsets, whatever they say
+    (``n_seqs`` < 2**31: int32 indices)."""
     lo = tl.zeros(rows.shape, tl.int32)
     hi = tl.full(rows.shape, 0, tl.int32) + n_seqs
     for _ in range(n_steps):
-        mid = (lo + hi) // 2
+        mid = lo + (hi - lo) // 2  # (torch's probe; (lo + hi) // 2 would wrap past 2**30 sequences)
         open_ = lo < hi
         right = open_ & (tl.load(offsets + 1 + mid, mask=open_, other=0).to(tl.int64) <= rows)
         lo = tl.where(right, mid + 1, lo)
@@ -134,8 +135,8 @@ def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, wid
     positions as :func:`rotate` takes them (``width`` 0: ``positions[r]``; else offsets)."""
     x, out, grid, tiles = _launch(x, turn)
     if out.numel():
-        n_seqs = positions.shape[0] - 1 if width else 0
-        _rotary_kernel[grid](x, out, positions, inv_freq, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+        n_seqs = positions.shape[0] - 1 if width > 0 else 0
+        _rotary_kernel[grid](x, out, positions.contiguous(), inv_freq, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
                              out.stride(0), out.stride(1), n_seqs, n_seqs.bit_length(), width,
                              FROM_OFFSETS=width > 0, **tiles)
     return out
@@ -181,9 +182,12 @@ def rotary_torch(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int) -> T
 # torch.compile sees the rotation as one opaque op with its output shape from the fake implementation. Eager
 # calls run the implementation directly (varlen._backend.through_custom_op).
 def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, backend: str, width: int) -> Tensor:
+    if width < 0:
+        raise ValueError(f"width: expected 0 (positions given per row) or the longest length (> 0, positions from the "
+                         f"offsets); got {width}")
     if backend == "triton":
         return rotary_triton(x, positions, inv_freq, turn, width)
-    if width:
+    if width > 0:
         positions = row_positions(positions, x.shape[0], width)[1]
     return rotary_torch(x, positions, inv_freq, turn)
 
