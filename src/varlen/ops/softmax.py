@@ -219,7 +219,7 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     # same), then the tile is rescaled per column and written. x is read once and each element takes one exp
     # (taking exp(x - max) again after the wait made the 16-bit tile bound by the exp unit).
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
-                                                                    n_col_tiles, BLOCK_T)
+                                                                   n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
     rows = chunk.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -254,7 +254,7 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     # 256-row chunks 1.1x but slower: bench/NOTES.md). The 16-bit forward: every way of holding its tile ran
     # slower than the split path.
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
-                                                                    n_col_tiles, CHUNK_ROWS)
+                                                                   n_col_tiles, CHUNK_ROWS)
     if chunk >= n_live:
         return
     lo = chunk.to(tl.int64) * CHUNK_ROWS
@@ -347,7 +347,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     # (through _opaque, else the compiler keeps the float32 values of the first conversion: twice the registers,
     # which spilled 300 bytes at 256-row tiles; H100: 68% -> 78% of copy with 128-row tiles, bench/NOTES.md).
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
-                                                                    n_col_tiles, BLOCK_T)
+                                                                   n_col_tiles, BLOCK_T)
     if chunk >= n_live:
         return
     rows = (start + chunk.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64))[:, None]
