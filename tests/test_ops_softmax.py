@@ -27,10 +27,15 @@ INNERS = [(), (3,), (2, 5)]
 BACKENDS = ["torch", "triton"]
 
 
+def per_sequence_softmax(values, lengths):
+    """torch.softmax over each sequence's positions, in ``values``' dtype."""
+    return torch.cat([torch.softmax(part, 0) for part in values.split(lengths)])
+
+
 def reference(values, lengths, grad=None):
     """Per-sequence float64 softmax over positions, and its autograd gradient for ``grad``."""
     x = values.detach().to(torch.float64).requires_grad_(grad is not None)
-    y = torch.cat([torch.softmax(part, 0) for part in x.split(lengths)])
+    y = per_sequence_softmax(x, lengths)
     if grad is None:
         return y.detach(), None
     y.backward(grad.to(torch.float64))
@@ -256,7 +261,7 @@ def test_infinities_split_plans(plan, device):
     x.values[3, 2] = 50.0  # a large max after smaller values: the running sums rescale
     x.values[::2, 3] = -math.inf  # alternate slots never see a finite value
     y = softmax_ops.softmax_fwd_triton(x.values.reshape(x.total, -1), x.offsets, x.max_len, plan)
-    ref = torch.cat([torch.softmax(part, 0) for part in x.values.split(lengths)])
+    ref = per_sequence_softmax(x.values, lengths)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[20:, 1]).all()
     assert (y[:15, 0] == 0).all() and (y[20::2, 3] == 0).all()
     finite = ~torch.isnan(ref)
@@ -385,7 +390,7 @@ def test_gpu_shared_plans(plan, n_cols, dtype, device, poison_empty):
     x16 = values.to(dtype)
     y = softmax_ops.softmax_fwd_triton(x16, x.offsets, x.max_len, plan)
     ref, _ = reference(x16, lengths)
-    torch_y = torch.cat([torch.softmax(part, 0) for part in x16.split(lengths)])
+    torch_y = per_sequence_softmax(x16, lengths)
     assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.isnan(y[1:18, 0]).all()
     assert torch.isnan(y[1018:1209, n_cols - 1]).all()
     finite = ~torch.isnan(ref)
@@ -437,7 +442,7 @@ def test_gpu_16_bit_forward_large_magnitudes(dtype, fills, device):
     x = x.to(dtype)
     offsets = torch.tensor([0, 3000, 3017, 3717], device=device)
     ref = softmax_ops.softmax_fwd_torch(x.double(), offsets)
-    torch_err = (torch.cat([torch.softmax(part, 0) for part in x.split(lengths)]).double() - ref).abs().max()
+    torch_err = (per_sequence_softmax(x, lengths).double() - ref).abs().max()
     y = varlen.softmax(varlen.JaggedTensor(x, offsets, 3000), 1).values
     assert torch.isfinite(y).all()
     assert (y.double() - ref).abs().max() <= 2 * torch_err

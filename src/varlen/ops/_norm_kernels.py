@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .._backend import refuse_double_backward, through_custom_op
-from .._checks import FLOAT_DTYPES, check_dtype
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2, sm_count
 
@@ -184,7 +184,7 @@ def norm_fwd_triton(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
     for float64)."""
     _check_rows(x, weight=weight, bias=bias)
     n_rows, n_cols = x.shape
-    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat_dtype = accumulate_dtype(x.dtype)
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     mean = torch.empty(n_rows if centered else 0, dtype=stat_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=stat_dtype, device=x.device)
@@ -243,7 +243,7 @@ _norm_bwd_op = torch.library.custom_op("varlen::norm_backward", norm_bwd_triton,
 
 @_norm_fwd_op.register_fake
 def _(x, weight, bias, eps, centered):
-    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat_dtype = accumulate_dtype(x.dtype)
     return (x.new_empty(x.shape), x.new_empty(x.shape[0] if centered else 0, dtype=stat_dtype),
             x.new_empty(x.shape[0], dtype=stat_dtype))
 

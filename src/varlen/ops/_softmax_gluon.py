@@ -8,7 +8,7 @@ bandwidth at best; read twice (statistics, then the write), 63%, the second read
 - claims its chunk (``_cooperative.claim_chunk``) and issues the TMA loads of all its tiles at once, one mbarrier per
   tile, so the whole chunk is in flight;
 - reduces each tile as it lands: the tile's column max, then one exponential per element;
-- publishes, waits for its group (``_cooperative.wait_for_group``), combines the group's statistics in chunk order;
+- publishes, waits for its group and combines the group's statistics in chunk order (``_cooperative.share_max_sum``);
 - writes the chunk from shared memory, one more exponential per element.
 
 x is read from DRAM once and no register holds the chunk. The statistics and exponentials are the Triton kernels'
@@ -40,31 +40,12 @@ from ..attn.gluon.common import (
 )
 from ..attn.triton.configs import compute_capability
 from ..attn.triton.launch import tma_aligned
-from ._cooperative import claim_chunk, wait_for_group
+from ._cooperative import claim_chunk, share_max_sum
 
 COLS = 64  # columns per chunk (a block of 128 bytes: the TMA box's row, one swizzle span)
 MAX_CHUNK_BYTES = 128 * 1024  # of input per program (an H100 SM has 227 KiB of shared memory)
 
 if HAVE_GLUON:
-    @gluon.jit
-    def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, layout: gl.constexpr,
-                       BLOCK_F: gl.constexpr, SLICE: gl.constexpr):
-        """The (sequence, column block)'s max and sum of exponentials per column from its ``n_live`` chunks'
-        partials, in chunk order (every chunk gets the same), ``SLICE`` chunks' partials per load, from L2 (.cg: other
-        SMs wrote them). ``softmax._group_max_sum``'s work with the layouts Gluon needs (that helper's aranges have
-        none)."""
-        m = gl.full([BLOCK_F], float("-inf"), gl.float32, gl.SliceLayout(0, layout))
-        s = gl.zeros([BLOCK_F], gl.float32, gl.SliceLayout(0, layout))
-        for c0 in range(0, n_live, SLICE):
-            c = c0 + gl.arange(0, SLICE, layout=gl.SliceLayout(1, layout))
-            idx = (first + c)[:, None] * n_cols + cols[None, :]
-            ok = (c < n_live)[:, None] & col_ok[None, :]
-            m_c = gl.load(part_max + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            s_c = gl.load(part_sum + idx, mask=ok, other=0.0, cache_modifier=".cg")
-            m_slice, s_slice = reduce_max_sum(m_c, s_c)
-            m, s = merge_max_sum(m, s, m_slice, s_slice)
-        return m, s
-
     @gluon.jit(do_not_specialize=["total", "n_chunks"])
     def _softmax_shared_kernel(x_desc, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                stride_yr, CHUNK_ROWS: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_F: gl.constexpr,
@@ -107,12 +88,8 @@ if HAVE_GLUON:
                 # (past the chunk: rows of the next sequence, or zeros)
                 v = gl.where((rows < hi)[:, None], tiles.index(t).load(layout).to(gl.float32), float("-inf"))
                 m, s = merge_max_sum(m, s, *reduce_max_sum(v, 1.0))
-            first = b.to(gl.int64) * n_chunks
-            idx = (first + chunk) * n_cols + cols
-            gl.store(part_max + idx, m, mask=col_ok)
-            gl.store(part_sum + idx, s, mask=col_ok)
-            wait_for_group(tickets, group, n_live)
-            m, s = _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, layout, BLOCK_F, SLICE)
+            m, s = share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
+                                 col_ok, gl.arange(0, SLICE, layout=row_layout))
             shift = gl.where(m == float("-inf"), 0.0, m)
             inv_s = 1.0 / s  # one division per column (a column all -inf: 1 / 0, and 0 * inf = NaN, as torch)
             for t in range(n_tiles):

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
-from .._checks import FLOAT_DTYPES, check_choice, check_dtype
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype
 from .._kernel_math import exp, merge_max_sum, reduce_max_sum
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
@@ -103,7 +103,7 @@ def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int)
     ``(N, V)`` (unit column stride)."""
     _check_rows(logits, targets=targets)
     n_rows, n_cols = logits.shape
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out_dtype = accumulate_dtype(logits.dtype)
     losses, row_max, row_log_sum = (torch.empty(n_rows, dtype=out_dtype, device=logits.device) for _ in range(3))
     if n_rows:
         _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, row_max, row_log_sum, n_rows, n_cols,
@@ -137,7 +137,7 @@ _bwd_op = torch.library.custom_op("varlen::cross_entropy_backward", cross_entrop
 
 @_fwd_op.register_fake
 def _(logits, targets, ignore_index):
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = accumulate_dtype(logits.dtype)
     return tuple(logits.new_empty(logits.shape[:1], dtype=dtype) for _ in range(3))
 
 

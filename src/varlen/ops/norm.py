@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from .. import _amp, capabilities
-from .._checks import FLOAT_DTYPES, check_dtype, check_real, check_same_device, check_same_dtype, check_tensor
+from .._checks import (
+    FLOAT_DTYPES,
+    accumulate_dtype,
+    check_dtype,
+    check_real,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
 from ..jagged import JaggedTensor, as_jagged
 from ._norm_kernels import NormRows, max_cols
 
@@ -123,7 +131,7 @@ def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor
     if centered and any(t is not None and t.dtype != values.dtype for t in (weight, bias)):
         return F.layer_norm(values, shape, weight, bias, eps)  # torch's error for mixed dtypes
     if eps is None:
-        eps = torch.finfo(torch.float64 if values.dtype == torch.float64 else torch.float32).eps
+        eps = torch.finfo(accumulate_dtype(values.dtype)).eps
     rows = values.reshape(-1, n_cols)  # a view wherever the leading dims are one stride apart
     out = NormRows.apply(rows, None if weight is None else weight.reshape(n_cols),
                          None if bias is None else bias.reshape(n_cols), float(eps), centered)

@@ -58,7 +58,7 @@ from ..tiling import (
     sm_count,
 )
 from . import _softmax_gluon
-from ._cooperative import claim_chunk, wait_for_group
+from ._cooperative import claim_chunk, share_max_sum, wait_for_group
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -174,42 +174,6 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T)
 
 
-@triton.jit
-def _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC: tl.constexpr,
-                   BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
-    """The max and sum of exponentials per column of a (sequence, column block) from its ``n_live`` chunks'
-    partials, combined in chunk order (so every chunk gets the same), ``SLICE`` chunks' partials loaded at once:
-    one load after another per chunk would wait out L2's latency ``n_live`` times. Read from L2 (.cg): the
-    other chunks' partials were written by other SMs."""
-    m = tl.full([BLOCK_F], float("-inf"), ACC)
-    s = tl.zeros([BLOCK_F], ACC)
-    for c0 in range(0, n_live, SLICE):
-        c = c0 + tl.arange(0, SLICE)
-        idx = (first + c)[:, None] * n_cols + cols[None, :]
-        ok = (c < n_live)[:, None] & col_ok[None, :]
-        m_c = tl.load(part_max + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        s_c = tl.load(part_sum + idx, mask=ok, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(m_c, 0))
-        # A column with no finite max yet shifts by 0 so exp never sees -inf - -inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * exp(m - shift) + tl.sum(s_c * exp(m_c - shift[None, :]), 0)
-        m = m_new
-    return m, s
-
-
-@triton.jit
-def _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols, col_ok,
-                   ACC: tl.constexpr, BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
-    """Publish this chunk's max and sum of exponentials per column, wait for the other chunks of its group, and
-    return the sequence's (:func:`_group_max_sum`)."""
-    first = b.to(tl.int64) * n_chunks
-    idx = (first + chunk) * n_cols + cols
-    tl.store(part_max + idx, m, mask=col_ok)
-    tl.store(part_sum + idx, s, mask=col_ok)
-    wait_for_group(tickets, group, n_live)
-    return _group_max_sum(part_max, part_sum, first, n_live, n_cols, cols, col_ok, ACC, BLOCK_F, SLICE)
-
-
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                 stride_xr, stride_xc, stride_yr,
@@ -232,8 +196,8 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     # A column with no finite max (all -inf) shifts by 0 so exp never sees -inf - -inf.
     shift = tl.where(m == float("-inf"), 0.0, m)
     p = exp(v - shift[None, :])
-    m_all, s = _share_max_sum(m, tl.sum(p, 0), part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols,
-                              cols, col_ok, ACC, BLOCK_F, SLICE)
+    m_all, s = share_max_sum(m, tl.sum(p, 0), part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols,
+                             cols, col_ok, tl.arange(0, SLICE))
     # exp(x - max) = p * exp(shift - max), one exp and one division per column. A column all -inf in this tile
     # (p = 0) but finite elsewhere gets 0: its factor could overflow. All -inf everywhere keeps 0 * (1 / 0)
     # = NaN, as torch.softmax gives.
@@ -262,8 +226,8 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
     cols = col_tile * BLOCK_F + tl.arange(0, BLOCK_F).to(tl.int64)
     col_ok = cols < n_cols
     m, s = _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc, ACC, BLOCK_T, BLOCK_F, STAGES)
-    m_all, s_all = _share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
-                                  col_ok, ACC, BLOCK_F, SLICE)
+    m_all, s_all = share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols,
+                                 col_ok, tl.arange(0, SLICE))
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m_all, s_all, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T,
                  STAGES, True)
 
@@ -360,7 +324,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(y_held.to(ACC) * g_held.to(ACC), 0)[None, :],
              mask=col_ok)
     wait_for_group(tickets, group, n_live)
-    # The partials of SLICE tiles at once, added in tile order (as _group_max_sum).
+    # The partials of SLICE tiles at once, added in tile order (as _cooperative.share_max_sum).
     dot = tl.zeros([1, BLOCK_F], ACC)
     for c0 in range(0, n_live, SLICE):
         c = (c0 + tl.arange(0, SLICE))[:, None]
