@@ -19,6 +19,7 @@ from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backward as triton_backward
@@ -568,6 +569,17 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
     grid, order = program.key_block_grid(problem, feats, blocks, None, 8)
     assert (order, grid) == ((program.BLOCKS_LAST, (4, 2, blocks)) if expected else
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
+
+
+@pytest.mark.parametrize("head_dim,causal_like,dropout,max_q,expected", [
+    (64, False, False, 2048, 3), (64, False, False, 16384, 3), (64, False, False, 2047, 2), (64, True, False, 4096, 2),
+    (64, False, True, 4096, 2), (128, False, False, 4096, 2),
+])
+def test_gluon_forward_takes_three_query_warpgroups_at_d64_without_a_right_band(head_dim, causal_like, dropout, max_q,
+                                                                               expected):
+    # 192-query blocks where they measured faster (bench/NOTES.md): D64, no causal-like mask or dropout, 2048
+    # queries or more. (gluon/forward.py defines the rule whatever the Triton; the kernel runs on an sm_90 GPU.)
+    assert gluon_forward.query_warpgroups(head_dim, causal_like, dropout, max_q) == expected
 
 
 @pytest.mark.parametrize("batch,adds,causal,expected", [

@@ -5,7 +5,8 @@ through the Gluon kernel and through the Triton kernel it replaces (the launcher
 and check which ran. Every variant they accept: fp16 and bf16, head dims 64
 and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
 different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; both
-also with dropout (against the reference given the mask ``attention_dropout_mask`` reads).
+also with dropout (against the reference given the mask ``attention_dropout_mask`` reads); the forward at D64
+also with three query warpgroups.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -141,6 +142,67 @@ def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, 
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
+@pytest.fixture
+def three_query_warpgroups(monkeypatch):
+    """Route the Triton backend's forward through the Gluon kernel with three query warpgroups (192-query blocks)
+    whatever the call: the automatic rule takes them only at D64 without a causal-like mask or dropout, from 2048
+    queries (``gluon_forward.query_warpgroups``), but the kernel computes every variant with them. Returns the
+    kernel's launches and the warpgroup counts the launcher took."""
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    taken = []
+
+    def three(head_dim, causal_like, dropout, max_q):
+        taken.append(3)
+        return 3
+
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", three)
+    return launches, taken
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_three_query_warpgroups_match_reference(three_query_warpgroups, dtype, layout, heads, kv_heads,
+                                                        mask):
+    # D64 (160 registers a warpgroup: D128 doesn't fit). The lengths leave blocks with one or two warpgroups' rows
+    # past the end (1000 = 5 x 192 + 40; 17, 129, 300), whose warpgroups only pass the tiles on.
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {dtype} {layout} {heads} {mask}".encode()))
+    _check_forward(*_inputs(layout, dtype, heads, kv_heads, 64, g), MASKS[mask], dtype)
+    launches, taken = three_query_warpgroups
+    assert launches and taken == [3] * len(launches)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right"])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+def test_forward_three_query_warpgroups_with_dropout_match_reference(three_query_warpgroups, layout, mask, dropout_p,
+                                                                     offset):
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {layout} {mask} {dropout_p}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16, dropout_p,
+                   _draws(offset, g))
+    launches, taken = three_query_warpgroups
+    assert launches and taken == [3] * len(launches)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout):
+    """The automatic choice reaches the kernel: D64 without a mask, 2048 queries or more."""
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    chosen = record_calls(monkeypatch, gluon_forward, "query_warpgroups")
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout}".encode()))
+    if layout == "dense":
+        q, k, v = (torch.randn(1, 2100, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    else:
+        q, k, v = (varlen.jagged([torch.randn(L, 2, 64, generator=g).to(torch.bfloat16) for L in (300, 2100, 5)])
+                   for _ in range(3))
+    _check_forward(q, k, v, {}, torch.bfloat16)
+    assert launches and chosen == [3]
+
+
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
     """varlen.attention's output and lse against the float64 reference, by flash-attn's rule; with ``dropout_p``, the
     reference drops what the call draws from the generator ``draws``."""
@@ -163,15 +225,18 @@ def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("warpgroups", [2, 3])
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs):
+def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, warpgroups):
     """The persistent schedule with few programs, each walking many work items (ring positions, the Q block
-    and the output staging carried across items; items past a sequence's end and items that see no key in
-    between): as the float64 reference. At the sizes of the test above most programs take one item."""
+    and the output staging carried across items; items past a sequence's end, items that see no key and
+    blocks with warpgroups past the end in between), with two or three query warpgroups: as the float64
+    reference. At the sizes of the test above most programs take one item."""
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
     g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs}".encode()))
     _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16)
     assert launches, "the Gluon kernel did not run"

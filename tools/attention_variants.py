@@ -7,7 +7,8 @@
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout; deterministic mode; TMA loads and pointer loads; and the Gluon forward and backward
-for every case they support (their "gluon forward ..." and "gluon ..." labels). Outputs stay unwritten (nothing is run).
+for every case they support (their "gluon forward ..." and "gluon ..." labels; at D64 the forward also with three
+query warpgroups, "gluon forward 3wg ..."). Outputs stay unwritten (nothing is run).
 """
 
 import os
@@ -109,6 +110,11 @@ def main():
             if tma and gluon_forward.supports(problem, opts, dtype, bias, alibi, seed):
                 print(label.replace("case", "gluon forward"), flush=True)
                 launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
+                if D == 64:  # and with three query warpgroups (the rule takes them from 2048 queries)
+                    print(label.replace("case", "gluon forward 3wg"), flush=True)
+                    rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
+                    launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
+                    gluon_forward.query_warpgroups = rule
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
                 print(label.replace("case", "gluon"), flush=True)
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,

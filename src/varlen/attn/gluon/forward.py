@@ -1,26 +1,28 @@
-"""Hopper attention forward in Gluon, warp-specialized and persistent: blocks of 128 queries of one head.
+"""Hopper attention forward in Gluon, warp-specialized and persistent: blocks of 128 (or 192) queries of one head.
 
 The plain Triton forward (``triton/forward.py``) waits for each tile's Q·Kᵀ before its softmax, and its
 softmax before the next tile's product, so the tensor cores idle while the exponentials run. Here FA3's
 forward structure is written out (``../shared/attention-backward-notes.md``), three partitions
 (``gl.warp_specialize``):
 
-- a loader warp (24 registers): the two 64-row halves of the Q block by TMA, then the K and V tiles of the
+- a loader warp (24 registers): the 64-row parts of the Q block by TMA, then the K and V tiles of the
   visible key range through two-stage rings (``ready`` / ``empty`` mbarriers; K and V apart, so a K slot
   frees as soon as its product is done while V is still read);
-- two query warpgroups (240 registers each), each owning 64 of the queries: S = Q Kᵀ from shared memory,
-  the online softmax in registers, P as the register A operand of O += P V. Each issues a tile's S = Q Kᵀ
-  together with the previous tile's O += P V, so the softmax of this tile runs under the second product;
-  the two warpgroups drift apart, so one's softmax also runs under the other's products (at D64 without a
-  causal-like mask or dropout they take turns to issue them, :func:`pingpong`).
+- two query warpgroups of 240 registers (three of 160 at D64 where that pays, :func:`query_warpgroups`), each
+  owning 64 of the queries: S = Q Kᵀ from shared memory, the online softmax in registers, P as the register A
+  operand of O += P V. Each issues a tile's S = Q Kᵀ together with the previous tile's O += P V, so the softmax of
+  this tile runs under the second product; the warpgroups drift apart, so one's softmax also runs under the
+  others' products (two at D64 without a causal-like mask or dropout take turns to issue them, :func:`pingpong`).
+  A warpgroup whose 64 rows all lie past its sequence's end (in the sequence's last block) computes nothing: it
+  releases the block's tiles and passes its turns (:func:`_pass_block`).
 
-One program per SM (168 x 384 registers leave room for one) walks work items (``_work_item``: two query blocks
-of a head, the heaviest and the lightest under a causal mask). Each program's first item is its id; then its
-loader takes the next unclaimed one from a counter (an atomic ticket) and hands it to the query warpgroups
-through shared memory, skipping items past their sequence's end: the programs finish together however the items
-weigh (a static every-grid-th-item schedule left the busiest program 1.4-1.5x the mean on mixed-length batches,
-and ran a train_llm-like batch at 244 TFLOP/s against 330 this way). The rings, the Q block and the output's
-staging tiles carry on from block to block: the loader fetches the next block's Q as soon as both warpgroups
+One program per SM (168 x 384 registers, or 128 x 512, leave room for one) walks work items (``_work_item``:
+two query blocks of a head, the heaviest and the lightest under a causal mask). Each program's first item is its
+id; then its loader takes the next unclaimed one from a counter (an atomic ticket) and hands it to the query
+warpgroups through shared memory, skipping items past their sequence's end: the programs finish together however
+the items weigh (a static every-grid-th-item schedule left the busiest program 1.4-1.5x the mean on mixed-length
+batches, and ran a train_llm-like batch at 244 TFLOP/s against 330 this way). The rings, the Q block and the
+output's staging tiles carry on from block to block: the loader fetches the next block's Q as soon as all warpgroups
 have issued their last product with this one's, and its first K and V tiles as ring slots free, so the next
 block starts under this one's last products and its output's TMA store. (With one program per block, every
 program's prologue and epilogue idled the tensor cores: 0.69-0.98x this speed at D128, ``bench/NOTES.md``.)
@@ -68,10 +70,20 @@ from .common import (
 )
 from .dropout import relu_low, row_dropped_signs, row_keep_words
 
-BLOCK_M = 128  # queries per block: 64 per warpgroup
 # Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
 # (The dropout tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128 keys.)
 BLOCK_N = 128
+
+
+def query_warpgroups(head_dim: int, causal_like: bool, dropout: bool, max_q: int) -> int:
+    """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries. Three at D64 without a
+    right band (a causal or two-sided window mask) or dropout, from 2048 queries (FA3's 192-query blocks at D64):
+    at D64 a 64 x 128 tile's softmax takes as long as its two products, and a third warpgroup keeps the tensor cores
+    fed while two run theirs. H200, forward TFLOP/s two / three (bench/NOTES.md): dense S2k 441-445 / 457-466, S4k
+    440 / 471-474, S16k 451 / 491, 16 sequences of 256-4096 409-412 / 438; but S1k 416 / 397 (a sixth of the last
+    block's rows past the end), and under causal masks 3-18% slower (S4k 412 / 397, S1k 303 / 199: 192-row
+    diagonals). With three, each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``); D128 needs more."""
+    return 3 if head_dim == 64 and not causal_like and not dropout and max_q >= 2048 else 2
 
 
 def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
@@ -88,7 +100,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _work_item(t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H: gl.constexpr,
                    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                   BN: gl.constexpr):
+                   BN: gl.constexpr, BM: gl.constexpr):
         """Half ``half`` (0 or 1) of work item ``t``, as every partition decodes it: ``(live, b, h, m0, q_row, k_row,
         Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles)``. ``live``: the half is a block of queries of its sequence;
         ``q_row``/``k_row``: the sequence's first row in the descriptors' rows; its key tiles: masked
@@ -109,27 +121,28 @@ if HAVE_GLUON:
             q_row += b * max_q
             k_row += b * max_k
         shift = Lk - Lq if BOTTOM_RIGHT else Lk * 0
-        m0 = block * 128  # (BLOCK_M: a module global isn't visible in a kernel)
-        lo, hi, full_lo, full_hi = band_keys(m0, gl.minimum(m0 + 128, Lq) - 1, Lk, shift, WL, R, HAS_R, HAS_WL)
+        m0 = block * BM
+        lo, hi, full_lo, full_hi = band_keys(m0, gl.minimum(m0 + BM, Lq) - 1, Lk, shift, WL, R, HAS_R, HAS_WL)
         t_lo, u_lo, u_hi, t_hi = tile_stages(lo, hi, full_lo, full_hi, BN)
         live = (m0 < Lq) & ((half == 0) | (block != n_blocks - 1 - k))  # (an odd count's middle block once)
         n_tiles = gl.where(live, (t_hi - t_lo + BN - 1) // BN, 0)
         return live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles
 
     @gluon.jit
-    def _claim(t, n_items, n_blocks, counter, cu_q, total_q, max_q, H: gl.constexpr, VARLEN: gl.constexpr):
+    def _claim(t, n_items, n_blocks, counter, cu_q, total_q, max_q, H: gl.constexpr, VARLEN: gl.constexpr,
+               BM: gl.constexpr):
         """The first item from ``t`` on with a block of queries (the shorter sequences' items past their end
         have none): ``t`` if it has one, else the next claimed from ``counter``, a ticket per item (items after
         each program's first, which is its program id, are handed out in order as programs ask)."""
         n_half = (n_blocks + 1) // 2
         b = gl.minimum(t, n_items - 1) // n_half // H  # (in range: no offset past the batch is read)
         q_row, Lq = bounds(cu_q, b, total_q, max_q, VARLEN)
-        empty = (t < n_items) & ((t % n_half) * 128 >= Lq)  # block k, the item's first, is past the end
+        empty = (t < n_items) & ((t % n_half) * BM >= Lq)  # block k, the item's first, is past the end
         while empty:
             t = gl.num_programs(0) + gl.atomic_add(counter, 1)
             b = gl.minimum(t, n_items - 1) // n_half // H
             q_row, Lq = bounds(cu_q, b, total_q, max_q, VARLEN)
-            empty = (t < n_items) & ((t % n_half) * 128 >= Lq)
+            empty = (t < n_items) & ((t % n_half) * BM >= Lq)
         return t
 
     @gluon.jit
@@ -157,7 +170,7 @@ if HAVE_GLUON:
                     v_empty, item, item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k,
                     n_items, n_blocks, WL, R,
                     VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr):
+                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr):
         """The producer warp: per work item, the Q block once both warpgroups are done with the last one's,
         then its K and V tiles, each ring slot refilled once both warpgroups released it. Ring positions count
         on across work items, so the next item's first tiles load under this one's last products."""
@@ -167,19 +180,20 @@ if HAVE_GLUON:
         kv = 0  # key tiles loaded so far (ring position)
         qi = 0  # Q blocks loaded so far
         it = 0  # items published so far
-        t = _claim(gl.program_id(0), n_items, n_blocks, counter, cu_q, total_q, max_q, H, VARLEN)
+        t = _claim(gl.program_id(0), n_items, n_blocks, counter, cu_q, total_q, max_q, H, VARLEN, 64 * WGS)
         while t < n_items:
             _publish(t, it, item, item_ready, item_free)
             it += 1
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
-                    HAS_R, HAS_WL, BN)
+                    HAS_R, HAS_WL, BN, 64 * WGS)
                 if n_tiles > 0:
                     mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
-                    mbarrier.expect(q_ready, 2 * half_bytes)
-                    tma.async_copy_global_to_shared(q_desc, [q_row + m0, h * D], q_ready, q_smem.index(0))
-                    tma.async_copy_global_to_shared(q_desc, [q_row + m0 + 64, h * D], q_ready, q_smem.index(1))
+                    mbarrier.expect(q_ready, WGS * half_bytes)
+                    for w in gl.static_range(WGS):
+                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + 64 * w, h * D], q_ready,
+                                                        q_smem.index(w))
                     qi += 1
                     hk = h // GROUP
                     for j in range(n_tiles):
@@ -196,7 +210,7 @@ if HAVE_GLUON:
                                                         v_ring.index(stage))
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
-                       max_q, H, VARLEN)
+                       max_q, H, VARLEN, 64 * WGS)
         _publish(t, it, item, item_ready, item_free)  # the end
 
     @gluon.jit
@@ -237,12 +251,35 @@ if HAVE_GLUON:
             mbarrier.arrive(turn.index(1 - WG))
 
     @gluon.jit
+    def _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n, n_tiles, WG: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+        """A query warpgroup's part in a block whose rows all lie past its sequence's end (the last block of a
+        sequence, not a whole number of 64-row parts): the block's barriers as :func:`_query_warpgroup` meets them,
+        its tiles released and its ping-pong turns passed in the same order, without products. Returns the ring
+        position, Q blocks and turns after it."""
+        if n_tiles > 0:
+            mbarrier.wait(q_ready, qi & 1)
+            for j in range(n_tiles + 1):  # turn j: S_j with O += P_{j-1} V_{j-1} (j = n_tiles: the last O only)
+                i = kv + j
+                if j < n_tiles:
+                    mbarrier.wait(k_ready.index(i % 2), (i // 2) & 1)
+                if j > 0:
+                    mbarrier.wait(v_ready.index((i - 1) % 2), ((i - 1) // 2) & 1)
+                _take_turn(turn, n + j, WG, PINGPONG)
+                _pass_turn(turn, WG, PINGPONG)
+                if j < n_tiles:
+                    mbarrier.arrive(k_empty.index(i % 2))
+                if j > 0:
+                    mbarrier.arrive(v_empty.index((i - 1) % 2))
+            mbarrier.arrive(q_empty)
+        return kv + n_tiles, qi + (n_tiles > 0).to(gl.int32), n + gl.where(n_tiles > 0, n_tiles + 1, 0)
+
+    @gluon.jit
     def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
                          item, item_ready, item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q,
                          max_k, n_items, n_blocks, WL, R,
-                         scale, qk_scale, seed, offset_lo, threshold, keep_scale, VARLEN: gl.constexpr,
-                         BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr,
-                         D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr,
+                         scale, qk_scale, seed, offset_lo, threshold, keep_scale, F: gl.constexpr, D: gl.constexpr,
+                         H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr,
                          WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
@@ -266,10 +303,13 @@ if HAVE_GLUON:
             it += 1
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
-                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
-                    HAS_R, HAS_WL, BN)
+                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, F.VARLEN, F.BOTTOM_RIGHT,
+                    F.HAS_R, F.HAS_WL, BN, 64 * WGS)
                 r0 = m0 + WG * 64
-                if live:  # (both warpgroups take every tile of a block: the ring's slots need both releases)
+                if live & (r0 >= Lq):  # every row of this warpgroup past the sequence's end: no products
+                    kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
+                                            n_tiles, WG, PINGPONG)
+                elif live:  # (every warpgroup takes every tile of a block: the ring's slots need each release)
                     rows = r0 + gl.arange(0, 64, layout=row_s)
                     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([64], gl.float32, layout=row_s)
@@ -288,8 +328,8 @@ if HAVE_GLUON:
                         if n_tiles == 1:
                             mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
                         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
-                                                           qk_scale, HAS_R, HAS_WL, BN, s_layout)
-                        if DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
+                                                           qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
+                        if F.DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
                             p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout, dtype)
                         p = gl.convert_layout(p.to(dtype), p_layout)  # (with dropout, already in dtype)
                         # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
@@ -313,8 +353,9 @@ if HAVE_GLUON:
                             if j == n_tiles - 1:
                                 mbarrier.arrive(q_empty)
                             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
-                                                                    shift, WL, R, qk_scale, HAS_R, HAS_WL, BN, s_layout)
-                            if DROPOUT:
+                                                                    shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL, BN,
+                                                                    s_layout)
+                            if F.DROPOUT:
                                 p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
                                                s_layout, dtype)
                             o, p = warpgroup_mma_wait(0, deps=(o, p))
@@ -334,7 +375,7 @@ if HAVE_GLUON:
                     # Rows that saw no key: output 0 and lse -inf.
                     seen = l_i > 0
                     l_safe = gl.where(seen, l_i, 1.0)
-                    if DROPOUT:  # kept weights scaled by the inverse of the exact keep probability (dropout_keep_scale)
+                    if F.DROPOUT:  # kept weights scaled by the exact keep probability's inverse (dropout_keep_scale)
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
@@ -351,7 +392,7 @@ if HAVE_GLUON:
                         ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * D + cols[None, :]
                         gl.store(ptrs, o, mask=(rows_o < Lq)[:, None])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
-                    gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, VARLEN) + rows, lse, mask=rows < Lq)
+                    gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse, mask=rows < Lq)
             t = _receive(it, item, item_ready, item_free)
         tma.store_wait(0)
 
@@ -360,9 +401,9 @@ if HAVE_GLUON:
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
                          F: gl.constexpr, D: gl.constexpr,
                          H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr):
-        """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 128), 2) x H x n_seqs``
-        work items, each two blocks of 128 queries (``_work_item``); ``counter``: a zeroed int32, the tickets
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr):
+        """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
+        work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
         as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = D) and, dense,
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
@@ -384,8 +425,8 @@ if HAVE_GLUON:
         k_desc = tma.make_tensor_descriptor(K.ptr, [k_rows, HKV * D], [K.stride_s, 1], [BN, D], k_layout)
         v_desc = tma.make_tensor_descriptor(V.ptr, [k_rows, HKV * D], [V.stride_s, 1], [BN, D], k_layout)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2, 64, D], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -399,37 +440,59 @@ if HAVE_GLUON:
         item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         item_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # one arrival per query warpgroup
+        mbarrier.init(q_empty, count=WGS)  # one arrival per query warpgroup
         for i in gl.static_range(2):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
+            mbarrier.init(k_empty.index(i), count=WGS)
+            mbarrier.init(v_empty.index(i), count=WGS)
             mbarrier.init(turn.index(i), count=1)
             mbarrier.init(item_ready.index(i), count=1)
-            mbarrier.init(item_free.index(i), count=2)
+            mbarrier.init(item_free.index(i), count=WGS)
 
-        n_blocks = (max_q + 127) // 128  # BLOCK_M
+        n_blocks = (max_q + 64 * WGS - 1) // (64 * WGS)
         n_items = (n_blocks + 1) // 2 * H * n_seqs  # (see _work_item)
-        # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
-        # into tensors.)
-        gl.warp_specialize([
-            (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
-                                seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
-                                mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
-                                F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, BN, PINGPONG, 0)),
-            (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-                                turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q,
-                                seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
-                                mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
-                                F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, BN, PINGPONG, 1)),
-            (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
-                           total_k, max_q, max_k, n_items, n_blocks,
-                           mask.window_left, mask.right, F.VARLEN, F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H,
-                           GROUP, BN)),
-        ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
+        # A partition per query warpgroup, then the loader. (The argument tuples are written out: a tuple assigned to
+        # a variable would turn its constexprs into tensors.)
+        if WGS == 3:
+            gl.warp_specialize([
+                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
+                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 0)),
+                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
+                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 1)),
+                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
+                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 2)),
+                (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                               v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
+                               total_k, max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, F.VARLEN,
+                               F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, GROUP, BN, WGS)),
+            ], [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS, common.LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
+                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 0)),
+                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
+                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
+                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 1)),
+                (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
+                               v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
+                               total_k, max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, F.VARLEN,
+                               F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, GROUP, BN, WGS)),
+            ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
         for i in gl.static_range(2):
@@ -464,12 +527,13 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     keyword arguments."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
-    items = cdiv(cdiv(problem.max_q, BLOCK_M), 2) * problem.heads * problem.batch  # (two blocks each)
+    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.DROPOUT, problem.max_q)
+    items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
         H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
-        PINGPONG=pingpong(problem.head_dim, feats.HAS_R, feats.DROPOUT),
-        num_warps=4, maxnreg=common.MAX_REGS,
+        PINGPONG=wgs == 2 and pingpong(problem.head_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
+        num_warps=4, maxnreg=common.MAX_REGS if wgs == 2 else common.THREE_WG_MAX_REGS,
     )
