@@ -142,21 +142,30 @@ def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, 
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
+def _forward_warpgroups(monkeypatch) -> list:
+    """The query warpgroups (``WGS``) of every launch of the Gluon forward kernel from now on, in a list."""
+    kernel, taken = gluon_forward._attn_fwd_hopper, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                taken.append(kwargs["WGS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorded())
+    return taken
+
+
 @pytest.fixture
 def three_query_warpgroups(monkeypatch):
     """Route the Triton backend's forward through the Gluon kernel with three query warpgroups (192-query blocks)
     whatever the call: the automatic rule takes them only at D64 without a causal-like mask or dropout, from 2048
     queries (``gluon_forward.query_warpgroups``), but the kernel computes every variant with them. Returns the
-    kernel's launches and the warpgroup counts the launcher took."""
-    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    taken = []
-
-    def three(head_dim, causal_like, dropout, max_q):
-        taken.append(3)
-        return 3
-
-    monkeypatch.setattr(gluon_forward, "query_warpgroups", three)
-    return launches, taken
+    warpgroups of each of the kernel's launches."""
+    _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda head_dim, causal_like, dropout, max_q: 3)
+    return _forward_warpgroups(monkeypatch)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -170,8 +179,7 @@ def test_forward_three_query_warpgroups_match_reference(three_query_warpgroups, 
     # past the end (1000 = 5 x 192 + 40; 17, 129, 300), whose warpgroups only pass the tiles on.
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {dtype} {layout} {heads} {mask}".encode()))
     _check_forward(*_inputs(layout, dtype, heads, kv_heads, 64, g), MASKS[mask], dtype)
-    launches, taken = three_query_warpgroups
-    assert launches and taken == [3] * len(launches)
+    assert three_query_warpgroups and set(three_query_warpgroups) == {3}
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -183,24 +191,25 @@ def test_forward_three_query_warpgroups_with_dropout_match_reference(three_query
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {layout} {mask} {dropout_p}".encode()))
     _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16, dropout_p,
                    _draws(offset, g))
-    launches, taken = three_query_warpgroups
-    assert launches and taken == [3] * len(launches)
+    assert three_query_warpgroups and set(three_query_warpgroups) == {3}
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask,warpgroups", [("none", 3), ("causal", 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
-def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout):
-    """The automatic choice reaches the kernel: D64 without a mask, 2048 queries or more."""
-    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    chosen = record_calls(monkeypatch, gluon_forward, "query_warpgroups")
-    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout}".encode()))
+def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout, mask, warpgroups):
+    """The automatic choice reaches the kernel: three at D64 without a mask from 2048 queries, two under a causal
+    one."""
+    _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    taken = _forward_warpgroups(monkeypatch)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout} {mask}".encode()))
     if layout == "dense":
         q, k, v = (torch.randn(1, 2100, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     else:
         q, k, v = (varlen.jagged([torch.randn(L, 2, 64, generator=g).to(torch.bfloat16) for L in (300, 2100, 5)])
                    for _ in range(3))
-    _check_forward(q, k, v, {}, torch.bfloat16)
-    assert launches and chosen == [3]
+    _check_forward(q, k, v, MASKS[mask], torch.bfloat16)
+    assert taken == [warpgroups]
 
 
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
@@ -237,9 +246,10 @@ def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, 
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
+    taken = _forward_warpgroups(monkeypatch)
     g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs}".encode()))
     _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16)
-    assert launches, "the Gluon kernel did not run"
+    assert launches and set(taken) == {warpgroups}, "the Gluon kernel did not run with the warpgroups forced"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

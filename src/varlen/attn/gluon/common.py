@@ -37,8 +37,9 @@ __all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
 # warpgroup gets CONSUMER_REGS (the default partition receives what the workers leave). With three consumer
-# warpgroups (512 threads: the forward at D64, gluon/forward.py's query_warpgroups), THREE_WG_MAX_REGS x 512, of
-# which each consumer gets THREE_WG_CONSUMER_REGS (3 x 128 x 160 + 128 x 24 <= 65536).
+# warpgroups (512 threads: the forward at D64, gluon/forward.py's query_warpgroups), THREE_WG_MAX_REGS x 512: the
+# two worker consumers get THREE_WG_CONSUMER_REGS, the loader LOADER_REGS, the default partition's consumer the
+# rest (65536 / 128 - 2 x 160 - 24 = 168).
 MAX_REGS = 168
 CONSUMER_REGS = 240
 LOADER_REGS = 24

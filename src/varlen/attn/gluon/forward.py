@@ -171,9 +171,10 @@ if HAVE_GLUON:
                     n_items, n_blocks, WL, R,
                     VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                     D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr):
-        """The producer warp: per work item, the Q block once both warpgroups are done with the last one's,
-        then its K and V tiles, each ring slot refilled once both warpgroups released it. Ring positions count
-        on across work items, so the next item's first tiles load under this one's last products."""
+        """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
+        done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
+        Ring positions count on across work items, so the next item's first tiles load under this one's last
+        products."""
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
         tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
@@ -409,6 +410,8 @@ if HAVE_GLUON:
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
         times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``)."""
+        # Three query warpgroups fit only D64's registers, and the ping-pong turns are written for two.
+        gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and not PINGPONG))
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
