@@ -13,8 +13,8 @@ forward structure is written out (``../shared/attention-backward-notes.md``), th
   operand of O += P V. Each issues a tile's S = Q Kᵀ together with the previous tile's O += P V, so the softmax of
   this tile runs under the second product; the warpgroups drift apart, so one's softmax also runs under the
   others' products (two at D64 without a causal-like mask or dropout take turns to issue them, :func:`pingpong`).
-  A warpgroup whose 64 rows all lie past its sequence's end (in the sequence's last block) computes nothing: it
-  releases the block's tiles and passes its turns (:func:`_pass_block`).
+  With three, a warpgroup whose 64 rows all lie past its sequence's end (in the sequence's last block) computes
+  nothing: it releases the block's tiles and passes its turns (:func:`_pass_block`).
 
 One program per SM (168 x 384 registers, or 128 x 512, leave room for one) walks work items (``_work_item``:
 two query blocks of a head, the heaviest and the lightest under a causal mask). Each program's first item is its
@@ -307,7 +307,11 @@ if HAVE_GLUON:
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, F.VARLEN, F.BOTTOM_RIGHT,
                     F.HAS_R, F.HAS_WL, BN, 64 * WGS)
                 r0 = m0 + WG * 64
-                if live & (r0 >= Lq):  # every row of this warpgroup past the sequence's end: no products
+                # Every row of this warpgroup past the sequence's end: no products. With three warpgroups a sequence's
+                # last block often has such; with two, the branch cost more than the rare pass saved (2-3% on dense
+                # causal D64 rows, which have none: bench/NOTES.md).
+                passing = (live & (r0 >= Lq)) if WGS == 3 else False
+                if passing:
                     kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
                                             n_tiles, WG, PINGPONG)
                 elif live:  # (every warpgroup takes every tile of a block: the ring's slots need each release)
