@@ -81,8 +81,9 @@ def query_warpgroups(head_dim: int, causal_like: bool, dropout: bool, max_q: int
     at D64 a 64 x 128 tile's softmax takes as long as its two products, and a third warpgroup keeps the tensor cores
     fed while two run theirs. H200, forward TFLOP/s two / three (bench/NOTES.md): dense S2k 441-445 / 457-466, S4k
     440 / 471-474, S16k 451 / 491, 16 sequences of 256-4096 409-412 / 438; but S1k 416 / 397 (a sixth of the last
-    block's rows past the end), and under causal masks 3-18% slower (S4k 412 / 397, S1k 303 / 199: 192-row
-    diagonals). With three, each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``); D128 needs more."""
+    block's rows past the end), and under causal masks 3-35% slower (S4k 412 / 397, S1k 303 / 199: 192-row
+    diagonals, and more stack). With three, each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``);
+    D128 needs more."""
     return 3 if head_dim == 64 and not causal_like and not dropout and max_q >= 2048 else 2
 
 
