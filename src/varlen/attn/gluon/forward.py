@@ -167,29 +167,28 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _load_tiles(q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                    v_empty, item, item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k,
-                    n_items, n_blocks, WL, R,
-                    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr):
+    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
+                    WGS: gl.constexpr):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
-        products."""
+        products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``)."""
+        (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item,
+         item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R) = args
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
         tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
         kv = 0  # key tiles loaded so far (ring position)
         qi = 0  # Q blocks loaded so far
         it = 0  # items published so far
-        t = _claim(gl.program_id(0), n_items, n_blocks, counter, cu_q, total_q, max_q, H, VARLEN, 64 * WGS)
+        t = _claim(gl.program_id(0), n_items, n_blocks, counter, cu_q, total_q, max_q, H, F.VARLEN, 64 * WGS)
         while t < n_items:
             _publish(t, it, item, item_ready, item_free)
             it += 1
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
-                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, VARLEN, BOTTOM_RIGHT,
-                    HAS_R, HAS_WL, BN, 64 * WGS)
+                    t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, F.VARLEN, F.BOTTOM_RIGHT,
+                    F.HAS_R, F.HAS_WL, BN, 64 * WGS)
                 if n_tiles > 0:
                     mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(q_ready, WGS * half_bytes)
@@ -212,7 +211,7 @@ if HAVE_GLUON:
                                                         v_ring.index(stage))
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
-                       max_q, H, VARLEN, 64 * WGS)
+                       max_q, H, F.VARLEN, 64 * WGS)
         _publish(t, it, item, item_ready, item_free)  # the end
 
     @gluon.jit
@@ -277,15 +276,14 @@ if HAVE_GLUON:
         return kv + n_tiles, qi + (n_tiles > 0).to(gl.int32), n + gl.where(n_tiles > 0, n_tiles + 1, 0)
 
     @gluon.jit
-    def _query_warpgroup(q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn,
-                         item, item_ready, item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q,
-                         max_k, n_items, n_blocks, WL, R,
-                         scale, qk_scale, seed, offset_lo, threshold, keep_scale, F: gl.constexpr, D: gl.constexpr,
-                         H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr,
-                         WG: gl.constexpr):
+    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
-        last partial block) and the lse."""
+        last partial block) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
+        (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
+         item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+         scale, qk_scale, seed, offset_lo, threshold, keep_scale) = args
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
@@ -460,47 +458,27 @@ if HAVE_GLUON:
 
         n_blocks = (max_q + 64 * WGS - 1) // (64 * WGS)
         n_items = (n_blocks + 1) // 2 * H * n_seqs  # (see _work_item)
-        # A partition per query warpgroup, then the loader. (The argument tuples are written out: a tuple assigned to
-        # a variable would turn its constexprs into tensors.)
+        # A partition per query warpgroup, then the loader. (The tuples of their tensors and values hold no constexpr:
+        # a tuple assigned to a variable turns its constexprs into tensors.)
+        wg_args = (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item,
+                   item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k,
+                   max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, seed, offset_lo,
+                   dropout.threshold, dropout.keep_scale)
+        load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
+                     v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
+                     max_k, n_items, n_blocks, mask.window_left, mask.right)
         if WGS == 3:
-            gl.warp_specialize([
-                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
-                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
-                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 0)),
-                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
-                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
-                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 1)),
-                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
-                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
-                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 2)),
-                (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                               v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
-                               total_k, max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, F.VARLEN,
-                               F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, GROUP, BN, WGS)),
-            ], [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS, common.LOADER_REGS])
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 0)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 1)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 2)),
+                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS))],
+                               [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
+                                           common.LOADER_REGS])
         else:
-            gl.warp_specialize([
-                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
-                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
-                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 0)),
-                (_query_warpgroup, (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                                    v_empty, turn, item, item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE,
-                                    seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks,
-                                    mask.window_left, mask.right, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                                    dropout.keep_scale, F, D, H, BN, PINGPONG, WGS, 1)),
-                (_load_tiles, (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty,
-                               v_ready, v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q,
-                               total_k, max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, F.VARLEN,
-                               F.BOTTOM_RIGHT, F.HAS_R, F.HAS_WL, D, H, GROUP, BN, WGS)),
-            ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 0)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 1)),
+                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS))],
+                               [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
         for i in gl.static_range(2):
