@@ -571,15 +571,21 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
-@pytest.mark.parametrize("head_dim,causal_like,dropout,max_q,expected", [
-    (64, False, False, 2048, 3), (64, False, False, 16384, 3), (64, False, False, 2047, 2), (64, True, False, 4096, 2),
-    (64, False, True, 4096, 2), (128, False, False, 4096, 2),
+@pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [
+    (64, False, False, False, 2048, 2048, 3), (64, False, False, False, 16384, 16384, 3),
+    (64, False, False, False, 2047, 2047, 2), (64, False, False, False, 2048, 100, 3),  # (jagged: max_q counts)
+    (64, False, True, False, 4096, 4096, 3),  # (a left window alone: no right band)
+    (64, True, False, False, 4096, 4096, 2), (64, True, False, False, 8192, 8192, 3),
+    (64, True, False, False, 8192, 4000, 2), (64, True, True, False, 16384, 16384, 2),
+    (64, False, False, True, 4096, 4096, 2), (64, True, False, True, 16384, 16384, 2),
+    (128, False, False, False, 4096, 4096, 2), (128, True, False, False, 16384, 16384, 2),
 ])
-def test_gluon_forward_takes_three_query_warpgroups_at_d64_without_a_right_band(head_dim, causal_like, dropout, max_q,
-                                                                               expected):
-    # 192-query blocks where they measured faster (bench/NOTES.md): D64, no causal-like mask or dropout, 2048
-    # queries or more. (gluon/forward.py defines the rule whatever the Triton; the kernel runs on an sm_90 GPU.)
-    assert gluon_forward.query_warpgroups(head_dim, causal_like, dropout, max_q) == expected
+def test_gluon_forward_takes_three_query_warpgroups_at_d64_where_they_measured_faster(head_dim, right, left, dropout,
+                                                                                   max_q, mean_q, expected):
+    # 192-query blocks where they measured faster (bench/NOTES.md): D64 without dropout; without a right band from
+    # 2048 queries, under a causal mask (no left band) from a mean length of 8192. (gluon/forward.py defines the rule
+    # whatever the Triton; the kernel runs on an sm_90 GPU.)
+    assert gluon_forward.query_warpgroups(head_dim, right, left, dropout, max_q, mean_q) == expected
 
 
 @pytest.mark.parametrize("batch,adds,causal,expected", [

@@ -142,14 +142,17 @@ def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, 
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
-def _forward_warpgroups(monkeypatch) -> list:
-    """The query warpgroups (``WGS``) of every launch of the Gluon forward kernel from now on, in a list."""
+def _forward_warpgroups(monkeypatch, aligned_end=None) -> list:
+    """The query warpgroups (``WGS``) of every launch of the Gluon forward kernel from now on, in a list (and its
+    ``ALIGN_END`` in ``aligned_end``, a list, if given)."""
+    aligned_end = [] if aligned_end is None else aligned_end
     kernel, taken = gluon_forward._attn_fwd_hopper, []
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 taken.append(kwargs["WGS"])
+                aligned_end.append(kwargs["ALIGN_END"])
                 return kernel[grid](*args, **kwargs)
             return launch
 
@@ -160,12 +163,13 @@ def _forward_warpgroups(monkeypatch) -> list:
 @pytest.fixture
 def three_query_warpgroups(monkeypatch):
     """Route the Triton backend's forward through the Gluon kernel with three query warpgroups (192-query blocks)
-    whatever the call: the automatic rule takes them only at D64 without a causal-like mask or dropout, from 2048
-    queries (``gluon_forward.query_warpgroups``), but the kernel computes every variant with them. Returns the
-    warpgroups of each of the kernel's launches."""
+    whatever the call: the automatic rule takes them only at D64 without dropout, on long sequences
+    (``gluon_forward.query_warpgroups``), but the kernel computes every variant with them. Returns the warpgroups of
+    each of the kernel's launches and their ``ALIGN_END``, two lists."""
     _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda head_dim, causal_like, dropout, max_q: 3)
-    return _forward_warpgroups(monkeypatch)
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: 3)
+    aligned_end = []
+    return _forward_warpgroups(monkeypatch, aligned_end), aligned_end
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -176,10 +180,14 @@ def three_query_warpgroups(monkeypatch):
 def test_forward_three_query_warpgroups_match_reference(three_query_warpgroups, dtype, layout, heads, kv_heads,
                                                         mask):
     # D64 (160 registers a warpgroup: D128 doesn't fit). The lengths leave blocks with one or two warpgroups' rows
-    # past the end (1000 = 5 x 192 + 40; 17, 129, 300), whose warpgroups only pass the tiles on.
+    # past the end (1000 = 5 x 192 + 40; 17, 129, 300), whose warpgroups only pass the tiles on; under causal-like
+    # masks before the start (the blocks end at the sequence's end, ALIGN_END), and warpgroups of a block skip
+    # different numbers of its last tiles.
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {dtype} {layout} {heads} {mask}".encode()))
     _check_forward(*_inputs(layout, dtype, heads, kv_heads, 64, g), MASKS[mask], dtype)
-    assert three_query_warpgroups and set(three_query_warpgroups) == {3}
+    taken, aligned_end = three_query_warpgroups
+    assert taken and set(taken) == {3}
+    assert set(aligned_end) == {mask != "none"}  # (every other mask here has a right band)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -191,25 +199,31 @@ def test_forward_three_query_warpgroups_with_dropout_match_reference(three_query
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 {layout} {mask} {dropout_p}".encode()))
     _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16, dropout_p,
                    _draws(offset, g))
-    assert three_query_warpgroups and set(three_query_warpgroups) == {3}
+    taken, aligned_end = three_query_warpgroups  # (no ALIGN_END: the draws take rows in pairs from an even row)
+    assert taken and set(taken) == {3} and set(aligned_end) == {False}
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("mask,warpgroups", [("none", 3), ("causal", 2)])
-@pytest.mark.parametrize("layout", ["dense", "jagged"])
-def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout, mask, warpgroups):
-    """The automatic choice reaches the kernel: three at D64 without a mask from 2048 queries, two under a causal
-    one."""
+@pytest.mark.parametrize("layout,lengths,mask,warpgroups", [
+    ("dense", [2100], "none", 3), ("dense", [2100], "causal", 2), ("dense", [8200], "causal", 3),
+    ("jagged", [300, 2100, 5], "none", 3), ("jagged", [300, 2100, 5], "causal", 2),
+    ("jagged", [8300, 8200], "causal_bottom_right", 3), ("jagged", [8300, 8200], "causal_window", 2),
+])
+def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout, lengths, mask, warpgroups):
+    """The automatic choice reaches the kernel: three at D64 without a mask from 2048 queries, under a causal one from
+    a mean length of 8192 (the blocks then end at the sequence's end), two under a causal window."""
     _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    taken = _forward_warpgroups(monkeypatch)
-    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout} {mask}".encode()))
+    aligned_end = []
+    taken = _forward_warpgroups(monkeypatch, aligned_end)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout} {lengths} {mask}".encode()))
     if layout == "dense":
-        q, k, v = (torch.randn(1, 2100, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, lengths[0], 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
     else:
-        q, k, v = (varlen.jagged([torch.randn(L, 2, 64, generator=g).to(torch.bfloat16) for L in (300, 2100, 5)])
+        q, k, v = (varlen.jagged([torch.randn(L, 2, 64, generator=g).to(torch.bfloat16) for L in lengths])
                    for _ in range(3))
     _check_forward(q, k, v, MASKS[mask], torch.bfloat16)
     assert taken == [warpgroups]
+    assert aligned_end == [warpgroups == 3 and mask != "none"]
 
 
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):

@@ -13,8 +13,11 @@ forward structure is written out (``../shared/attention-backward-notes.md``), th
   operand of O += P V. Each issues a tile's S = Q Kᵀ together with the previous tile's O += P V, so the softmax of
   this tile runs under the second product; the warpgroups drift apart, so one's softmax also runs under the
   others' products (two at D64 without a causal-like mask or dropout take turns to issue them, :func:`pingpong`).
-  With three, a warpgroup whose 64 rows all lie past its sequence's end (in the sequence's last block) computes
-  nothing: it releases the block's tiles and passes its turns (:func:`_pass_block`).
+  With three, each warpgroup takes products with the block's tiles up to its own last visible key only and
+  releases the rest (under a causal mask a 192-row block's first warpgroup sees 128 keys fewer than its last,
+  :func:`_own_tiles`); one whose 64 rows all lie outside its sequence, or see no key, computes nothing: it releases
+  the block's tiles and passes its turns (:func:`_pass_block`). Under a causal-like mask the blocks end at the
+  sequence's end, so that a partial block is the lightest, first one (``ALIGN_END``).
 
 One program per SM (168 x 384 registers, or 128 x 512, leave room for one) walks work items (``_work_item``:
 two query blocks of a head, the heaviest and the lightest under a causal mask). Each program's first item is its
@@ -31,8 +34,10 @@ Tiles load through one TMA descriptor per tensor over all its rows (rows x (head
 program. A tile past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys
 there are masked out of the scores (the last tile is always a masked one), queries there are computed and
 never stored; their P is exactly 0, so their V rows add nothing unless they hold inf or NaN (which would
-turn the row NaN; the Triton kernel's per-sequence descriptors read zeros there). The output goes through a
-TMA store where a warpgroup's 64 rows lie in the sequence, by masked stores at its last rows. Scores stay
+turn the row NaN; the Triton kernel's per-sequence descriptors read zeros there). Query rows before a sequence's
+start (``ALIGN_END``'s partial first block) read the last sequence's rows, or zeros before the buffer (TMA takes
+negative coordinates), and are never stored either. The output goes through a TMA store where a warpgroup's 64
+rows lie in the sequence, by masked stores at its first or last rows. Scores stay
 raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
 ``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
 
@@ -75,16 +80,21 @@ from .dropout import relu_low, row_dropped_signs, row_keep_words
 BLOCK_N = 128
 
 
-def query_warpgroups(head_dim: int, causal_like: bool, dropout: bool, max_q: int) -> int:
-    """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries. Three at D64 without a
-    right band (a causal or two-sided window mask) or dropout, from 2048 queries (FA3's 192-query blocks at D64):
-    at D64 a 64 x 128 tile's softmax takes as long as its two products, and a third warpgroup keeps the tensor cores
-    fed while two run theirs. H200, forward TFLOP/s two / three (bench/NOTES.md): dense S2k 441-445 / 457-466, S4k
-    440 / 471-474, S16k 451 / 491, 16 sequences of 256-4096 409-412 / 438; but S1k 416 / 397 (a sixth of the last
-    block's rows past the end), and under causal masks 3-35% slower (S4k 412 / 397, S1k 303 / 199: 192-row
-    diagonals, and more stack). With three, each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``);
-    D128 needs more."""
-    return 3 if head_dim == 64 and not causal_like and not dropout and max_q >= 2048 else 2
+def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int) -> int:
+    """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries. Three at D64 without
+    dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
+    a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
+    window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
+    length ``mean_q`` of 8192. H100, forward TFLOP/s two / three (bench/NOTES.md): dense S2k 441-447 / 450-476,
+    S4k 440-443 / 462-476, S16k 450-461 / 481-503; causal S8k 420-424 / 441-444, S16k 426-431 / 456-461, but S4k
+    411-412 / 407-412, S2k 369-371 / 312-319, S1k 296-308 / 233-234 and train_llm-like jagged batches 239-309 /
+    193-284 (shorter blocks: a warpgroup idles while the block's last rows take their extra tile). With three,
+    each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``); D128 needs more."""
+    if head_dim != 64 or dropout:
+        return 2
+    if not right_band:
+        return 3 if max_q >= 2048 else 2
+    return 3 if not left_band and mean_q >= 8192 else 2
 
 
 def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
@@ -101,11 +111,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _work_item(t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H: gl.constexpr,
                    VARLEN: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                   BN: gl.constexpr, BM: gl.constexpr):
+                   BN: gl.constexpr, BM: gl.constexpr, ALIGN_END: gl.constexpr):
         """Half ``half`` (0 or 1) of work item ``t``, as every partition decodes it: ``(live, b, h, m0, q_row, k_row,
-        Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles)``. ``live``: the half is a block of queries of its sequence;
-        ``q_row``/``k_row``: the sequence's first row in the descriptors' rows; its key tiles: masked
-        ``[t_lo, u_lo)``, unmasked ``[u_lo, u_hi)``, masked to ``t_lo + n_tiles BN``.
+        Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles)``. ``live``: the half is a block of queries of its sequence, rows
+        ``[m0, m0 + BM)``; ``q_row``/``k_row``: the sequence's first row in the descriptors' rows; its key tiles:
+        masked ``[t_lo, u_lo)``, unmasked ``[u_lo, u_hi)``, masked to ``t_lo + n_tiles BN``.
+
+        ``ALIGN_END``: the blocks end at the sequence's end, so that a sequence of other than a whole number of
+        blocks has its partial block first (``m0 < 0``; rows before 0 are no queries): under a causal mask the
+        lightest block, where starting at 0 made it the heaviest, with one warpgroup in three computing.
 
         Item ``t`` of a (sequence, head) pair holds its blocks ``n_blocks - 1 - k`` and ``k``: under a causal mask
         the heaviest and the lightest, so a dense batch's items weigh the same. Items of a pair are consecutive:
@@ -123,9 +137,13 @@ if HAVE_GLUON:
             k_row += b * max_k
         shift = Lk - Lq if BOTTOM_RIGHT else Lk * 0
         m0 = block * BM
-        lo, hi, full_lo, full_hi = band_keys(m0, gl.minimum(m0 + BM, Lq) - 1, Lk, shift, WL, R, HAS_R, HAS_WL)
+        first = m0
+        if ALIGN_END:
+            m0 -= (BM - Lq % BM) % BM
+            first = gl.maximum(m0, 0)
+        lo, hi, full_lo, full_hi = band_keys(first, gl.minimum(m0 + BM, Lq) - 1, Lk, shift, WL, R, HAS_R, HAS_WL)
         t_lo, u_lo, u_hi, t_hi = tile_stages(lo, hi, full_lo, full_hi, BN)
-        live = (m0 < Lq) & ((half == 0) | (block != n_blocks - 1 - k))  # (an odd count's middle block once)
+        live = (block * BM < Lq) & ((half == 0) | (block != n_blocks - 1 - k))  # (an odd count's middle block once)
         n_tiles = gl.where(live, (t_hi - t_lo + BN - 1) // BN, 0)
         return live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles
 
@@ -168,7 +186,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                    WGS: gl.constexpr):
+                    WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
@@ -188,7 +206,7 @@ if HAVE_GLUON:
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, F.VARLEN, F.BOTTOM_RIGHT,
-                    F.HAS_R, F.HAS_WL, BN, 64 * WGS)
+                    F.HAS_R, F.HAS_WL, BN, 64 * WGS, ALIGN_END)
                 if n_tiles > 0:
                     mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(q_ready, WGS * half_bytes)
@@ -254,10 +272,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n, n_tiles, WG: gl.constexpr,
                     PINGPONG: gl.constexpr):
-        """A query warpgroup's part in a block whose rows all lie past its sequence's end (the last block of a
-        sequence, not a whole number of 64-row parts): the block's barriers as :func:`_query_warpgroup` meets them,
-        its tiles released and its ping-pong turns passed in the same order, without products. Returns the ring
-        position, Q blocks and turns after it."""
+        """A query warpgroup's part in a block where it takes no product (three warpgroups: its rows all lie outside
+        the sequence, in a partial block, or see no key; :func:`_own_tiles`): the block's barriers as
+        :func:`_query_warpgroup` meets them, its tiles released and its ping-pong turns passed in the same order,
+        without products. Returns the ring position, Q blocks and turns after it."""
         if n_tiles > 0:
             mbarrier.wait(q_ready, qi & 1)
             for j in range(n_tiles + 1):  # turn j: S_j with O += P_{j-1} V_{j-1} (j = n_tiles: the last O only)
@@ -276,8 +294,34 @@ if HAVE_GLUON:
         return kv + n_tiles, qi + (n_tiles > 0).to(gl.int32), n + gl.where(n_tiles > 0, n_tiles + 1, 0)
 
     @gluon.jit
+    def _own_tiles(r0, Lq, Lk, shift, WL, R, t_lo, n_tiles, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                   BN: gl.constexpr):
+        """A warpgroup's own part of its block's key tiles (three warpgroups): ``(n_own, u_lo, u_hi)``, the block's
+        first ``n_own`` tiles hold every key its rows ``[r0, r0 + 64)`` of the sequence see (0 where they are none or
+        see none), and ``[u_lo, u_hi)`` is where every one of them sees every key. Under a causal mask a 192-row
+        block's first warpgroup sees up to 128 keys fewer than its last: it skips those tiles (only releases them)
+        and leaves the mask off tiles the block's last rows need it on."""
+        first = gl.maximum(r0, 0)
+        last = gl.minimum(r0 + 64, Lq) - 1
+        lo, hi, full_lo, full_hi = band_keys(first, last, Lk, shift, WL, R, HAS_R, HAS_WL)
+        w_lo, u_lo, u_hi, w_hi = tile_stages(lo, hi, full_lo, full_hi, BN)
+        sees = (last >= first) & (w_hi > w_lo)
+        n_own = gl.where(sees, gl.minimum((w_hi - t_lo + BN - 1) // BN, n_tiles), 0)
+        return n_own, u_lo, u_hi
+
+    @gluon.jit
+    def _release_tiles(k_ready, k_empty, v_ready, v_empty, kv, n):
+        """Tiles ``kv .. kv + n`` of the rings waited for and released without products (a warpgroup's tiles past
+        its last visible key, :func:`_own_tiles`)."""
+        for i in range(kv, kv + n):
+            mbarrier.wait(k_ready.index(i % 2), (i // 2) & 1)
+            mbarrier.arrive(k_empty.index(i % 2))
+            mbarrier.wait(v_ready.index(i % 2), (i // 2) & 1)
+            mbarrier.arrive(v_empty.index(i % 2))
+
+    @gluon.jit
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WGS: gl.constexpr, WG: gl.constexpr):
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
         last partial block) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
@@ -304,21 +348,25 @@ if HAVE_GLUON:
             for half in range(2):
                 live, b, h, m0, q_row, k_row, Lq, Lk, shift, t_lo, u_lo, u_hi, n_tiles = _work_item(
                     t, half, n_blocks, cu_q, cu_k, total_q, total_k, max_q, max_k, WL, R, H, F.VARLEN, F.BOTTOM_RIGHT,
-                    F.HAS_R, F.HAS_WL, BN, 64 * WGS)
+                    F.HAS_R, F.HAS_WL, BN, 64 * WGS, ALIGN_END)
                 r0 = m0 + WG * 64
-                # Every row of this warpgroup past the sequence's end: no products. With three warpgroups a sequence's
-                # last block often has such; with two, the branch cost more than the rare pass saved (2-3% on dense
-                # causal D64 rows, which have none: bench/NOTES.md).
-                passing = (live & (r0 >= Lq)) if WGS == 3 else False
-                if passing:
-                    kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
-                                            n_tiles, WG, PINGPONG)
-                elif live:  # (every warpgroup takes every tile of a block: the ring's slots need each release)
+                # With three warpgroups, each takes products with its own tiles only (up to its last visible key) and
+                # masks its own edges; one with no row of the sequence or no visible key (a sequence's partial first
+                # block often has such) takes none. With two, the branches cost more than they saved (2-3% on dense
+                # causal D64 rows for the pass alone: bench/NOTES.md), and every warpgroup takes every tile.
+                n_own = n_tiles
+                if WGS == 3:
+                    n_own, u_lo, u_hi = _own_tiles(r0, Lq, Lk, shift, WL, R, t_lo, n_tiles, F.HAS_R, F.HAS_WL, BN)
+                passing = (live & (n_own == 0)) if WGS == 3 else False
+                if live:  # (every warpgroup takes every tile of a block: the ring's slots need each release)
                     rows = r0 + gl.arange(0, 64, layout=row_s)
                     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([64], gl.float32, layout=row_s)
                     o = gl.zeros([64, D], gl.float32, layout=o_layout)
-                    if n_tiles > 0:
+                    if passing:
+                        kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
+                                                n_tiles, WG, PINGPONG)
+                    elif n_tiles > 0:
                         mbarrier.wait(q_ready, qi & 1)
                         stage = kv % 2
                         mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
@@ -329,7 +377,7 @@ if HAVE_GLUON:
                         n += 1
                         s = warpgroup_mma_wait(0, deps=(s,))
                         mbarrier.arrive(k_empty.index(stage))
-                        if n_tiles == 1:
+                        if n_own == 1:
                             mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
                         p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                            qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
@@ -339,7 +387,7 @@ if HAVE_GLUON:
                         # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
                         # while the second product does. Every product is waited for within its iteration (a
                         # product in flight across the loop's back edge makes ptxas serialize every wgmma).
-                        for j in range(1, n_tiles):
+                        for j in range(1, n_own):
                             i = kv + j
                             stage = i % 2
                             prev = (i - 1) % 2
@@ -354,7 +402,7 @@ if HAVE_GLUON:
                             n += 1
                             s = warpgroup_mma_wait(1, deps=(s,))
                             mbarrier.arrive(k_empty.index(stage))
-                            if j == n_tiles - 1:
+                            if j == n_own - 1:
                                 mbarrier.arrive(q_empty)
                             p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
                                                                     shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL, BN,
@@ -366,7 +414,7 @@ if HAVE_GLUON:
                             mbarrier.arrive(v_empty.index(prev))
                             o = o * gl.convert_layout(alpha, row_o)[:, None]
                             p = gl.convert_layout(p_next.to(dtype), p_layout)
-                        last = kv + n_tiles - 1
+                        last = kv + n_own - 1
                         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
                         _take_turn(turn, n, WG, PINGPONG)
                         o = warpgroup_mma(p, v_ring.index(last % 2), o, is_async=True)
@@ -374,6 +422,8 @@ if HAVE_GLUON:
                         n += 1
                         o = warpgroup_mma_wait(0, deps=(o,))
                         mbarrier.arrive(v_empty.index(last % 2))
+                        if WGS == 3:
+                            _release_tiles(k_ready, k_empty, v_ready, v_empty, kv + n_own, n_tiles - n_own)
                         kv += n_tiles
                         qi += 1
                     # Rows that saw no key: output 0 and lse -inf.
@@ -383,20 +433,24 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    if r0 + 64 <= Lq:
+                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block.)
+                    whole = (r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq
+                    if whole:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
                         gl.thread_barrier()
                         o_w.store(o)
                         fence_async_shared()
                         gl.thread_barrier()
                         tma.async_copy_shared_to_global(o_desc, [q_row + r0, h * D], o_w)
-                    else:  # the sequence's last rows (or none): a TMA box would write into the next sequence's
+                    else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
                         cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
                         ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * D + cols[None, :]
-                        gl.store(ptrs, o, mask=(rows_o < Lq)[:, None])
+                        in_seq = (rows_o < Lq) & (rows_o >= 0) if ALIGN_END else rows_o < Lq
+                        gl.store(ptrs, o, mask=in_seq[:, None])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
-                    gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse, mask=rows < Lq)
+                    gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse,
+                             mask=(rows < Lq) & (rows >= 0) if ALIGN_END else rows < Lq)
             t = _receive(it, item, item_ready, item_free)
         tma.store_wait(0)
 
@@ -405,7 +459,7 @@ if HAVE_GLUON:
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
                          F: gl.constexpr, D: gl.constexpr,
                          H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WGS: gl.constexpr):
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
         work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
@@ -413,8 +467,10 @@ if HAVE_GLUON:
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
         times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``)."""
-        # Three query warpgroups fit only D64's registers, and the ping-pong turns are written for two.
+        # Three query warpgroups fit only D64's registers, and the ping-pong turns are written for two. The dropout
+        # draws take query rows in pairs from an even row (gluon/dropout.py): blocks start at even rows.
         gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and not PINGPONG))
+        gl.static_assert(not (ALIGN_END and F.DROPOUT))
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
@@ -468,16 +524,16 @@ if HAVE_GLUON:
                      v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
                      max_k, n_items, n_blocks, mask.window_left, mask.right)
         if WGS == 3:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 0)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 1)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 2)),
-                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
+                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 0)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, 1)),
-                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -513,7 +569,8 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     keyword arguments."""
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
-    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.DROPOUT, problem.max_q)
+    mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
+    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
@@ -521,5 +578,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
         H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
         PINGPONG=wgs == 2 and pingpong(problem.head_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
+        # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
+        ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,
         num_warps=4, maxnreg=common.MAX_REGS if wgs == 2 else common.THREE_WG_MAX_REGS,
     )
