@@ -205,14 +205,16 @@ def test_forward_three_query_warpgroups_with_dropout_match_reference(three_query
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("layout,lengths,mask,warpgroups", [
-    ("dense", [2100], "none", 3), ("dense", [2100], "causal", 2), ("dense", [8200], "causal", 3),
+    ("dense", [2100], "none", 3), ("dense", [2100], "causal", 2), ("dense", [4200], "causal", 3),
     ("jagged", [300, 2100, 5], "none", 3), ("jagged", [300, 2100, 5], "causal", 2),
-    ("jagged", [8300, 8200], "causal_bottom_right", 3), ("jagged", [8300, 8200], "causal_window", 2),
+    ("jagged", [4300, 4200], "causal_bottom_right", 3), ("jagged", [4300, 4200], "causal_window", 2),
 ])
 def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypatch, layout, lengths, mask, warpgroups):
     """The automatic choice reaches the kernel: three at D64 without a mask from 2048 queries, under a causal one from
-    a mean length of 8192 (the blocks then end at the sequence's end), two under a causal window."""
+    a mean length of 4096 (the blocks then end at the sequence's end), two under a causal window."""
     _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    # Six programs: the dense shapes' last waves leave no more of them idle with 192-query blocks than with 128.
+    monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 6)
     aligned_end = []
     taken = _forward_warpgroups(monkeypatch, aligned_end)
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout} {lengths} {mask}".encode()))

@@ -80,21 +80,36 @@ from .dropout import relu_low, row_dropped_signs, row_keep_words
 BLOCK_N = 128
 
 
-def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int) -> int:
+def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
+                     dense_pairs: int | None = None, programs: int | None = None) -> int:
     """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries. Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
-    length ``mean_q`` of 8192. H100, forward TFLOP/s two / three (bench/NOTES.md): dense S2k 441-447 / 450-476,
-    S4k 440-443 / 462-476, S16k 450-461 / 481-503; causal S8k 420-424 / 441-444, S16k 426-431 / 456-461, but S4k
-    411-412 / 407-412, S2k 369-371 / 312-319, S1k 296-308 / 233-234 and train_llm-like jagged batches 239-309 /
-    193-284 (shorter blocks: a warpgroup idles while the block's last rows take their extra tile). With three,
-    each warpgroup has 160 registers (``common.THREE_WG_CONSUMER_REGS``); D128 needs more."""
+    length ``mean_q`` of 4096. H100, forward TFLOP/s two / three (bench/NOTES.md, "Three warpgroups under causal
+    masks"): S2k 439-455 / 456-484, S4k 439-445 / 466, S16k 457-460 / 487-494, S1k 418-421 / 419-424 (a tie); causal
+    S4k 409-414 / 423-426, S8k 420-424 / 450-453, S16k 432 / 445-446, but S2k 362-369 / 348-350, S1k 298-305 /
+    247-264 and train_llm-like jagged batches 233-303 / 216-300. With three, each warpgroup has 160 registers
+    (``common.THREE_WG_CONSUMER_REGS``); D128 needs more.
+
+    ``dense_pairs`` (a dense call's batch x heads) and ``programs`` (the grid's): a dense call's work items weigh
+    the same, so their last wave leaves programs idle; where 192-query blocks' last wave leaves 4% more of the
+    machine idle than 128-query ones', two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against
+    1024, 97%; two / three 416-424 / 396-407)."""
     if head_dim != 64 or dropout:
         return 2
-    if not right_band:
-        return 3 if max_q >= 2048 else 2
-    return 3 if not left_band and mean_q >= 8192 else 2
+    if right_band and (left_band or mean_q < 4096) or not right_band and max_q < 2048:
+        return 2
+    short_wave = dense_pairs is not None and programs and (
+        _busy(max_q, 192, dense_pairs, programs) < _busy(max_q, 128, dense_pairs, programs) - 0.04)
+    return 2 if short_wave else 3
+
+
+def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
+    """The share of ``programs``' rounds that hold a work item, for equal items of two ``block``-query blocks of
+    ``pairs`` (sequence, head) pairs of ``max_q`` queries."""
+    items = cdiv(cdiv(max_q, block), 2) * pairs
+    return items / (cdiv(items, programs) * programs)
 
 
 def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
@@ -320,6 +335,43 @@ if HAVE_GLUON:
             mbarrier.arrive(v_empty.index(i % 2))
 
     @gluon.jit
+    def _own_products(q_w, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, q_empty, kv, n_own, o, m_i, l_i, rows,
+                      t_lo, u_lo, u_hi, Lk, shift, WL, R, qk_scale, seed, offset_lo, threshold, bh, r0,
+                      F: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                      row_o: gl.constexpr):
+        """A query warpgroup's products with the first ``n_own`` tiles of its block (ring positions ``kv ..``), with
+        three warpgroups: ``(O, P, m, l)`` before the last tile's O += P V, as :func:`_query_warpgroup`'s loop with two.
+        The first tile runs the loop too, where O += 0 V_0 stands for the previous tile's product (it adds nothing:
+        the same V rows as tile 0's own product, with P 0 where that one's is). Each partition is a copy of its
+        code, and with the first tile's softmax peeled off the three copies outgrew the SM's instruction cache:
+        "no instruction" stalls took 30% of the warps' samples on short causal rows (bench/NOTES.md)."""
+        dtype: gl.constexpr = q_w.dtype
+        p = gl.zeros([64, BN], dtype, layout=p_layout)
+        for j in range(n_own):
+            i = kv + j
+            stage = i % 2
+            iv = i - (j > 0).to(gl.int32)  # (tile 0: its own V, already loaded or loading)
+            mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
+            mbarrier.wait(v_ready.index(iv % 2), (iv // 2) & 1)
+            s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)), gl.zeros([64, BN], gl.float32, layout=s_layout),
+                              use_acc=False, is_async=True)
+            o = warpgroup_mma(p, v_ring.index(iv % 2), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+            if j == n_own - 1:
+                mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
+            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk, shift, WL, R,
+                                                    qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
+            if F.DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
+                p_next = _drop(p_next, seed, offset_lo, threshold, bh, r0, t_lo + j * BN, s_layout, dtype)
+            o, p = warpgroup_mma_wait(0, deps=(o, p))
+            if j > 0:
+                mbarrier.arrive(v_empty.index(iv % 2))
+            o = o * gl.convert_layout(alpha, row_o)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        return o, p, m_i, l_i
+
+    @gluon.jit
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
                          PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
@@ -368,52 +420,59 @@ if HAVE_GLUON:
                                                 n_tiles, WG, PINGPONG)
                     elif n_tiles > 0:
                         mbarrier.wait(q_ready, qi & 1)
-                        stage = kv % 2
-                        mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
-                        _take_turn(turn, n, WG, PINGPONG)
-                        s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
-                                          gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False, is_async=True)
-                        _pass_turn(turn, WG, PINGPONG)
-                        n += 1
-                        s = warpgroup_mma_wait(0, deps=(s,))
-                        mbarrier.arrive(k_empty.index(stage))
-                        if n_own == 1:
-                            mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
-                        p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
-                                                           qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
-                        if F.DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
-                            p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout, dtype)
-                        p = gl.convert_layout(p.to(dtype), p_layout)  # (with dropout, already in dtype)
-                        # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j runs
-                        # while the second product does. Every product is waited for within its iteration (a
-                        # product in flight across the loop's back edge makes ptxas serialize every wgmma).
-                        for j in range(1, n_own):
-                            i = kv + j
-                            stage = i % 2
-                            prev = (i - 1) % 2
-                            mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
-                            mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
+                        if WGS == 3:  # (one copy of the softmax per partition: see _own_products)
+                            o, p, m_i, l_i = _own_products(q_w, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty,
+                                                           q_empty, kv, n_own, o, m_i, l_i, rows, t_lo, u_lo, u_hi,
+                                                           Lk, shift, WL, R, qk_scale, seed, offset_lo, threshold,
+                                                           b * H + h, r0, F, BN, s_layout, p_layout, row_o)
+                        else:
+                            stage = kv % 2
+                            mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
                             _take_turn(turn, n, WG, PINGPONG)
                             s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
                                               gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
                                               is_async=True)
-                            o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
                             _pass_turn(turn, WG, PINGPONG)
                             n += 1
-                            s = warpgroup_mma_wait(1, deps=(s,))
+                            s = warpgroup_mma_wait(0, deps=(s,))
                             mbarrier.arrive(k_empty.index(stage))
-                            if j == n_own - 1:
-                                mbarrier.arrive(q_empty)
-                            p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi, Lk,
-                                                                    shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL, BN,
-                                                                    s_layout)
-                            if F.DROPOUT:
-                                p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
-                                               s_layout, dtype)
-                            o, p = warpgroup_mma_wait(0, deps=(o, p))
-                            mbarrier.arrive(v_empty.index(prev))
-                            o = o * gl.convert_layout(alpha, row_o)[:, None]
-                            p = gl.convert_layout(p_next.to(dtype), p_layout)
+                            if n_own == 1:
+                                mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
+                            p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
+                                                               qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
+                            if F.DROPOUT:  # (l sums the weights before dropout; O takes the kept ones)
+                                p = _drop(p, seed, offset_lo, threshold, b * H + h, r0, t_lo, s_layout, dtype)
+                            p = gl.convert_layout(p.to(dtype), p_layout)  # (with dropout, already in dtype)
+                            # Tile j: S_j = Q K_jᵀ and O += P_{j-1} V_{j-1} are issued together; the softmax of S_j
+                            # runs while the second product does. Every product is waited for within its iteration
+                            # (a product in flight across the loop's back edge makes ptxas serialize every wgmma).
+                            for j in range(1, n_own):
+                                i = kv + j
+                                stage = i % 2
+                                prev = (i - 1) % 2
+                                mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
+                                mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
+                                _take_turn(turn, n, WG, PINGPONG)
+                                s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                                  gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
+                                                  is_async=True)
+                                o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
+                                _pass_turn(turn, WG, PINGPONG)
+                                n += 1
+                                s = warpgroup_mma_wait(1, deps=(s,))
+                                mbarrier.arrive(k_empty.index(stage))
+                                if j == n_own - 1:
+                                    mbarrier.arrive(q_empty)
+                                p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi,
+                                                                        Lk, shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL,
+                                                                        BN, s_layout)
+                                if F.DROPOUT:
+                                    p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
+                                                   s_layout, dtype)
+                                o, p = warpgroup_mma_wait(0, deps=(o, p))
+                                mbarrier.arrive(v_empty.index(prev))
+                                o = o * gl.convert_layout(alpha, row_o)[:, None]
+                                p = gl.convert_layout(p_next.to(dtype), p_layout)
                         last = kv + n_own - 1
                         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
                         _take_turn(turn, n, WG, PINGPONG)
@@ -570,9 +629,11 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     ensure_allocator()  # the kernel builds its TMA descriptors on the device
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
-    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q)
+    programs = sm_count(q.device)
+    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
+                           problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
-    _attn_fwd_hopper[(min(items, sm_count(q.device)),)](
+    _attn_fwd_hopper[(min(items, programs),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
