@@ -95,7 +95,7 @@ def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: 
     ``dense_pairs`` (a dense call's batch x heads) and ``programs`` (the grid's): a dense call's work items weigh
     the same, so their last wave leaves programs idle; where 192-query blocks' last wave leaves 4% more of the
     machine idle than 128-query ones', two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against
-    1024, 97%; two / three 416-424 / 396-407)."""
+    1024, 97%; two / three 415-432 / 396-407)."""
     if head_dim != 64 or dropout:
         return 2
     if right_band and (left_band or mean_q < 4096) or not right_band and max_q < 2048:
