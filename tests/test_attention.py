@@ -591,12 +591,37 @@ def test_gluon_forward_takes_three_query_warpgroups_at_d64_where_they_measured_f
 @pytest.mark.parametrize("causal,max_q,pairs,expected", [
     (True, 4096, 4 * 32, 3), (True, 4096, 2 * 32, 2), (False, 4096, 2 * 32, 2), (True, 8192, 2 * 32, 3),
     (False, 16384, 32, 3), (False, 2048, 8 * 32, 3), (False, 4000, 4 * 32, 3),
+    (False, 2048, 2, 2), (True, 4096, 1, 2), (True, 4096, 0, 3),  # (fewer items than programs; none)
 ])
 def test_gluon_forward_takes_two_query_warpgroups_where_three_leave_a_short_last_wave(causal, max_q, pairs, expected):
     # A dense call's items weigh the same: two where 192-query blocks leave 4% more of 132 programs idle in their last
     # wave (B2 H32 S4k: 704 items, 89% busy, against 1024, 97%; bench/NOTES.md). Jagged calls: max_q and the mean.
     assert gluon_forward.query_warpgroups(64, causal, False, False, max_q, max_q, pairs, 132) == expected
     assert gluon_forward.query_warpgroups(64, causal, False, False, max_q, max_q) == 3
+
+
+@pytest.mark.parametrize("batch,dense,expected", [(4, True, 3), (2, True, 2), (2, False, 3)])
+def test_gluon_forward_launch_gives_the_rule_a_dense_calls_pairs_and_programs(monkeypatch, batch, dense, expected):
+    # The launcher's arguments to query_warpgroups, without a GPU: the kernel replaced by a recorder, CPU tensors
+    # (nothing computed). D64 causal S4096 H32 on 132 programs: B2 dense leaves the last wave of 192-query items short
+    # (two), B4 doesn't, and jagged calls don't check.
+    taken = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: taken.append(kwargs["WGS"])
+
+    monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorder(), raising=False)
+    monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_forward, "applies", lambda *args: True)
+    offsets = None if dense else torch.arange(0, (batch + 1) * 4096, 4096, dtype=torch.int32)
+    problem = Problem(batch, 32, 32, 64, 64, 4096, 4096, dense, offsets, offsets)
+    shape = (batch, 4096) if dense else (batch * 4096,)
+    q, k, v = (torch.empty(*shape, 32, 64, dtype=torch.bfloat16) for _ in range(3))
+    opts = AttentionOptions(scale=0.125, causal=True)
+    config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
+    triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
+    assert taken == [expected]
 
 
 @pytest.mark.parametrize("batch,adds,causal,expected", [

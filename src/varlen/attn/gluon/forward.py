@@ -93,15 +93,15 @@ def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: 
     (``common.THREE_WG_CONSUMER_REGS``); D128 needs more.
 
     ``dense_pairs`` (a dense call's batch x heads) and ``programs`` (the grid's): a dense call's work items weigh
-    the same, so their last wave leaves programs idle; where 192-query blocks' last wave leaves 4% more of the
-    machine idle than 128-query ones', two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against
-    1024, 97%; two / three 415-432 / 396-407)."""
+    the same, so their last wave leaves programs idle; where 192-query blocks keep the programs' rounds busy 4% less
+    than 128-query ones, two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against 1024, 97%; two /
+    three 415-432 / 396-407; and calls of fewer items than programs, whose time is one item's)."""
     if head_dim != 64 or dropout:
         return 2
     if right_band and (left_band or mean_q < 4096) or not right_band and max_q < 2048:
         return 2
     short_wave = dense_pairs is not None and programs and (
-        _busy(max_q, 192, dense_pairs, programs) < _busy(max_q, 128, dense_pairs, programs) - 0.04)
+        _busy(max_q, 192, dense_pairs, programs) < 0.96 * _busy(max_q, 128, dense_pairs, programs))
     return 2 if short_wave else 3
 
 
@@ -109,7 +109,7 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
     """The share of ``programs``' rounds that hold a work item, for equal items of two ``block``-query blocks of
     ``pairs`` (sequence, head) pairs of ``max_q`` queries."""
     items = cdiv(cdiv(max_q, block), 2) * pairs
-    return items / (cdiv(items, programs) * programs)
+    return items / (cdiv(items, programs) * programs) if items else 1.0
 
 
 def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
@@ -375,8 +375,8 @@ if HAVE_GLUON:
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
                          PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
-        tile, then the output (TMA store through this warpgroup's staging tile; row by row at a sequence's
-        last partial block) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
+        tile, then the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows
+        are not all in the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
         (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
          item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
          scale, qk_scale, seed, offset_lo, threshold, keep_scale) = args
@@ -410,7 +410,7 @@ if HAVE_GLUON:
                 if WGS == 3:
                     n_own, u_lo, u_hi = _own_tiles(r0, Lq, Lk, shift, WL, R, t_lo, n_tiles, F.HAS_R, F.HAS_WL, BN)
                 passing = (live & (n_own == 0)) if WGS == 3 else False
-                if live:  # (every warpgroup takes every tile of a block: the ring's slots need each release)
+                if live:  # (every warpgroup waits for and releases every tile of a block: the ring's slots need each)
                     rows = r0 + gl.arange(0, 64, layout=row_s)
                     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([64], gl.float32, layout=row_s)
