@@ -335,6 +335,15 @@ if HAVE_GLUON:
             mbarrier.arrive(v_empty.index(i % 2))
 
     @gluon.jit
+    def _in_sequence(rows, Lq, ALIGN_END: gl.constexpr):
+        """Which of ``rows`` are queries of the sequence: below ``Lq``, and with ALIGN_END (whose partial first block
+        starts before row 0) from 0."""
+        ok = rows < Lq
+        if ALIGN_END:
+            ok = ok & (rows >= 0)
+        return ok
+
+    @gluon.jit
     def _own_products(q_w, k_ring, v_ring, k_ready, k_empty, v_ready, v_empty, q_empty, kv, n_own, o, m_i, l_i, rows,
                       t_lo, u_lo, u_hi, Lk, shift, WL, R, qk_scale, seed, offset_lo, threshold, bh, r0,
                       F: gl.constexpr, BN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -505,11 +514,10 @@ if HAVE_GLUON:
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
                         cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
                         ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * D + cols[None, :]
-                        in_seq = (rows_o < Lq) & (rows_o >= 0) if ALIGN_END else rows_o < Lq
-                        gl.store(ptrs, o, mask=in_seq[:, None])
+                        gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
                     gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse,
-                             mask=(rows < Lq) & (rows >= 0) if ALIGN_END else rows < Lq)
+                             mask=_in_sequence(rows, Lq, ALIGN_END))
             t = _receive(it, item, item_ready, item_free)
         tma.store_wait(0)
 
