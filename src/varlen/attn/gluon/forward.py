@@ -96,9 +96,8 @@ def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: 
     the same, so their last wave leaves programs idle; where 192-query blocks keep the programs' rounds busy 4% less
     than 128-query ones, two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against 1024, 97%; two /
     three 415-432 / 396-407; and calls of fewer items than programs, whose time is one item's)."""
-    if head_dim != 64 or dropout:
-        return 2
-    if right_band and (left_band or mean_q < 4096) or not right_band and max_q < 2048:
+    long_enough = (not left_band and mean_q >= 4096) if right_band else max_q >= 2048
+    if head_dim != 64 or dropout or not long_enough:
         return 2
     short_wave = dense_pairs is not None and programs and (
         _busy(max_q, 192, dense_pairs, programs) < 0.96 * _busy(max_q, 128, dense_pairs, programs))
