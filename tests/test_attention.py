@@ -624,6 +624,28 @@ def test_gluon_forward_launch_gives_the_rule_a_dense_calls_pairs_and_programs(mo
     assert taken == [expected]
 
 
+@pytest.mark.parametrize("head_dim,seq,kv_heads,batch,mask,mean_k,expected", [
+    (64, 2048, 33, 1, "causal", 2048, True), (64, 2048, 32, 1, "causal", 2048, False),  # (8 pairs a head; 2 x 132)
+    (64, 4096, 32, 4, "causal", 4096, True), (64, 1024, 32, 1, "causal", 1024, False),
+    (64, 2000, 33, 1, "causal", 2000, True),  # (2000 keys: 16 blocks)
+    (64, 4096, 32, 4, "causal_bottom_right", 4096, True),
+    (64, 8192, 32, 4, "causal", 4097, False), (64, 8192, 32, 4, "causal", 4096, True),  # (jagged: the mean counts)
+    (64, 4096, 32, 4, "none", 4096, False), (64, 4096, 32, 4, "causal_window", 4096, False),  # (blocks alike)
+    (128, 4096, 32, 4, "causal", 4096, False),
+])
+def test_gluon_backward_pairs_key_blocks_under_causal_masks_at_d64(monkeypatch, head_dim, seq, kv_heads, batch, mask,
+                                                                   mean_k, expected):
+    # Blocks p and n - 1 - p together where a causal mask makes the first blocks the heaviest, on sequences of a mean
+    # length up to 4096, from two pairs per SM (bench/NOTES.md); D128's shared memory has no room for a second K and
+    # V. (Defined whatever the Triton; the kernel runs on an sm_90 GPU.)
+    monkeypatch.setattr(gluon_backward, "sm_count", lambda device: 132)
+    opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
+            "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
+    problem = Problem(batch, kv_heads, kv_heads, head_dim, head_dim, seq, seq, True)
+    feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
+    assert gluon_backward.pairs(problem, feats, -(-seq // 128), mean_k, None) == expected
+
+
 @pytest.mark.parametrize("batch,adds,causal,expected", [
     (3, True, False, program.HEADS_LAST), (1, True, False, program.BLOCKS_FIRST),
     (3, False, False, program.BLOCKS_FIRST), (65536, True, False, program.BLOCKS_FIRST),

@@ -6,7 +6,7 @@ and check which ran. Every variant they accept: fp16 and bf16, head dims 64
 and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
 different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; both
 also with dropout (against the reference given the mask ``attention_dropout_mask`` reads); the forward at D64
-also with three query warpgroups.
+also with three query warpgroups, the backward at D64 also with two key blocks per program.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -372,6 +372,70 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
     assert orders == [programs_per_sm > 0], orders
     made_on_host = [d is not None for d in host_descriptors]
     assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
+
+
+def _backward_pairs(monkeypatch) -> list:
+    """``PAIRS`` of every launch of the Gluon backward kernel from now on, in a list."""
+    kernel, taken = gluon_backward._bwd_kv_hopper, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                taken.append(kwargs["PAIRS"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(gluon_backward, "_bwd_kv_hopper", Recorded())
+    return taken
+
+
+@pytest.fixture
+def paired_key_blocks(monkeypatch):
+    """Route the Triton backend's backward through the Gluon kernel with two key blocks per program whatever the
+    call: the automatic rule pairs them at D64 where programs are many (``gluon_backward.pairs``), but the kernel
+    computes every D64 variant paired. Returns the kernel's launches and each one's ``PAIRS``."""
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    monkeypatch.setattr(gluon_backward, "pairs", lambda *args: True)
+    return launches, _backward_pairs(monkeypatch)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_paired_key_blocks_match_reference(paired_key_blocks, dtype, layout, heads, kv_heads, mask):
+    # D64 (two K and V buffers: D128's shared memory has no room). Sequences of 0 to 8 key blocks of 128: programs
+    # with two blocks, a last one with one (odd counts: 17, 129 and 300 keys make 1, 2 and 3 blocks), and programs
+    # past the pairs, which return.
+    launches, paired = paired_key_blocks
+    _check_backward(("gluon", launches), dtype, 64, layout, heads, kv_heads, mask)
+    assert paired and set(paired) == {True}
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+def test_backward_paired_key_blocks_with_dropout_match_reference(paired_key_blocks, layout, mask, dropout_p, offset):
+    launches, paired = paired_key_blocks
+    _check_backward(("gluon", launches), torch.bfloat16, 64, layout, 8, 2, mask, dropout_p, offset)
+    assert paired and set(paired) == {True}
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,mask,sms,expected", [
+    (64, "causal", 1, True), (64, "causal_bottom_right", 1, True), (64, "causal", 10**4, False),
+    (128, "causal", 1, False), (64, "none", 1, False),
+])
+def test_gluon_backward_pairs_key_blocks_under_causal_masks(monkeypatch, D, mask, sms, expected):
+    # The automatic choice reaches the kernel: B2 x 1000 keys x 2 kv heads make 16 pairs of key blocks, two per SM
+    # or more with one SM, not with 10**4; never at D128 or without a mask.
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    monkeypatch.setattr(gluon_backward, "sm_count", lambda device: sms)
+    paired = _backward_pairs(monkeypatch)
+    _check_backward(("gluon", launches), torch.bfloat16, D, "dense", 8, 2, mask)
+    assert paired == [expected]
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0):

@@ -119,6 +119,14 @@ def main():
                 print(label.replace("case", "gluon"), flush=True)
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                                 need_dbias=bias is not None, tma=tma, gluon=True)
+                if D == 64:  # one key block per program and two, whatever the rule takes (gluon_backward.pairs)
+                    rule = gluon_backward.pairs
+                    for paired in (False, True):
+                        print(label.replace("case", "gluon pairs" if paired else "gluon one block"), flush=True)
+                        gluon_backward.pairs = lambda *args, paired=paired: paired
+                        launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
+                                        need_dbias=bias is not None, tma=tma, gluon=True)
+                    gluon_backward.pairs = rule
                 if problem.dense:
                     # Lengths that are no whole number of tiles: each program makes its descriptors
                     # (gluon_backward.host_descriptors).

@@ -29,7 +29,9 @@ rows instead (:func:`host_descriptors`): making seven descriptors, each behind a
 program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; ``bench/NOTES.md``).
 
 Order: jagged sequences longest first; dense calls under a causal mask with few programs start every (head,
-sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``).
+sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``). At D64 under a causal
+mask, where programs are many and sequences short, a program takes two key blocks, ``p`` and ``n - 1 - p``, whose
+work adds up alike (``PAIRS``, :func:`pairs`).
 
 Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 2
 Philox calls per thread, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits (-P
@@ -48,7 +50,9 @@ variant it accepts, and run the Triton kernel on the same variants.
 
 from __future__ import annotations
 
-from ...tiling import cdiv
+import collections
+
+from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
@@ -75,6 +79,14 @@ NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loa
 # Dense causal calls with fewer programs per SM start every first key block first (program.blocks_last): +10-17%
 # at 512-1024 programs; at 2048, 3-12% lost (bench/NOTES.md).
 PROGRAMS_PER_SM = 8
+# At D64 under a causal mask a program takes two key blocks (pairs) where the call has at least this many pairs per
+# SM, on sequences of at most this mean length: see pairs().
+PAIRS_PER_SM = 2
+PAIRS_MEAN_KEYS = 4096
+
+# A program's key blocks (one, or two: pairs): how many, and each one's first key, first query tile row, tile count
+# and fully visible tile rows [u_lo, u_hi) (masks.query_stages), each a (first block's, second block's) pair.
+Items = collections.namedtuple("Items", "count n0 t_lo n_tiles u_lo u_hi")
 
 
 if HAVE_GLUON:
@@ -95,6 +107,17 @@ if HAVE_GLUON:
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
 
     @gluon.jit
+    def _blocks(items, ITEMS: gl.constexpr):
+        """The program's key block count: ``items.count``, or a constant 1 where it takes one (a loop of one
+        iteration then folds away; a tuple's field would be a runtime value)."""
+        return items.count if ITEMS > 1 else 1
+
+    @gluon.jit
+    def _item(pair, item):
+        """``pair``'s value for the program's key block ``item`` (0 or 1)."""
+        return pair[0] + item * (pair[1] - pair[0])
+
+    @gluon.jit
     def _query_vector(ptr, m0, Lq, ok, other, BM: gl.constexpr):
         """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``, and everywhere where ``ok`` is false),
         one element per thread, to be redistributed where it is used (:func:`_spread`). Loaded in the tile's own
@@ -110,39 +133,46 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, q_row,
-                    k_row, n0, hk, t_lo, n_tiles, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                    BN: gl.constexpr):
-        """The producer warp: K and V once, then the (Q, dO) tiles of every head through the two-stage ring,
-        each stage refilled once both warpgroups released it. ``q_row``, ``k_row``: the sequence's first rows in
-        the descriptors."""
+                    k_row, hk, items: Items, ITEMS: gl.constexpr, D: gl.constexpr, GROUP: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr):
+        """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
+        every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
+        released it. ``q_row``, ``k_row``: the sequence's first rows in the descriptors; ``ITEMS``: the most key
+        blocks a program takes (:func:`_blocks`)."""
         dtype: gl.constexpr = k_desc.dtype
-        mbarrier.expect(kv_bar, 2 * BN * D * dtype.primitive_bitwidth // 8)
-        tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar, v_smem)
+        for item in range(_blocks(items, ITEMS)):
+            n0 = _item(items.n0, item)
+            mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
+            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar.index(item), k_smem.index(item))
+            tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar.index(item), v_smem.index(item))
         tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
         count = 0
-        for g in range(GROUP):
-            col = (hk * GROUP + g) * D
-            for j in range(n_tiles):
-                stage = count % 2
-                mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
-                mbarrier.expect(ready.index(stage), tile_bytes)
-                row = q_row + t_lo + j * BM
-                tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(stage), q_ring.index(stage))
-                tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(stage), do_ring.index(stage))
-                count += 1
+        for item in range(_blocks(items, ITEMS)):
+            t_lo = _item(items.t_lo, item)
+            for g in range(GROUP):
+                col = (hk * GROUP + g) * D
+                for j in range(_item(items.n_tiles, item)):
+                    stage = count % 2
+                    mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                    mbarrier.expect(ready.index(stage), tile_bytes)
+                    row = q_row + t_lo + j * BM
+                    tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(stage), q_ring.index(stage))
+                    tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(stage), do_ring.index(stage))
+                    count += 1
 
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
                        dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row,
-                       k_row, n0, hk, t_lo, n_tiles, u_lo, u_hi, scale, qk_scale, seed, offset_lo, threshold,
-                       keep_scale, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                       k_row, hk, items: Items, scale, qk_scale, seed, offset_lo, threshold,
+                       keep_scale, ITEMS: gl.constexpr, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                        DROPOUT: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
                        LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
-        """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of the block, over every query tile of every
-        head of the group: dK and dV in registers; dQ over the block's 128 keys added by TMA reduces: all of it
-        every other tile, or (LEAN) half its columns every tile. Tiles in ``[u_lo, u_hi)`` lie wholly inside the
-        band. ``q_row``, ``k_row``: the sequence's first rows in the descriptors."""
+        """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
+        over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
+        added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
+        ``[u_lo, u_hi)`` lie wholly inside the band. ``q_row``, ``k_row``: the sequence's first rows in the
+        descriptors. The ring's, dSᵀ's and dQ's buffers and barriers take turns across the blocks as within one
+        (``count``)."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -152,178 +182,187 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
-        k_w = k_smem.slice(WG * KEYS, KEYS)
-        v_w = v_smem.slice(WG * KEYS, KEYS)
-        keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
-        dk = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
-        dv = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
         inv_qk_scale = 1.0 / qk_scale
-        # Zeros the compiler can't fold (x * 0 is NaN for an infinite x): with them each row of a product's
-        # starting value is a value of its own. Equal values would become register copies made after the
-        # products' fence, and ptxas then waits for the product in flight before the next one.
-        row_zeros = keys.to(gl.float32) * 0.0
         # With dropout the tile's dS is made times 2 / keep_scale (below), which dK and dQ take back at their ends.
         if DROPOUT:
             twice_inv_keep = 2.0 / keep_scale
             dq_scale = scale * keep_scale * 0.5
         else:
             dq_scale = scale
-        mbarrier.wait(kv_bar, 0)
         count = 0
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         # The lean tile loads its lse and delta a tile ahead: loaded where they are used, their latency stood
         # before the tile's products (H200, D128 S4k: 458-467 -> 495-517 TFLOP/s). With dropout (whose draw covers the
-        # latency) or at D64, the two registers that carries cost more than they save (bench/NOTES.md).
+        # latency) or at D64, the two registers that carries cost more than they save (bench/NOTES.md). (The lean
+        # form takes one key block per program: ``pairs``.)
         AHEAD: gl.constexpr = LEAN and not DROPOUT
         if AHEAD:
             row = lse_offset(b, q_start, hk * GROUP, H, total_q, max_q, VARLEN)
-            lse_ahead = _query_vector(LSE2 + row, t_lo, Lq, True, float("inf"), BM)
-            delta_ahead = _query_vector(DELTA + row, t_lo, Lq, True, 0.0, BM)
-        for g in range(GROUP):
-            h = hk * GROUP + g
-            if not AHEAD:
-                row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
-                lse2_row = LSE2 + row
-                delta_row = DELTA + row
-            for j in range(n_tiles):
-                stage = count % 2
-                m0 = t_lo + j * BM
-                if AHEAD:
-                    lse_raw = lse_ahead
-                    delta_raw = delta_ahead
-                    # The next tile's (after the last, the next head's first).
-                    wrap = (j + 1 == n_tiles).to(gl.int32)
-                    row_next = lse_offset(b, q_start, h + wrap, H, total_q, max_q, VARLEN)
-                    m0_next = t_lo + (j + 1 - wrap * n_tiles) * BM
-                    lse_ahead = _query_vector(LSE2 + row_next, m0_next, Lq, g + wrap < GROUP, float("inf"), BM)
-                    delta_ahead = _query_vector(DELTA + row_next, m0_next, Lq, g + wrap < GROUP, 0.0, BM)
-                if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
-                    words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
-                if LEAN:
-                    # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
-                    # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
-                    # keeps the D128 tile from spilling.
+            lse_ahead = _query_vector(LSE2 + row, items.t_lo[0], Lq, True, float("inf"), BM)
+            delta_ahead = _query_vector(DELTA + row, items.t_lo[0], Lq, True, 0.0, BM)
+        for item in range(_blocks(items, ITEMS)):
+            n0 = _item(items.n0, item)
+            t_lo = _item(items.t_lo, item)
+            n_tiles = _item(items.n_tiles, item)
+            u_lo = _item(items.u_lo, item)
+            u_hi = _item(items.u_hi, item)
+            k_w = k_smem.index(item).slice(WG * KEYS, KEYS)
+            v_w = v_smem.index(item).slice(WG * KEYS, KEYS)
+            keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
+            dk = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
+            dv = gl.zeros([KEYS, D], gl.float32, layout=kd_layout)
+            # Zeros the compiler can't fold (x * 0 is NaN for an infinite x): with them each row of a product's
+            # starting value is a value of its own. Equal values would become register copies made after the
+            # products' fence, and ptxas then waits for the product in flight before the next one.
+            row_zeros = keys.to(gl.float32) * 0.0
+            mbarrier.wait(kv_bar.index(item), 0)
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                if not AHEAD:
+                    row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
+                    lse2_row = LSE2 + row
+                    delta_row = DELTA + row
+                for j in range(n_tiles):
+                    stage = count % 2
+                    m0 = t_lo + j * BM
                     if AHEAD:
-                        lse = _spread(lse_raw, q_axis) * inv_qk_scale
+                        lse_raw = lse_ahead
+                        delta_raw = delta_ahead
+                        # The next tile's (after the last, the next head's first).
+                        wrap = (j + 1 == n_tiles).to(gl.int32)
+                        row_next = lse_offset(b, q_start, h + wrap, H, total_q, max_q, VARLEN)
+                        m0_next = t_lo + (j + 1 - wrap * n_tiles) * BM
+                        lse_ahead = _query_vector(LSE2 + row_next, m0_next, Lq, g + wrap < GROUP, float("inf"), BM)
+                        delta_ahead = _query_vector(DELTA + row_next, m0_next, Lq, g + wrap < GROUP, 0.0, BM)
+                    if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
+                        words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
+                    if LEAN:
+                        # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
+                        # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
+                        # keeps the D128 tile from spilling.
+                        if AHEAD:
+                            lse = _spread(lse_raw, q_axis) * inv_qk_scale
+                        else:
+                            lse_tile = _query_vector(lse2_row, m0, Lq, True, float("inf"), BM)
+                            lse = _spread(lse_tile, q_axis) * inv_qk_scale
+                        st = row_zeros[:, None] - lse[None, :]
+                        if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
+                            delta = _spread(delta_raw, q_axis)
+                            dpt = row_zeros[:, None] - delta[None, :]
+                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                        q_tile = q_ring.index(stage)
+                        do_tile = do_ring.index(stage)
+                        st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
+                        if DROPOUT:
+                            dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
+                                                gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
+                                                is_async=True)
+                        else:
+                            dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
+                        st = warpgroup_mma_wait(1, deps=(st,))
+                        pt = gl.exp2(st * qk_scale)
                     else:
-                        lse = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis) * inv_qk_scale
-                    st = row_zeros[:, None] - lse[None, :]
-                    if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
-                        delta = _spread(delta_raw, q_axis)
-                        dpt = row_zeros[:, None] - delta[None, :]
-                    mbarrier.wait(ready.index(stage), (count // 2) & 1)
-                    q_tile = q_ring.index(stage)
-                    do_tile = do_ring.index(stage)
-                    st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
-                    if DROPOUT:
+                        # (At D64 loading lse and delta while the products run is faster.)
+                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                        q_tile = q_ring.index(stage)
+                        do_tile = do_ring.index(stage)
+                        # (Accumulators made at their use: zeros kept across the loop would hold registers.)
+                        st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
+                                           gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
+                                           is_async=True)
                         dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                             gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                             is_async=True)
-                    else:
-                        dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
-                    st = warpgroup_mma_wait(1, deps=(st,))
-                    pt = gl.exp2(st * qk_scale)
-                else:
-                    # (At D64 loading lse and delta while the products run is faster.)
-                    mbarrier.wait(ready.index(stage), (count // 2) & 1)
-                    q_tile = q_ring.index(stage)
-                    do_tile = do_ring.index(stage)
-                    # (Accumulators made at their use: zeros kept across the loop would hold registers.)
-                    st = warpgroup_mma(k_w, q_tile.permute((1, 0)),
-                                       gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
-                                       is_async=True)
-                    dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
-                                        gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
-                                        is_async=True)
-                    lse2 = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis)
-                    st = warpgroup_mma_wait(1, deps=(st,))
-                    pt = gl.exp2(st * qk_scale - lse2[None, :])
-                if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
-                    queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
-                    ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
-                    pt = gl.where(ok, pt, 0.0)
-                if DROPOUT:
-                    # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
-                    # scale joins dV at the end).
-                    pt = (pt.to(gl.uint32, bitcast=True) | dropped_signs(words, kq_layout)).to(gl.float32,
-                                                                                              bitcast=True)
-                    pv = relu_low(pt, dtype)
-                else:
-                    pv = pt.to(dtype)
-                dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_tile, dv, is_async=True)
-                if LEAN and not DROPOUT:
-                    dpt = warpgroup_mma_wait(1, deps=(dpt,))
-                    ds_low = (pt * dpt).to(dtype)
-                else:
-                    delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
-                    dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                        lse2 = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis)
+                        st = warpgroup_mma_wait(1, deps=(st,))
+                        pt = gl.exp2(st * qk_scale - lse2[None, :])
+                    if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
+                        queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
+                        ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
+                        pt = gl.where(ok, pt, 0.0)
                     if DROPOUT:
-                        # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
-                        # (Pᵀ + |Pᵀ|) dP - |Pᵀ| 2 delta / keep_scale: three operations per element, no select, and
-                        # the kept P (pv) not held until here. (The factor moves dS's range in the low precision by
-                        # 2 / keep_scale, 2 (1 - p): within fp16's and bf16's, the tests' p = 0.9 included.)
-                        ds_low = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * (delta * twice_inv_keep)[None, :]).to(dtype)
+                        # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
+                        # scale joins dV at the end).
+                        pt = (pt.to(gl.uint32, bitcast=True) | dropped_signs(words, kq_layout)).to(gl.float32,
+                                                                                                  bitcast=True)
+                        pv = relu_low(pt, dtype)
                     else:
-                        ds_low = (pt * (dpt - delta[None, :])).to(dtype)
-                dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
-                # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
-                # used the buffer before has read it.
-                buf = count % 2
-                ds_tile = ds_smem.index(buf)
-                mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
-                ds_tile.slice(WG * KEYS, KEYS).store(ds_low)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(ds_ready.index(buf))
-                if LEAN:
-                    # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
-                    # block's keys, issued before dK and dV are waited: 32 accumulator registers, where a whole
-                    # 64x128 dQ every other tile takes 64.
-                    mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
-                    dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(WG * DQC, DQC, dim=1),
-                                       gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
-                                       is_async=True)
-                    dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
-                    mbarrier.arrive(empty.index(stage))
-                    mbarrier.arrive(ds_free.index(buf))
-                    tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
+                        pv = pt.to(dtype)
+                    dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_tile, dv, is_async=True)
+                    if LEAN and not DROPOUT:
+                        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                        ds_low = (pt * dpt).to(dtype)
+                    else:
+                        delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
+                        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+                        if DROPOUT:
+                            # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
+                            # (Pᵀ + |Pᵀ|) dP - |Pᵀ| 2 delta / keep_scale: three operations per element, no select, and
+                            # the kept P (pv) not held until here. (The factor moves dS's range in the low precision by
+                            # 2 / keep_scale, 2 (1 - p): within fp16's and bf16's, the tests' p = 0.9 included.)
+                            twice_delta = delta * twice_inv_keep
+                            ds_low = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * twice_delta[None, :]).to(dtype)
+                        else:
+                            ds_low = (pt * (dpt - delta[None, :])).to(dtype)
+                    dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
+                    # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
+                    # used the buffer before has read it.
+                    buf = count % 2
+                    ds_tile = ds_smem.index(buf)
+                    mbarrier.wait(ds_free.index(buf), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                    ds_tile.slice(WG * KEYS, KEYS).store(ds_low)
+                    fence_async_shared()
                     gl.thread_barrier()
-                    _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
-                else:
-                    # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
-                    # turn the asynchronous accumulators into plain tensors.)
-                    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                    mbarrier.arrive(empty.index(stage))
-                    if count % 2 == WG:
-                        # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ).
-                        # One reduce of the block's dQ per tile, where each warpgroup adding its own keys' part
-                        # made two.
+                    mbarrier.arrive(ds_ready.index(buf))
+                    if LEAN:
+                        # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
+                        # block's keys, issued before dK and dV are waited: 32 accumulator registers, where a whole
+                        # 64x128 dQ every other tile takes 64.
                         mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
-                        tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
-                        gl.thread_barrier()
-                        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem,
+                        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.index(item).slice(WG * DQC, DQC, dim=1),
                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
                                            is_async=True)
-                        dq = warpgroup_mma_wait(0, deps=(dq,))
+                        dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                        mbarrier.arrive(empty.index(stage))
                         mbarrier.arrive(ds_free.index(buf))
-                        _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
-                count += 1
-        # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
-        # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
-        if count > 0:
-            mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
-        if count > 1:
-            mbarrier.wait(ds_free.index(count % 2), ((count - 2) // 2) & 1)
-        tma.store_wait(0)
-        k_w.store((dk * dq_scale).to(dtype))
-        if DROPOUT:
-            dv = dv * keep_scale
-        v_w.store(dv.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dk_desc, [k_row + n0 + WG * KEYS, hk * D], k_w)
-        tma.async_copy_shared_to_global(dv_desc, [k_row + n0 + WG * KEYS, hk * D], v_w)
-        tma.store_wait(0)
+                        tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
+                        gl.thread_barrier()
+                        _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
+                    else:
+                        # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
+                        # turn the asynchronous accumulators into plain tensors.)
+                        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+                        mbarrier.arrive(empty.index(stage))
+                        if count % 2 == WG:
+                            # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ).
+                            # One reduce of the block's dQ per tile, where each warpgroup adding its own keys' part
+                            # made two.
+                            mbarrier.wait(ds_ready.index(buf), (count // 2) & 1)
+                            tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
+                            gl.thread_barrier()
+                            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.index(item),
+                                               gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
+                                               is_async=True)
+                            dq = warpgroup_mma_wait(0, deps=(dq,))
+                            mbarrier.arrive(ds_free.index(buf))
+                            _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
+                    count += 1
+            # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
+            # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
+            if count > 0:
+                mbarrier.wait(ds_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+            if count > 1:
+                mbarrier.wait(ds_free.index(count % 2), ((count - 2) // 2) & 1)
+            tma.store_wait(0)
+            k_w.store((dk * dq_scale).to(dtype))
+            if DROPOUT:
+                dv = dv * keep_scale
+            v_w.store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dk_desc, [k_row + n0 + WG * KEYS, hk * D], k_w)
+            tma.async_copy_shared_to_global(dv_desc, [k_row + n0 + WG * KEYS, hk * D], v_w)
+            tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
@@ -331,7 +370,7 @@ if HAVE_GLUON:
                        dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
-                       GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
+                       GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
         ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
         head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
@@ -341,6 +380,9 @@ if HAVE_GLUON:
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, dQ, K, V, dK and dV, made on the host
         (:func:`host_descriptors`; top-level arguments: Triton 3.6's launcher encodes no descriptor inside a
         tuple); otherwise (all None) each program makes its sequence's.
+        PAIRS (:func:`pairs`; not LEAN: shared memory): the blocks axis counts pairs of key blocks; program ``p``
+        takes blocks ``p`` and ``n - 1 - p`` of its sequence's ``n`` (one where they meet): under a causal mask
+        every pair holds the same work. Each block has its own K and V buffer, loaded at the start.
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
@@ -349,11 +391,24 @@ if HAVE_GLUON:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
 
+        gl.static_assert(not (PAIRS and LEAN), "pairs of key blocks: D64 only (two K and V buffers)")
         bt = batch(seqs, total_q, total_k, max_q, max_k)
         block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
-        n0 = block * BN
-        if n0 >= seq.Lk:
-            return
+        if PAIRS:
+            n_blocks = (seq.Lk + BN - 1) // BN
+            if 2 * block >= n_blocks:
+                return
+            ITEMS: gl.constexpr = 2
+            n_items = 1 + (2 * block + 1 < n_blocks).to(gl.int32)
+            n0_first = block * BN
+            n0_second = (n_blocks - 1 - block) * BN
+        else:
+            ITEMS: gl.constexpr = 1
+            n_items = 1
+            n0_first = block * BN
+            n0_second = n0_first
+            if n0_first >= seq.Lk:
+                return
         if HOST_DESCS:
             # Over all B x S rows; no tile crosses a sequence (host_descriptors).
             q_desc, do_desc, dq_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, dQD, KD, VD, dKD, dVD
@@ -378,45 +433,49 @@ if HAVE_GLUON:
             q_row = 0
             k_row = 0
 
-        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BN, D], k_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
         q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)  # dSᵀ of a tile, double-buffered
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, DQC], dq_layout)  # one per warpgroup
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [ITEMS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(ITEMS):
+            mbarrier.init(kv_bar.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
             mbarrier.init(ds_free.index(i), count=2 if LEAN else 1)  # read by each dQ computing warpgroup
 
-        # The query tiles that see this key block; the band, if any, is applied on those outside [u_lo, u_hi).
-        bounds = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
-        t_lo = bounds[0]
-        n_tiles = (bounds[3] - t_lo + BM - 1) // BM
+        # The query tiles that see each key block; the band, if any, is applied on those outside [u_lo, u_hi).
+        first = query_stages(n0_first, seq.Lq, seq.Lk, m, F, BM, BN)
+        second = query_stages(n0_second, seq.Lq, seq.Lk, m, F, BM, BN)
+        items = Items(n_items, (n0_first, n0_second), (first[0], second[0]),
+                      ((first[3] - first[0] + BM - 1) // BM, (second[3] - second[0] + BM - 1) // BM),
+                      (first[1], second[1]), (first[2], second[2]))
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
-                              F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 0)),
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                              offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R,
+                              F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
                               ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, n0, hk, t_lo, n_tiles, bounds[1],
-                              bounds[2], scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale,
-                              F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 1)),
+                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                              offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R,
+                              F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
-                           q_row, k_row, n0, hk, t_lo, n_tiles, D, GROUP, BM, BN)),
+                           q_row, k_row, hk, items, ITEMS, D, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
-        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(ITEMS):
+            mbarrier.invalidate(kv_bar.index(i))
         for i in gl.static_range(2):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
@@ -468,6 +527,20 @@ def dq_columns(head_dim: int) -> int:
     return head_dim // 2 if lean(head_dim) else head_dim
 
 
+def pairs(problem, feats, blocks: int, mean_k: float, device) -> bool:
+    """Whether each program takes two key blocks (``PAIRS``): blocks ``p`` and ``n - 1 - p`` of a sequence, whose
+    work under a causal-like mask (a right band, no left one: the first blocks see the most queries) adds up to the
+    same for every program. At D64 (the lean form's shared memory has no room for a second K and V), on sequences of
+    a mean length (``mean_k`` keys) up to ``PAIRS_MEAN_KEYS``, where the call has ``PAIRS_PER_SM`` pairs per SM or
+    more (``blocks`` key blocks per sequence), so that halving the programs leaves every SM busy. Measured on an H100
+    and an H200 (bench/NOTES.md, "Two key blocks per program"): jagged causal batches +3-7%, dense causal S1k and
+    S4k 0-2%; dense causal S16k 1-3% lost, and without a mask (blocks alike in work) 2-4% lost."""
+    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)
+    programs = cdiv(blocks, 2) * problem.kv_heads * problem.batch
+    return (first_blocks_heaviest and not lean(problem.head_dim) and mean_k <= PAIRS_MEAN_KEYS
+            and programs >= PAIRS_PER_SM * sm_count(device))
+
+
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
               dropout) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
@@ -480,13 +553,18 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         ensure_allocator()  # the kernel builds its TMA descriptors on the device
     QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
-    grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM)
+    blocks = cdiv(problem.max_k, BLOCK_N)
+    mean_k = problem.max_k if dense else k.shape[0] / problem.batch
+    paired = pairs(problem, feats, blocks, mean_k, q.device)
+    # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them.)
+    grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
+                                      0 if paired else PROGRAMS_PER_SM)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, **dropout, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
-        HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        HOST_DESCS=descs is not None, PAIRS=paired, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 
