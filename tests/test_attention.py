@@ -19,6 +19,7 @@ from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
@@ -624,26 +625,45 @@ def test_gluon_forward_launch_gives_the_rule_a_dense_calls_pairs_and_programs(mo
     assert taken == [expected]
 
 
-@pytest.mark.parametrize("head_dim,seq,kv_heads,batch,mask,mean_k,expected", [
-    (64, 2048, 33, 1, "causal", 2048, True), (64, 2048, 32, 1, "causal", 2048, False),  # (8 pairs a head; 2 x 132)
-    (64, 4096, 32, 4, "causal", 4096, True), (64, 1024, 32, 1, "causal", 1024, False),
-    (64, 2000, 33, 1, "causal", 2000, True),  # (2000 keys: 16 blocks)
-    (64, 4096, 32, 4, "causal_bottom_right", 4096, True),
-    (64, 8192, 32, 4, "causal", 4097, False), (64, 8192, 32, 4, "causal", 4096, True),  # (jagged: the mean counts)
-    (64, 4096, 32, 4, "none", 4096, False), (64, 4096, 32, 4, "causal_window", 4096, False),  # (blocks alike)
-    (128, 4096, 32, 4, "causal", 4096, False),
+@pytest.mark.parametrize("head_dim,seq,kv_heads,batch,mask,dense,expected", [
+    (64, 2048, 66, 1, "causal", True, True), (64, 2048, 65, 1, "causal", True, False),  # (8 pairs a head; 4 x 132)
+    (64, 4096, 32, 4, "causal", True, True), (64, 1024, 32, 1, "causal", True, False),
+    (64, 2000, 66, 1, "causal", True, True),  # (2000 keys: 16 blocks)
+    (64, 4096, 32, 4, "causal_bottom_right", True, True),
+    (64, 4097, 32, 4, "causal", True, False),  # (a mean length over 4096)
+    (64, 4096, 32, 4, "none", True, False), (64, 4096, 32, 4, "causal_window", True, False),  # (blocks alike)
+    (128, 4096, 32, 4, "causal", True, False),
+    # Jagged, one sequence of 4000 keys and three empty ones: 16 + 4 pairs a head counted from the key rows (16 and
+    # one per sequence), where the longest sequence's blocks would count 16 x 4.
+    (64, 4000, 27, 4, "causal", False, True), (64, 4000, 26, 4, "causal", False, False),
 ])
 def test_gluon_backward_pairs_key_blocks_under_causal_masks_at_d64(monkeypatch, head_dim, seq, kv_heads, batch, mask,
-                                                                   mean_k, expected):
+                                                                   dense, expected):
     # Blocks p and n - 1 - p together where a causal mask makes the first blocks the heaviest, on sequences of a mean
-    # length up to 4096, from two pairs per SM (bench/NOTES.md); D128's shared memory has no room for a second K and
-    # V. (Defined whatever the Triton; the kernel runs on an sm_90 GPU.)
+    # length up to 4096, from four pairs per SM (where the heaviest-first order doesn't apply; bench/NOTES.md);
+    # D128's shared memory has no room for a second K and V. (Defined whatever the Triton; the kernel runs on an
+    # sm_90 GPU.)
     monkeypatch.setattr(gluon_backward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(program, "sm_count", lambda device: 132)
     opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
             "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
-    problem = Problem(batch, kv_heads, kv_heads, head_dim, head_dim, seq, seq, True)
+    offsets = None if dense else torch.tensor([0, seq, seq, seq, seq])
+    problem = Problem(batch, kv_heads, kv_heads, head_dim, head_dim, seq, seq, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
-    assert gluon_backward.pairs(problem, feats, -(-seq // 128), mean_k, None) == expected
+    total_k = batch * seq if dense else seq
+    assert gluon_backward.pairs(problem, feats, total_k, None) == expected
+    if dense and mask in ("causal", "causal_bottom_right"):  # (pairs where the heaviest-first order does not apply)
+        blocks = -(-seq // 128)
+        assert expected == (not program.blocks_last(problem, feats, blocks, None, gluon_backward.PROGRAMS_PER_SM)
+                            and head_dim == 64 and seq <= 4096)
+
+
+def test_gluon_kernels_only_with_the_triton_they_are_written_for():
+    # Triton 3.9's Gluon has no thread_barrier: a Hopper GPU with another Triton takes the Triton kernels.
+    assert gluon_common.gluon_api_supported("3.6.0") and gluon_common.gluon_api_supported("3.6.1+git1234abcd")
+    assert not any(gluon_common.gluon_api_supported(v) for v in ("3.5.1", "3.9.0", "3.10.0", "4.6.0"))
+    if not gluon_common.gluon_api_supported(triton.__version__):
+        assert not gluon_common.HAVE_GLUON and not gluon_backward.HAVE_GLUON
 
 
 @pytest.mark.parametrize("batch,adds,causal,expected", [

@@ -143,22 +143,26 @@ def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, 
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
 
 
-def _forward_warpgroups(monkeypatch, aligned_end=None) -> list:
-    """The query warpgroups (``WGS``) of every launch of the Gluon forward kernel from now on, in a list (and its
-    ``ALIGN_END`` in ``aligned_end``, a list, if given)."""
-    aligned_end = [] if aligned_end is None else aligned_end
-    kernel, taken = gluon_forward._attn_fwd_hopper, []
+def _launch_arguments(monkeypatch, module, kernel_name, *names) -> tuple[list, ...]:
+    """The keyword arguments ``names`` of every launch of ``module.kernel_name`` from now on (it keeps running), one
+    list per name."""
+    kernel, taken = getattr(module, kernel_name), tuple([] for _ in names)
 
     class Recorded:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                taken.append(kwargs["WGS"])
-                aligned_end.append(kwargs["ALIGN_END"])
+                for name, values in zip(names, taken, strict=True):
+                    values.append(kwargs[name])
                 return kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorded())
+    monkeypatch.setattr(module, kernel_name, Recorded())
     return taken
+
+
+def _forward_warpgroups(monkeypatch) -> tuple[list, list]:
+    """The query warpgroups (``WGS``) and ``ALIGN_END`` of every launch of the Gluon forward kernel from now on."""
+    return _launch_arguments(monkeypatch, gluon_forward, "_attn_fwd_hopper", "WGS", "ALIGN_END")
 
 
 @pytest.fixture
@@ -169,8 +173,7 @@ def three_query_warpgroups(monkeypatch):
     each of the kernel's launches and their ``ALIGN_END``, two lists."""
     _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: 3)
-    aligned_end = []
-    return _forward_warpgroups(monkeypatch, aligned_end), aligned_end
+    return _forward_warpgroups(monkeypatch)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -216,8 +219,7 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
     _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     # Six programs: the dense shapes' 192-query items keep them within 4% as busy as 128-query ones (the rule's bound).
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 6)
-    aligned_end = []
-    taken = _forward_warpgroups(monkeypatch, aligned_end)
+    taken, aligned_end = _forward_warpgroups(monkeypatch)
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd3 auto {layout} {lengths} {mask}".encode()))
     if layout == "dense":
         q, k, v = (torch.randn(1, lengths[0], 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
@@ -263,7 +265,7 @@ def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, 
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
-    taken = _forward_warpgroups(monkeypatch)
+    taken, _ = _forward_warpgroups(monkeypatch)
     g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs}".encode()))
     _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16)
     assert launches and set(taken) == {warpgroups}, "the Gluon kernel did not run with the warpgroups forced"
@@ -376,17 +378,7 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
 
 def _backward_pairs(monkeypatch) -> list:
     """``PAIRS`` of every launch of the Gluon backward kernel from now on, in a list."""
-    kernel, taken = gluon_backward._bwd_kv_hopper, []
-
-    class Recorded:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                taken.append(kwargs["PAIRS"])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(gluon_backward, "_bwd_kv_hopper", Recorded())
-    return taken
+    return _launch_arguments(monkeypatch, gluon_backward, "_bwd_kv_hopper", "PAIRS")[0]
 
 
 @pytest.fixture
@@ -406,8 +398,8 @@ def paired_key_blocks(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_paired_key_blocks_match_reference(paired_key_blocks, dtype, layout, heads, kv_heads, mask):
     # D64 (two K and V buffers: D128's shared memory has no room). Sequences of 0 to 8 key blocks of 128: programs
-    # with two blocks, a last one with one (odd counts: 17, 129 and 300 keys make 1, 2 and 3 blocks), and programs
-    # past the pairs, which return.
+    # with two blocks, a last one with one (17 and 300 keys make 1 and 3 blocks; 129 makes 2, the second with one
+    # key), programs past the pairs, which return, and second blocks no query sees (dense_tiles under a causal mask).
     launches, paired = paired_key_blocks
     _check_backward(("gluon", launches), dtype, 64, layout, heads, kv_heads, mask)
     assert paired and set(paired) == {True}
@@ -416,25 +408,29 @@ def test_backward_paired_key_blocks_match_reference(paired_key_blocks, dtype, la
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
-def test_backward_paired_key_blocks_with_dropout_match_reference(paired_key_blocks, layout, mask, dropout_p, offset):
+def test_backward_paired_key_blocks_with_dropout_match_reference(paired_key_blocks, layout, heads, kv_heads, mask,
+                                                                 dropout_p, offset):
     launches, paired = paired_key_blocks
-    _check_backward(("gluon", launches), torch.bfloat16, 64, layout, 8, 2, mask, dropout_p, offset)
+    _check_backward(("gluon", launches), torch.bfloat16, 64, layout, heads, kv_heads, mask, dropout_p, offset)
     assert paired and set(paired) == {True}
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D,mask,sms,expected", [
-    (64, "causal", 1, True), (64, "causal_bottom_right", 1, True), (64, "causal", 10**4, False),
-    (128, "causal", 1, False), (64, "none", 1, False),
+@pytest.mark.parametrize("D,layout,mask,sms,expected", [
+    (64, "dense", "causal", 1, True), (64, "dense", "causal_bottom_right", 1, True), (64, "jagged", "causal", 1, True),
+    (64, "dense", "causal", 10**4, False), (64, "jagged", "causal", 10**4, False), (128, "dense", "causal", 1, False),
+    (64, "dense", "none", 1, False),
 ])
-def test_gluon_backward_pairs_key_blocks_under_causal_masks(monkeypatch, D, mask, sms, expected):
-    # The automatic choice reaches the kernel: B2 x 1000 keys x 2 kv heads make 16 pairs of key blocks, two per SM
-    # or more with one SM, not with 10**4; never at D128 or without a mask.
+def test_gluon_backward_pairs_key_blocks_under_causal_masks(monkeypatch, D, layout, mask, sms, expected):
+    # The automatic choice reaches the kernel: B2 x 1000 keys x 2 kv heads make 16 pairs of key blocks (the jagged
+    # LENGTHS, 24 counted from the key rows), four per SM or more with one SM, not with 10**4; never at D128 or
+    # without a mask.
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     monkeypatch.setattr(gluon_backward, "sm_count", lambda device: sms)
     paired = _backward_pairs(monkeypatch)
-    _check_backward(("gluon", launches), torch.bfloat16, D, "dense", 8, 2, mask)
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask)
     assert paired == [expected]
 
 

@@ -8,7 +8,8 @@ Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (floa
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout; deterministic mode; TMA loads and pointer loads; and the Gluon forward and backward
 for every case they support (their "gluon forward ..." and "gluon ..." labels; at D64 the forward also with three
-query warpgroups, "gluon forward 3wg ..."). Outputs stay unwritten (nothing is run).
+query warpgroups, "gluon forward 3wg ...", and the backward with one key block per program and with two, "gluon one
+block ..." and "gluon pairs ..."). Outputs stay unwritten (nothing is run).
 """
 
 import os
@@ -116,26 +117,27 @@ def main():
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                     gluon_forward.query_warpgroups = rule
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
-                print(label.replace("case", "gluon"), flush=True)
-                launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
-                                need_dbias=bias is not None, tma=tma, gluon=True)
-                if D == 64:  # one key block per program and two, whatever the rule takes (gluon_backward.pairs)
-                    rule = gluon_backward.pairs
-                    for paired in (False, True):
-                        print(label.replace("case", "gluon pairs" if paired else "gluon one block"), flush=True)
-                        gluon_backward.pairs = lambda *args, paired=paired: paired
+                # At D64 one key block per program and two, whatever the rule takes (gluon_backward.pairs).
+                rule = gluon_backward.pairs
+                try:
+                    for paired in (False, True) if D == 64 else (None,):
+                        if paired is not None:
+                            gluon_backward.pairs = lambda *args, paired=paired: paired
+                        form = {None: "gluon", False: "gluon one block", True: "gluon pairs"}[paired]
+                        print(label.replace("case", form), flush=True)
                         launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                                         need_dbias=bias is not None, tma=tma, gluon=True)
+                        if problem.dense:
+                            # Lengths that are no whole number of tiles: each program makes its descriptors
+                            # (gluon_backward.host_descriptors).
+                            ragged = _problem(D, jagged, group, S=200)
+                            rq, rk, rv, rdo = _tensors(ragged, dtype)
+                            r_out, r_lse = launch_forward(rq, rk, rv, bias, alibi, ragged, opts, seed, fwd, tma=tma,
+                                                          gluon=False)
+                            launch_backward(rdo, None, rq, rk, rv, r_out, r_lse, bias, alibi, ragged, opts, seed, bwd,
+                                            need_dbias=bias is not None, tma=tma, gluon=True)
+                finally:
                     gluon_backward.pairs = rule
-                if problem.dense:
-                    # Lengths that are no whole number of tiles: each program makes its descriptors
-                    # (gluon_backward.host_descriptors).
-                    ragged = _problem(D, jagged, group, S=200)
-                    q, k, v, do = _tensors(ragged, dtype)
-                    out, lse = launch_forward(q, k, v, bias, alibi, ragged, opts, seed, fwd, tma=tma, gluon=False)
-                    launch_backward(do, None, q, k, v, out, lse, bias, alibi, ragged, opts, seed, bwd,
-                                    need_dbias=bias is not None, tma=tma, gluon=True)
-
 
 if __name__ == "__main__":
     main()

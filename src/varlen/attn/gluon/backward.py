@@ -2,10 +2,10 @@
 
 The plain Triton kernel (``triton/backward.py``) leaves the scheduling of its five matmuls to the compiler,
 which on sm_90 keeps them synchronous and spills at 128-key tiles. Here FA3's structure is written out
-(``../shared/attention-backward-notes.md``): one program per (128-key block, kv head, sequence), three
-partitions (``gl.warp_specialize``):
+(``../shared/attention-backward-notes.md``): one program per (128-key block, kv head, sequence), or per pair of
+blocks (``PAIRS``, below), three partitions (``gl.warp_specialize``):
 
-- a loader warp (24 registers): K and V once by TMA, then the (Q, dO) tiles of 64 queries of every head of
+- a loader warp (24 registers): K and V once per block by TMA, then the (Q, dO) tiles of 64 queries of every head of
   the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers);
 - two key warpgroups (240 registers each), each owning 64 of the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both
   operands from shared memory; Pᵀ and dSᵀ stay in registers as the A operand of dV += Pᵀ dO and
@@ -55,7 +55,7 @@ import collections
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
-from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
+from ..triton.program import Rows, Seqs, base, batch, first_blocks_heaviest, key_block_grid, lse_offset, prologue, rows
 from ..triton.scores import Dropout
 from . import common
 from .common import (
@@ -80,13 +80,15 @@ NUM_WARPS = 4  # the default partition: one key warpgroup; the other and the loa
 # at 512-1024 programs; at 2048, 3-12% lost (bench/NOTES.md).
 PROGRAMS_PER_SM = 8
 # At D64 under a causal mask a program takes two key blocks (pairs) where the call has at least this many pairs per
-# SM, on sequences of at most this mean length: see pairs().
-PAIRS_PER_SM = 2
+# SM (where the heaviest-first order above doesn't apply, which measured better below that), on sequences of at most
+# this mean length: see pairs().
+PAIRS_PER_SM = PROGRAMS_PER_SM // 2
 PAIRS_MEAN_KEYS = 4096
 
-# A program's key blocks (one, or two: pairs): how many, and each one's first key, first query tile row, tile count
-# and fully visible tile rows [u_lo, u_hi) (masks.query_stages), each a (first block's, second block's) pair.
-Items = collections.namedtuple("Items", "count n0 t_lo n_tiles u_lo u_hi")
+# A program's key blocks (one, or two: pairs): how many (``taken``), and each one's first key, first query tile row,
+# tile count and fully visible tile rows [u_lo, u_hi) (masks.query_stages), each a (first block's, second block's)
+# pair.
+Items = collections.namedtuple("Items", "taken n0 t_lo n_tiles u_lo u_hi")
 
 
 if HAVE_GLUON:
@@ -107,10 +109,10 @@ if HAVE_GLUON:
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
 
     @gluon.jit
-    def _blocks(items, ITEMS: gl.constexpr):
-        """The program's key block count: ``items.count``, or a constant 1 where it takes one (a loop of one
+    def _blocks_taken(items, ITEMS: gl.constexpr):
+        """The program's key block count: ``items.taken``, or a constant 1 where it takes one (a loop of one
         iteration then folds away; a tuple's field would be a runtime value)."""
-        return items.count if ITEMS > 1 else 1
+        return items.taken if ITEMS > 1 else 1
 
     @gluon.jit
     def _item(pair, item):
@@ -138,16 +140,16 @@ if HAVE_GLUON:
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
         released it. ``q_row``, ``k_row``: the sequence's first rows in the descriptors; ``ITEMS``: the most key
-        blocks a program takes (:func:`_blocks`)."""
+        blocks a program takes (:func:`_blocks_taken`)."""
         dtype: gl.constexpr = k_desc.dtype
-        for item in range(_blocks(items, ITEMS)):
+        for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
             tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar.index(item), k_smem.index(item))
             tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar.index(item), v_smem.index(item))
         tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
         count = 0
-        for item in range(_blocks(items, ITEMS)):
+        for item in range(_blocks_taken(items, ITEMS)):
             t_lo = _item(items.t_lo, item)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
@@ -200,7 +202,7 @@ if HAVE_GLUON:
             row = lse_offset(b, q_start, hk * GROUP, H, total_q, max_q, VARLEN)
             lse_ahead = _query_vector(LSE2 + row, items.t_lo[0], Lq, True, float("inf"), BM)
             delta_ahead = _query_vector(DELTA + row, items.t_lo[0], Lq, True, 0.0, BM)
-        for item in range(_blocks(items, ITEMS)):
+        for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             t_lo = _item(items.t_lo, item)
             n_tiles = _item(items.n_tiles, item)
@@ -362,7 +364,9 @@ if HAVE_GLUON:
             gl.thread_barrier()
             tma.async_copy_shared_to_global(dk_desc, [k_row + n0 + WG * KEYS, hk * D], k_w)
             tma.async_copy_shared_to_global(dv_desc, [k_row + n0 + WG * KEYS, hk * D], v_w)
-            tma.store_wait(0)
+        # (A block's K and V buffer is not used again: the next block's dQ reduces wait for these stores where they
+        # wait for their own staging buffer, and the program waits here before it ends.)
+        tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
@@ -372,8 +376,9 @@ if HAVE_GLUON:
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
-        ``program.blocks_last``); tensors as ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator,
-        head dim D), each with its heads packed in a row (stride_h = D). ``scale``: the softmax scale;
+        ``program.blocks_last``), its blocks axis halved (rounded up) with ``PAIRS``; tensors as
+        ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
+        row (stride_h = D). ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args``
         gives them (used where ``F.DROPOUT``). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
         dQ columns per product and reduce (:func:`dq_columns`).
@@ -454,7 +459,7 @@ if HAVE_GLUON:
 
         # The query tiles that see each key block; the band, if any, is applied on those outside [u_lo, u_hi).
         first = query_stages(n0_first, seq.Lq, seq.Lk, m, F, BM, BN)
-        second = query_stages(n0_second, seq.Lq, seq.Lk, m, F, BM, BN)
+        second = query_stages(n0_second, seq.Lq, seq.Lk, m, F, BM, BN) if PAIRS else first
         items = Items(n_items, (n0_first, n0_second), (first[0], second[0]),
                       ((first[3] - first[0] + BM - 1) // BM, (second[3] - second[0] + BM - 1) // BM),
                       (first[1], second[1]), (first[2], second[2]))
@@ -527,18 +532,22 @@ def dq_columns(head_dim: int) -> int:
     return head_dim // 2 if lean(head_dim) else head_dim
 
 
-def pairs(problem, feats, blocks: int, mean_k: float, device) -> bool:
+def pairs(problem, feats, total_k: int, device) -> bool:
     """Whether each program takes two key blocks (``PAIRS``): blocks ``p`` and ``n - 1 - p`` of a sequence, whose
-    work under a causal-like mask (a right band, no left one: the first blocks see the most queries) adds up to the
-    same for every program. At D64 (the lean form's shared memory has no room for a second K and V), on sequences of
-    a mean length (``mean_k`` keys) up to ``PAIRS_MEAN_KEYS``, where the call has ``PAIRS_PER_SM`` pairs per SM or
-    more (``blocks`` key blocks per sequence), so that halving the programs leaves every SM busy. Measured on an H100
-    and an H200 (bench/NOTES.md, "Two key blocks per program"): jagged causal batches +3-7%, dense causal S1k and
-    S4k 0-2%; dense causal S16k 1-3% lost, and without a mask (blocks alike in work) 2-4% lost."""
-    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)
-    programs = cdiv(blocks, 2) * problem.kv_heads * problem.batch
-    return (first_blocks_heaviest and not lean(problem.head_dim) and mean_k <= PAIRS_MEAN_KEYS
-            and programs >= PAIRS_PER_SM * sm_count(device))
+    work under a causal-like mask (:func:`program.first_blocks_heaviest`) adds up to the same for every program. At
+    D64 (the lean form's shared memory has no room for a second K and V), on sequences of a mean length up to
+    ``PAIRS_MEAN_KEYS`` (``total_k``: the key rows, B x max_k if dense), where the call has ``PAIRS_PER_SM`` pairs
+    per SM or more (counted from the key rows: a jagged batch's grid is sized by its longest sequence), so that
+    halving the programs leaves every SM busy. Measured on an H100 and an H200 (bench/NOTES.md, "Two key blocks per
+    program"): jagged causal batches +3-7%, dense causal S1k and S4k 0-2.4%; dense causal S16k 0-6% lost, and
+    without a mask (blocks alike in work) 2-4% lost."""
+    batch, kv_heads = problem.batch, problem.kv_heads
+    if problem.dense:
+        pairs_per_head = cdiv(cdiv(problem.max_k, BLOCK_N), 2) * batch
+    else:  # (each sequence rounds its pairs up by at most one)
+        pairs_per_head = cdiv(total_k, 2 * BLOCK_N) + batch
+    return (first_blocks_heaviest(feats) and not lean(problem.head_dim) and total_k <= PAIRS_MEAN_KEYS * batch
+            and pairs_per_head * kv_heads >= PAIRS_PER_SM * sm_count(device))
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
@@ -554,8 +563,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
     blocks = cdiv(problem.max_k, BLOCK_N)
-    mean_k = problem.max_k if dense else k.shape[0] / problem.batch
-    paired = pairs(problem, feats, blocks, mean_k, q.device)
+    paired = pairs(problem, feats, problem.batch * problem.max_k if dense else k.shape[0], q.device)
     # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them.)
     grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
                                       0 if paired else PROGRAMS_PER_SM)

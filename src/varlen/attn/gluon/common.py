@@ -11,7 +11,22 @@ from ..._backend import interpreter_enabled
 from ..triton.configs import compute_capability
 from ..triton.launch import DATA_DEPENDENT, tma_aligned
 
-try:  # Gluon ships with Triton 3.6+; CI's CPU-only Triton may differ, and nothing here runs there
+# The kernels are written against Triton 3.6's Gluon API, which later releases change (3.9 has no
+# gl.thread_barrier, and the Hopper module's names moved): with any other Triton the Triton kernels run instead.
+GLUON_TRITON = (3, 6)
+
+
+def gluon_api_supported(triton_version: str) -> bool:
+    """Whether a Triton of this version string has the Gluon API the kernels are written for (``GLUON_TRITON``)."""
+    return tuple(int(part) for part in triton_version.split(".")[:2]) == GLUON_TRITON
+
+
+try:  # (CI's CPU-only Triton may be another release; nothing here runs there)
+    import triton
+
+    if not gluon_api_supported(triton.__version__):
+        raise ImportError(f"varlen's Gluon kernels need Triton {GLUON_TRITON[0]}.{GLUON_TRITON[1]}, "
+                          f"not {triton.__version__}")
     from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -30,9 +45,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     ir = gluon = gl = builtin = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     TensorDescriptor = None
 
-__all__ = ["DATA_DEPENDENT", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl", "gluon", "ir",
-           "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call", "hopper_layout",
-           "sequences_adjacent", "shared_layout"]
+__all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
+           "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call",
+           "hopper_layout", "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer

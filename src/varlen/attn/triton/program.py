@@ -82,10 +82,15 @@ def blocks_last(problem, feats, blocks: int, device, programs_per_sm: int) -> bo
     (each kernel's own measured bound: with many programs the tail is short, and concurrent programs reading one
     head's queries share them in L2). Not with a left window (its blocks are alike) or jagged batches (ordered
     longest first instead)."""
-    first_blocks_heaviest = bool(feats.HAS_R) and not bool(feats.HAS_WL)
-    if not (problem.dense and first_blocks_heaviest):
+    if not (problem.dense and first_blocks_heaviest(feats)):
         return False
     return blocks * problem.kv_heads * problem.batch < programs_per_sm * sm_count(device)
+
+
+def first_blocks_heaviest(feats) -> bool:
+    """Whether a sequence's first key blocks see the most queries: a causal-like mask (a right band) without a left
+    window (whose blocks are alike)."""
+    return bool(feats.HAS_R) and not bool(feats.HAS_WL)
 
 
 def heads_last(problem, adds_across_batch: bool) -> bool:
