@@ -4,6 +4,7 @@ apply (an sm_90 GPU, heads packed in a row, TMA-aligned tensors)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -18,7 +19,8 @@ GLUON_TRITON = (3, 6)
 
 def gluon_api_supported(triton_version: str) -> bool:
     """Whether a Triton of this version string has the Gluon API the kernels are written for (``GLUON_TRITON``)."""
-    return tuple(int(part) for part in triton_version.split(".")[:2]) == GLUON_TRITON
+    release = re.match(r"(\d+)\.(\d+)", triton_version)
+    return release is not None and (int(release[1]), int(release[2])) == GLUON_TRITON
 
 
 try:  # (CI's CPU-only Triton may be another release; nothing here runs there)
