@@ -502,23 +502,30 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
             and common.hopper_layout(problem.head_dim, q, k, v, dout))
 
 
-def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
-    """The kernel's TMA descriptors (q, dO, dQ, K, V, dK, dV) made once on the host, each over all B x S rows of
-    its tensor, where no tile crosses a sequence: dense calls whose query and key lengths are whole numbers of
-    query tiles (BLOCK_M) and key blocks (BLOCK_N), with each tensor's sequences one after another in memory.
-    Otherwise None: each program makes its own sequence's descriptors, which clip at the sequence's end, and
-    the seven makings, each fenced, delay the start of every program's loads."""
-    tensors = (q, dout, dq_acc, k, v, dk, dv)
+def host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
+    """The boxes of :func:`host_descriptors`' seven descriptors (q, dO, dQ, K, V, dK, dV) where it makes them: dense
+    calls whose query and key lengths are whole numbers of query tiles (BLOCK_M) and key blocks (BLOCK_N), with each
+    tensor's sequences one after another in memory, so that no tile crosses a sequence. Otherwise None."""
     if not problem.dense or problem.max_q % BLOCK_M or problem.max_k % BLOCK_N:
         return None
-    if not common.sequences_adjacent(*tensors):
+    if not common.sequences_adjacent(q, dout, dq_acc, k, v, dk, dv):
         return None
     D = problem.head_dim
-    blocks = ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dq_columns(D)], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
-              [BLOCK_N // 2, D])
-    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1], block,
-                                  common.shared_layout(tuple(block), t.dtype))
-                 for t, block in zip(tensors, blocks, strict=True))
+    return ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dq_columns(D)], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
+            [BLOCK_N // 2, D])
+
+
+def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
+    """The kernel's TMA descriptors (q, dO, dQ, K, V, dK, dV) made once on the host, each over all B x S rows of
+    its tensor, where no tile crosses a sequence (:func:`host_descriptor_boxes`). Otherwise None: each program makes
+    its own sequence's descriptors, which clip at the sequence's end, and the seven makings, each fenced, delay the
+    start of every program's loads."""
+    boxes = host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv)
+    if boxes is None:
+        return None
+    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1], box,
+                                  common.shared_layout(tuple(box), t.dtype))
+                 for t, box in zip((q, dout, dq_acc, k, v, dk, dv), boxes, strict=True))
 
 
 def lean(head_dim: int) -> bool:
