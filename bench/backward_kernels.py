@@ -23,28 +23,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import varlen
+from cuda_graph import captured  # (bench/, the script's folder)
 from varlen.attn.gluon import backward as gluon_backward
 
 DEV = "cuda"
 
 
-def graphed(fn):
-    """``fn`` captured once into a CUDA graph (after warm-up on a side stream); returns its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def backward_ms(forward, step) -> float:
     """Milliseconds of a step's backward: the replayed step's median minus the replayed forward's."""
-    ms = [do_bench(graphed(fn), warmup=50, rep=300, return_mode="median") for fn in (forward, step)]
+    ms = [do_bench(captured(fn), warmup=50, rep=300, return_mode="median") for fn in (forward, step)]
     return ms[1] - ms[0]
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import varlen
+from cuda_graph import captured  # (bench/, the script's folder)
 
 
 def host_us(fn, n: int = 300) -> float:
@@ -106,16 +107,7 @@ def eager_beside_graph(B, S, H, D, causal) -> dict:
             t.grad = None
         varlen.attention(q, k, v, causal=causal).backward(grad)
 
-    side = torch.cuda.Stream()  # warm-up off the capture
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    eager, replay = do_bench(step), do_bench(graph.replay)
+    eager, replay = do_bench(step), do_bench(captured(step))
     flops = 3.5 * 4 * B * H * S * S * D * (0.5 if causal else 1)
     return {"shape": f"B{B} S{S} H{H} D{D}" + (" causal" if causal else ""), "us per step eager": round(eager * 1e3, 1),
             "us per step graph": round(replay * 1e3, 1), "TFLOP/s eager / graph":
