@@ -12,8 +12,8 @@ from ..._backend import interpreter_enabled
 from ..triton.configs import compute_capability
 from ..triton.launch import DATA_DEPENDENT, tma_aligned
 
-# The kernels are written against Triton 3.6's Gluon API, which later releases change (3.9 has no
-# gl.thread_barrier, and the Hopper module's names moved): with any other Triton the Triton kernels run instead.
+# The kernels are written against Triton 3.6's Gluon API, which later releases change (3.9's has no
+# gl.thread_barrier, so the kernels failed to compile there): with any other Triton the Triton kernels run instead.
 GLUON_TRITON = (3, 6)
 
 
