@@ -551,6 +551,11 @@ def test_jagged_programs_take_the_longest_sequences_first():
     assert longest_first(Problem(**shape, dense=True), placeholder) is placeholder
 
 
+# The masks of the key-block order tests: causal ones (first blocks heaviest) and ones whose blocks are alike.
+KEY_BLOCK_MASKS = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
+                   "none": {}, "causal_window": dict(causal=True, window_left=64)}
+
+
 @pytest.mark.parametrize("mask,dense,blocks,expected", [
     ("causal", True, 131, True), ("causal", True, 132, False), ("causal_bottom_right", True, 8, True),
     ("none", True, 8, False), ("causal_window", True, 8, False), ("causal", False, 8, False),
@@ -561,8 +566,7 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
     # SM: 8 x 132 = 1056 here, 8 per key block) they all start first. Not for windows (blocks alike),
     # non-causal or jagged calls.
     monkeypatch.setattr(program, "sm_count", lambda device: 132)
-    opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
-            "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
+    opts = KEY_BLOCK_MASKS[mask]
     offsets = None if dense else torch.tensor([0, 5, 9])
     problem = Problem(2, 4, 4, 64, 64, blocks * 128, blocks * 128, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
@@ -645,8 +649,7 @@ def test_gluon_backward_pairs_key_blocks_under_causal_masks_at_d64(monkeypatch, 
     # sm_90 GPU.)
     monkeypatch.setattr(gluon_backward, "sm_count", lambda device: 132)
     monkeypatch.setattr(program, "sm_count", lambda device: 132)
-    opts = {"causal": dict(causal=True), "causal_bottom_right": dict(causal=True, bottom_right=True),
-            "none": {}, "causal_window": dict(causal=True, window_left=64)}[mask]
+    opts = KEY_BLOCK_MASKS[mask]
     offsets = None if dense else torch.tensor([0, seq, seq, seq, seq])
     problem = Problem(batch, kv_heads, kv_heads, head_dim, head_dim, seq, seq, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **opts), None, None, None)
