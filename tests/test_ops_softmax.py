@@ -153,6 +153,28 @@ def test_16_bit_backward_tiles_at_the_bound(sms, monkeypatch):
             assert plan.block_t == plan.chunk_rows == block_t and plan.block_f == softmax_ops.COOPERATIVE_COLS
 
 
+@pytest.mark.parametrize("sms", [132, 78])
+@pytest.mark.parametrize("inputs", [1, 2], ids=["forward", "backward"])
+def test_float32_tiles_at_the_bounds(sms, inputs, monkeypatch):
+    """The float32 cooperative tiles: 64 columns while a sequence has at most FLOAT32_WIDE_TILES of them, then 32
+    columns of twice the rows while those fit the bound, then split; blocks of fewer columns keep their rows. The
+    plan of a GPU with ``sms`` SMs, chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: sms)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: sms)  # (the split plan's chunks)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    most, wide = sms // 2, softmax_ops.FLOAT32_WIDE_TILES
+    rows = softmax_ops.COOPERATIVE_TILE_BYTES // (softmax_ops.COOPERATIVE_COLS * 4 * inputs)
+    for max_len, tile in ((4096, (rows, 64)), (wide * rows, (rows, 64)), (wide * rows + 1, (2 * rows, 32)),
+                          (most * 2 * rows, (2 * rows, 32)), (most * 2 * rows + 1, None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 1024, 4, gpu, inputs=inputs)
+        assert plan.cooperative == (tile is not None), max_len
+        if tile is not None:
+            assert (plan.block_t, plan.block_f) == tile and plan.chunk_rows == plan.block_t, max_len
+    plan = softmax_ops.softmax_plan(64, wide * rows + 1, 20, 4, gpu, inputs=inputs)  # a block of 32 columns
+    assert plan.cooperative and (plan.block_t, plan.block_f) == (rows, 32)
+
+
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
     """Its tiles wait for each other: under the interpreter, which runs one program at a time, a sequence of two
     tiles would never finish, so the launcher refuses rather than hang (and the automatic plan never picks it)."""
@@ -331,7 +353,8 @@ def test_bad_inputs(device):
                                      [1, 70000]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
-    """Single tile, cooperative (float32 and 16-bit backward: up to 8K-16K rows, the 16-bit backward in tiles of
+    """Single tile, cooperative (float32: tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32
+    columns and twice the rows up to 33792 and 16896 (12000 and 33000 here); the 16-bit backward in tiles of
     128 rows up to 8448 and 256 beyond; 16-bit forward, chunks held in shared memory on sm_90: 192 rows up to 12672
     (12000 near that bound), 512 up to 33792 (33000), elsewhere read twice), split across many programs (a few long
     sequences), and one very long sequence."""

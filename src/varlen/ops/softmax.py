@@ -371,6 +371,13 @@ class SoftmaxPlan:
 # sweep (bench/NOTES.md) over tiles of 4K-16K elements, 32-256 columns, 4 or 8 warps and 8-32 tiles per load.
 COOPERATIVE_TILE_BYTES = 65536
 COOPERATIVE_COLS = 64
+# A float32 sequence of more tiles than this takes tiles of half the columns and twice the rows (the same bytes): its
+# tiles wait for each other and combine their partials, which costs more the more tiles a sequence has. Sweep, % of
+# copy, GPU only, 64-column tiles / 32-column (bench/NOTES.md, "Float32 softmax tiles for long sequences"): at
+# bench/jagged_ops.py's shape (16 forward tiles, 32 backward) forward H100 83.0 / 81.9, H200 69.2 / 67.8, backward
+# 87.2 / 86.9, 74.0 / 74.4; 16 sequences of 4K-16K rows (64 forward tiles, 127 backward: past the bound, so the split
+# path) forward H100 75.0 / 80.3, H200 61.4 / 67.5, backward 59.9 / 83.3, 60.3 / 71.6.
+FLOAT32_WIDE_TILES = 32
 COMBINE_SLICE = 16
 # The backward's combine loads twice as many: one load for up to 32 tiles (4,096 rows of 128) instead of a loop.
 # H100 at bench/jagged_ops.py's shape: bf16 78% -> 80% of copy, float32 84% -> 86%; 64 is lower (72%), and 32 costs
@@ -406,7 +413,8 @@ def cooperative_max_chunks(device: torch.device) -> int:
 def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, device: torch.device,
                       shared: bool) -> SoftmaxPlan | None:
     """Blocks of 64 columns, 4 warps (2 in the first shared tier), where a sequence's tiles fit
-    :func:`cooperative_max_chunks`: float32 tiles holding 64 KiB of input; the 16-bit backward's of
+    :func:`cooperative_max_chunks`: float32 tiles holding 64 KiB of input (32 columns and twice the rows past
+    :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of
     ``HELD_16_BLOCK_T`` rows (twice that where those would pass the bound); the 16-bit forward's chunks of
     ``REREAD_CHUNK_ROWS`` rows read twice in tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns
     keep the elements per tile: narrower blocks were not measured), or, where ``shared`` (the input suits
@@ -430,6 +438,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
         block_t = chunk_rows = HELD_16_BLOCK_T if fits else 2 * HELD_16_BLOCK_T
     else:
         block_t = chunk_rows = COOPERATIVE_TILE_BYTES // (COOPERATIVE_COLS * elem_size * inputs)
+        if block_f == COOPERATIVE_COLS and cdiv(max_len, chunk_rows) > FLOAT32_WIDE_TILES:
+            block_f //= 2
+            block_t = chunk_rows = 2 * chunk_rows
     if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
         return None
     return SoftmaxPlan(block_t, block_f, chunk_rows, 4, cooperative=True)
