@@ -1,0 +1,109 @@
+"""The shapes and timing of the kernel-level attention benchmarks (``forward_kernels.py``, ``backward_kernels.py``):
+each case's forward and training step through ``varlen.attention`` and cuDNN's (SDPA) on the same data, each timed
+from CUDA-graph replays, so that no host time enters (``bench/attention.py``'s eager rows are host-bound at S1k on
+these machines).
+
+bf16; dense rows (B·S = 16k tokens, H·D = 2048), dense GQA rows at S2k-4k, and jagged rows of causal
+attention: a long-tailed mix like ``bench/train_llm.py``'s documents (GQA 12/4) and 16 sequences of 256-4096 tokens.
+FLOPs 4·B·H·Sq·Sk·D (the real sequences' for jagged rows), halved when causal; the backward counts 2.5x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import varlen
+from cuda_graph import captured  # (bench/, the scripts' folder)
+
+DEV = "cuda"
+
+
+class Case(NamedTuple):
+    forward: Callable[[], None]  # varlen.attention without autograd
+    step: Callable[[], None]  # forward and backward
+    peer_forward: Callable[[], None] | None  # cuDNN's (dense rows only: SDPA takes no jagged batch)
+    peer_step: Callable[[], None] | None
+    forward_flops: float
+
+
+def replayed_ms(fn: Callable[[], None]) -> float:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph."""
+    return do_bench(captured(fn), warmup=50, rep=300, return_mode="median")
+
+
+def dense_case(B, S, H, HKV, D, causal) -> Case:
+    q = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            varlen.attention(q, k, v, causal=causal)
+
+    def step():
+        torch.autograd.grad(varlen.attention(q, k, v, causal=causal), (q, k, v), dout)
+
+    qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+    dout_t = dout.transpose(1, 2).contiguous()
+
+    def cudnn_forward():
+        with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV)
+
+    def cudnn_step():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV)
+        torch.autograd.grad(out, (qt, kt, vt), dout_t)
+    return Case(forward, step, cudnn_forward, cudnn_step, 4 * B * H * S * S * D * (0.5 if causal else 1))
+
+
+def jagged_case(lengths, H, HKV, D, causal) -> Case:
+    total = sum(lengths)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
+
+    def jagged(heads):
+        values = torch.randn(total, heads, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        return varlen.JaggedTensor(values, offsets, max(lengths))
+    q, k, v = jagged(H), jagged(HKV), jagged(HKV)
+    dout = torch.randn(total, H, D, device=DEV, dtype=torch.bfloat16)
+
+    def forward():
+        with torch.no_grad():
+            varlen.attention(q, k, v, causal=causal)
+
+    def step():
+        torch.autograd.grad(varlen.attention(q, k, v, causal=causal).values, (q.values, k.values, v.values), dout)
+    return Case(forward, step, None, None, sum(4 * H * L * L * D * (0.5 if causal else 1) for L in lengths))
+
+
+def long_tail(tokens: int) -> list[int]:
+    """Document lengths of 64-4096 tokens, Pareto-distributed (most short, most tokens in long ones)."""
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(min(4096, max(64, 64 * torch.distributions.Pareto(1.0, 0.9).sample().item()))))
+    return lengths
+
+
+def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
+    """``(name, make)`` per row; ``make()`` allocates the row's tensors."""
+    for D, H in ((64, 32), (128, 16)):
+        for S in (1024, 4096, 16384):
+            for causal in (False, True):
+                name = f"D{D} S{S} B{16384 // S} H{H}" + (" causal" if causal else "")
+                yield name, lambda D=D, H=H, S=S, causal=causal: dense_case(16384 // S, S, H, H, D, causal)
+    yield "D64 GQA 32/8 S4096 B2 causal", lambda: dense_case(2, 4096, 32, 8, 64, True)
+    yield "D64 GQA 12/4 S2048 B8 causal", lambda: dense_case(8, 2048, 12, 4, 64, True)
+    yield "D128 GQA 32/8 S4096 B2 causal", lambda: dense_case(2, 4096, 32, 8, 128, True)
+    torch.manual_seed(1)
+    tail = long_tail(48 * 1024)
+    yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) D64 GQA 12/4 causal",
+           lambda: jagged_case(tail, 12, 4, 64, True))
+    uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
+    yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
+           lambda: jagged_case(uniform, 16, 16, 64, True))
