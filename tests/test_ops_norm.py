@@ -237,6 +237,37 @@ def test_rows_wider_than_the_kernels_take_torch_and_triton_says_why():
             rms_norm(x, n_cols, backend="triton")
 
 
+@pytest.mark.parametrize("centered", [True, False], ids=["layer", "rms"])
+def test_automatic_choice_under_torch_compile_is_torchs_norm(centered, monkeypatch):
+    """While torch.compile traces, the automatic backend takes torch's norm (Inductor fuses it with its neighbours);
+    ``backend="triton"`` still takes the kernels. Here on any device: the choice is what is checked (the kernels'
+    entry point recorded, not run)."""
+    from varlen import capabilities
+    from varlen.ops import norm as norm_module
+    taken = []
+
+    def kernels(rows, weight, bias, eps, centered_):
+        taken.append("kernels")
+        return F.layer_norm(rows, rows.shape[-1:], weight, bias, eps) if centered_ else rows
+    monkeypatch.setattr(norm_module.NormRows, "apply", kernels)
+    monkeypatch.setattr(capabilities, "resolve", lambda *args: "triton")  # (as on a GPU)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for compiling, backend, expected in ((False, None, ["kernels"]), (True, None, []), (True, "auto", []),
+                                         (True, "triton", ["kernels"])):
+        taken.clear()
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda compiling=compiling: compiling)
+        out = normalize(x, (8,), None, None, 1e-5, centered=centered, backend=backend)
+        assert taken == expected, (compiling, backend)
+        if not taken:
+            ref = _layer_norm64(x, None, None) if centered else _rms_norm64(x, None, 1e-5)
+            assert_close(out, ref, tol=1e-12)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with varlen.use_backend("triton"):  # the scoped choice counts as asked for
+        taken.clear()
+        normalize(x, (8,), None, None, 1e-5, centered=centered)
+        assert taken == ["kernels"]
+
+
 @pytest.mark.skipif(varlen._backend.triton_unsupported_reason(DEVICE) is not None, reason="the Triton path's guard")
 def test_gradient_penalty_raises():
     x = random_jagged([3, 2], (8,), dtype=torch.float64, requires_grad=True)

@@ -68,7 +68,8 @@ def linear(x, layer: torch.nn.Linear):
 
 
 def norm(x, module: torch.nn.LayerNorm | torch.nn.RMSNorm):
-    """A ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` applied to each token (varlen's norm kernels on CUDA)."""
+    """A ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` applied to each token (varlen's norm kernels on CUDA; torch's
+    norm under ``torch.compile``, which Inductor fuses: ``ops.norm.normalize``)."""
     rms = isinstance(module, torch.nn.RMSNorm)
     if not is_jagged(x):
         return normalize(x, tuple(module.normalized_shape), module.weight, None if rms else module.bias, module.eps,
