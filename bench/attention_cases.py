@@ -107,3 +107,24 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
            lambda: jagged_case(uniform, 16, 16, 64, True))
+
+
+def table_row(name: str, forms, results: dict[str, list[float]], peer: float | None) -> str:
+    """A markdown row: each form's rates (its rounds), then the peer's and the selected form's mean over it (blank
+    where the row has no peer)."""
+    cells = [", ".join(f"{r:.0f}" for r in results.get(form, [])) for form in forms]
+    if peer:
+        selected = sum(results["selected"]) / len(results["selected"])
+        cells += [f"{peer:.0f}", f"{selected / peer:.2f}"]
+    else:
+        cells += ["", ""]
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def finish(lines: list[str], out: str | None) -> None:
+    """Print the table and write it to ``out`` (a path) where one is given."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

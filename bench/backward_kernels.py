@@ -16,7 +16,7 @@ import datetime
 import torch
 import triton
 
-from attention_cases import cases, replayed_ms  # (bench/, the script's folder)
+from attention_cases import cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
 from varlen.attn.gluon import backward as gluon_backward
 
 
@@ -54,20 +54,10 @@ def main():
                     results[form].append(flops / backward_ms(case.forward, case.step) / 1e9)
         finally:
             gluon_backward.pairs = rule
-        cells = [", ".join(f"{r:.0f}" for r in results.get(form, [])) for form in forms]
-        if case.peer_step:  # (the ratio: the mean of the selected form's rounds)
-            cudnn = flops / backward_ms(case.peer_forward, case.peer_step) / 1e9
-            selected = sum(results["selected"]) / len(results["selected"])
-            cells += [f"{cudnn:.0f}", f"{selected / cudnn:.2f}"]
-        else:
-            cells += ["", ""]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        peer = flops / backward_ms(case.peer_forward, case.peer_step) / 1e9 if case.peer_step else None
+        lines.append(table_row(name, forms, results, peer))
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    finish(lines, a.out)
 
 
 if __name__ == "__main__":

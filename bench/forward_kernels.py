@@ -15,7 +15,7 @@ import datetime
 import torch
 import triton
 
-from attention_cases import cases, replayed_ms  # (bench/, the script's folder)
+from attention_cases import cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
 from varlen.attn.gluon import forward as gluon_forward
 
 
@@ -50,20 +50,10 @@ def main():
                     results[form].append(case.forward_flops / replayed_ms(case.forward) / 1e9)
         finally:
             gluon_forward.applies, gluon_forward.query_warpgroups = applies, rule
-        cells = [", ".join(f"{r:.0f}" for r in results.get(form, [])) for form in forms]
-        if case.peer_forward:  # (the ratio: the mean of the selected form's rounds)
-            cudnn = case.forward_flops / replayed_ms(case.peer_forward) / 1e9
-            selected = sum(results["selected"]) / len(results["selected"])
-            cells += [f"{cudnn:.0f}", f"{selected / cudnn:.2f}"]
-        else:
-            cells += ["", ""]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        peer = case.forward_flops / replayed_ms(case.peer_forward) / 1e9 if case.peer_forward else None
+        lines.append(table_row(name, forms, results, peer))
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    finish(lines, a.out)
 
 
 if __name__ == "__main__":
