@@ -242,15 +242,13 @@ def test_automatic_choice_under_torch_compile_is_torchs_norm(centered, monkeypat
     """While torch.compile traces, the automatic backend takes torch's norm (Inductor fuses it with its neighbours);
     ``backend="triton"`` still takes the kernels. Here on any device: the choice is what is checked (the kernels'
     entry point recorded, not run)."""
-    from varlen import capabilities
-    from varlen.ops import norm as norm_module
     taken = []
 
     def kernels(rows, weight, bias, eps, centered_):
         taken.append("kernels")
         return F.layer_norm(rows, rows.shape[-1:], weight, bias, eps) if centered_ else rows
-    monkeypatch.setattr(norm_module.NormRows, "apply", kernels)
-    monkeypatch.setattr(capabilities, "resolve", lambda *args: "triton")  # (as on a GPU)
+    monkeypatch.setattr(_norm_kernels.NormRows, "apply", kernels)
+    monkeypatch.setattr(varlen.capabilities, "resolve", lambda *args: "triton")  # (as on a GPU)
     x = torch.randn(5, 8, dtype=torch.float64)
     for compiling, backend, expected in ((False, None, ["kernels"]), (True, None, []), (True, "auto", []),
                                          (True, "triton", ["kernels"])):

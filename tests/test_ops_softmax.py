@@ -354,7 +354,7 @@ def test_bad_inputs(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     """Single tile, cooperative (float32: tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32
-    columns and twice the rows up to 33792 and 16896 (12000 and 33000 here); the 16-bit backward in tiles of
+    columns and twice the rows up to 33792 and 16896 (12000 both, 33000 the forward); the 16-bit backward in tiles of
     128 rows up to 8448 and 256 beyond; 16-bit forward, chunks held in shared memory on sm_90: 192 rows up to 12672
     (12000 near that bound), 512 up to 33792 (33000), elsewhere read twice), split across many programs (a few long
     sequences), and one very long sequence."""
