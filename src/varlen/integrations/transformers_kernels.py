@@ -11,8 +11,9 @@ Qwen3; other modules are left alone):
 
 - each RMSNorm module's forward: varlen's norm kernels (``varlen.ops.norm.normalize``: one kernel each way, the
   weight's gradient summed in the same backward pass, where transformers' float32 math takes several elementwise
-  kernels; torch's fused ``rms_norm`` where varlen's ops run PyTorch). It rounds once where transformers rounds the
-  normalized value before the weight's product: results within one rounding of transformers'.
+  kernels; torch's fused ``rms_norm`` where varlen's ops run PyTorch, and under ``torch.compile``, where Inductor
+  fuses it with its neighbours). It rounds once where transformers rounds the normalized value before the weight's
+  product: results within one rounding of transformers'.
 - each MLP module's forward (``gate_proj``, ``up_proj``, ``down_proj``, SiLU): ``silu(gate) * up`` in one varlen
   kernel each way (:func:`varlen.ops.swiglu.silu_mul`), the projections as before.
 - a causal language model's ``loss_function`` (transformers' ``ForCausalLMLoss``, which takes a float32 copy of the
