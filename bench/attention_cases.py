@@ -10,6 +10,7 @@ FLOPs 4·B·H·Sq·Sk·D (the real sequences' for jagged rows), halved when caus
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -107,6 +108,16 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
            lambda: jagged_case(uniform, 16, 16, 64, True))
+
+
+def arguments() -> argparse.Namespace:
+    """The kernel tables' command line: ``--out`` (a path for the table), ``--only`` (rows whose name contains it),
+    ``--rounds`` (measurements of each form, alternated)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="", help="run the rows whose name contains this")
+    ap.add_argument("--rounds", type=int, default=2, help="measurements of each form, alternated")
+    return ap.parse_args()
 
 
 def table_row(name: str, forms, results: dict[str, list[float]], peer: float | None) -> str:

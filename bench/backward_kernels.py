@@ -10,13 +10,12 @@ blocks per program" (same timing and shapes).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 
 import torch
 import triton
 
-from attention_cases import cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
+from attention_cases import arguments, cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
 from varlen.attn.gluon import backward as gluon_backward
 
 
@@ -26,11 +25,7 @@ def backward_ms(forward, step) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default="", help="run the rows whose name contains this")
-    ap.add_argument("--rounds", type=int, default=2, help="measurements of each form, alternated")
-    a = ap.parse_args()
+    a = arguments()
     rule = gluon_backward.pairs
     forms = {"one block": lambda *args: False, "pairs": lambda problem, *args: not gluon_backward.lean(
         problem.head_dim), "selected": rule}

@@ -9,22 +9,17 @@ it applies and of ``query_warpgroups``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 
 import torch
 import triton
 
-from attention_cases import cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
+from attention_cases import arguments, cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
 from varlen.attn.gluon import forward as gluon_forward
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default="", help="run the rows whose name contains this")
-    ap.add_argument("--rounds", type=int, default=2, help="measurements of each form, alternated")
-    a = ap.parse_args()
+    a = arguments()
     applies, rule = gluon_forward.applies, gluon_forward.query_warpgroups
     # Each form: (whether the Gluon kernel takes calls it applies to, its query warpgroups).
     forms = {"Triton": (lambda *args: False, rule), "Gluon two": (applies, lambda *args: 2),
