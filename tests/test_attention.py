@@ -661,6 +661,40 @@ def test_gluon_backward_pairs_key_blocks_under_causal_masks_at_d64(monkeypatch, 
                             and head_dim == 64 and seq <= 4096)
 
 
+@pytest.mark.parametrize("bias_shape,bias_dtype,dropout,scale,expected", [
+    ((1, 4, 64, 96), torch.bfloat16, False, 0.125, True),  # broadcast over sequences: float32 adds
+    ((2, 4, 64, 96), torch.bfloat16, False, 0.125, True),  # full shape: each element stored once
+    ((2, 1, 64, 96), torch.bfloat16, False, -0.5, True), ((1, 1, 64, 96), torch.bfloat16, False, 0.125, True),
+    ((1, 4, 1, 96), torch.bfloat16, False, 0.125, False),  # broadcast over queries: no tile for TMA to load
+    ((1, 4, 64, 1), torch.bfloat16, False, 0.125, False),  # ... or over keys
+    ((1, 4, 64, 96), torch.float32, False, 0.125, False),  # another dtype than the inputs'
+    ((1, 4, 64, 96), torch.bfloat16, True, 0.125, False),  # dropout beside a bias: the Triton kernel
+    ((1, 4, 64, 96), torch.bfloat16, False, 0.0, False),  # the lean products start from bias / scale
+])
+def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, dropout, scale, expected):
+    # (Defined whatever the Triton; the kernel runs on an sm_90 GPU, tests/test_attention_gluon.py.)
+    problem = Problem(2, 4, 4, 64, 64, 64, 96, True, None, None)
+    opts = AttentionOptions(scale=scale, dropout_p=0.1 if dropout else 0.0)
+    bias = torch.zeros(bias_shape, dtype=bias_dtype)
+    seed = object() if dropout else None
+    assert gluon_backward.supports(problem, opts, torch.bfloat16, bias, None, seed) == expected
+    assert not gluon_backward.supports(problem, dataclasses.replace(opts, deterministic=True), torch.bfloat16, bias,
+                                       None, seed)
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda: torch.zeros(2, 4, 64, 96, dtype=torch.bfloat16), True),
+    (lambda: torch.zeros(4, 64, 96, dtype=torch.bfloat16)[None].expand(2, 4, 64, 96), True),  # stride 0: broadcast
+    (lambda: torch.zeros(1, 4, 64, 104, dtype=torch.bfloat16)[..., :96], True),  # rows of 104: 16-byte aligned
+    (lambda: torch.zeros(1, 4, 64, 101, dtype=torch.bfloat16)[..., :96], False),  # rows of 202 bytes
+    (lambda: torch.zeros(1, 4, 64, 100, dtype=torch.bfloat16), False),  # its gradient's rows: 200 bytes
+    (lambda: torch.zeros(1, 4, 96, 64, dtype=torch.bfloat16).transpose(-1, -2), False),  # keys not contiguous
+    (lambda: torch.zeros(8 * 64 * 96 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 64, 96), False),  # base misaligned
+])
+def test_gluon_backward_bias_alignment(make, expected):
+    assert gluon_backward.bias_aligned(make()) == expected
+
+
 def test_gluon_kernels_only_with_the_triton_they_are_written_for():
     # Triton 3.9's Gluon has no thread_barrier: a Hopper GPU with another Triton takes the Triton kernels.
     assert gluon_common.gluon_api_supported("3.6.0") and gluon_common.gluon_api_supported("3.6.1+git1234abcd")

@@ -281,16 +281,23 @@ def test_gluon_forward_declines_gapped_batches():
     assert gluon_forward.applies(problem, opts, *(t.contiguous() for t in (q, k, v)), None, None, None)
 
 
-def _grads(q, k, v, dout, fn, dtype, device):
-    def prep(t):
+def _grads(q, k, v, dout, fn, dtype, device, bias=None, bias_grad=True):
+    """Gradients of ``fn(q, k, v)`` (or ``fn(q, k, v, bias)``) at ``dtype`` for q, k, v (and the bias, if
+    ``bias_grad``)."""
+    def prep(t, grad=True):
         if isinstance(t, varlen.JaggedTensor):
             return varlen.JaggedTensor(t.values.to(device, dtype).requires_grad_(), t.offsets.to(device), t.max_len)
-        return t.to(device, dtype).requires_grad_()
+        return t.to(device, dtype).requires_grad_(grad)
 
     q, k, v = (prep(t) for t in (q, k, v))
-    out = fn(q, k, v)
-    out = out.values if isinstance(out, varlen.JaggedTensor) else out
     leaves = [t.values if isinstance(t, varlen.JaggedTensor) else t for t in (q, k, v)]
+    if bias is None:
+        out = fn(q, k, v)
+    else:
+        bias = prep(bias, bias_grad)
+        out = fn(q, k, v, bias)
+        leaves += [bias] if bias_grad else []
+    out = out.values if isinstance(out, varlen.JaggedTensor) else out
     return torch.autograd.grad(out, leaves, dout.to(device, dtype))
 
 
@@ -434,21 +441,95 @@ def test_gluon_backward_pairs_key_blocks_under_causal_masks(monkeypatch, D, layo
     assert paired == [expected]
 
 
-def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0):
+BIASES = ["1HQK", "BHQK"]  # broadcast over sequences (float32 adds), and full (each element stored once)
+
+
+def _bias(name, q, k, heads, g, masked=False):
+    """A bias of shape ``name`` (B, H or 1 for each of its first two dims) over the inputs' whole (query, key)
+    planes; ``masked``: with -inf at one entry in ten. A jagged batch's full-shape bias holds NaN past each
+    sequence's queries and keys (entries no score reads)."""
+    jagged = isinstance(q, varlen.JaggedTensor)
+    batch, max_q, max_k = (q.batch_size, q.max_len, k.max_len) if jagged else (q.shape[0], q.shape[1], k.shape[1])
+    dims = {"B": batch, "H": heads, "1": 1}
+    bias = torch.randn(dims[name[0]], dims[name[1]], max_q, max_k, generator=g)
+    if masked:
+        bias = bias.masked_fill(torch.rand(bias.shape, generator=g) < 0.1, float("-inf"))
+    if jagged and name[0] == "B":
+        for b, (lq, lk) in enumerate(zip(q.offsets.diff().tolist(), k.offsets.diff().tolist(), strict=True)):
+            bias[b, :, lq:] = float("nan")
+            bias[b, :, :, lk:] = float("nan")
+    return bias
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("bias", BIASES)
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_kernels_with_bias_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias):
+    # The bias's gradient too: stored (a full-shape bias) or added in float32 (broadcast over sequences).
+    _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias=bias)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("bias,masked,bias_grad,scale", [
+    ("B1QK", False, True, None), ("11QK", False, True, None),  # broadcast over heads (and sequences)
+    ("1HQK", True, True, None), ("BHQK", True, True, None),  # -inf entries: rows with few keys, or none
+    ("1HQK", False, False, None),  # no gradient wanted for the bias
+    ("BHQK", False, True, -0.3),  # a negative scale (the lean products start from bias / scale)
+])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+def test_backward_kernels_with_other_biases_match_reference(backward_kernel, D, layout, bias, masked, bias_grad,
+                                                            scale):
+    _check_backward(backward_kernel, torch.bfloat16, D, layout, 4, 4, "causal", bias=bias, bias_masked=masked,
+                    bias_grad=bias_grad, scale=scale)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("keys,bias_dtype", [(1001, torch.bfloat16), (1000, torch.float32)])
+def test_gluon_backward_leaves_other_biases_to_the_triton_kernel(monkeypatch, keys, bias_dtype):
+    # Keys no multiple of 8 (the gradient's rows are no whole 16-byte units), or a bias of another dtype than q: the
+    # Triton kernel computes the call (and tests/test_attention.py its gradients).
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    q, k, v = (torch.randn(1, n, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for n in (64, keys, keys))
+    bias = torch.randn(1, 4, 64, keys, device="cuda", dtype=bias_dtype, requires_grad=True)
+    varlen.attention(q, k, v, bias=bias).sum().backward()
+    assert not launches and bias.grad.dtype == bias_dtype and bias.grad.isfinite().all()
+    bias = bias.detach().to(torch.bfloat16)[..., :1000].contiguous().requires_grad_()
+    varlen.attention(q, k[:, :1000], v[:, :1000], bias=bias).sum().backward()
+    assert launches  # (the same call, with keys and a bias it takes)
+
+
+def _given(rest):
+    """The bias among a function's optional arguments (:func:`_grads`), or None."""
+    return rest[0] if rest else None
+
+
+def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0, bias=None,
+                    bias_masked=False, bias_grad=True, scale=None):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
     dout = torch.randn(rows, generator=g)
-    opts = MASKS[mask]
+    opts = dict(MASKS[mask], scale=scale)
     draws = _draws(offset, g)
+    bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked)
     ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))
-    ref = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], torch.float64, "cuda")
-    low = _grads(q, k, v, dout, lambda a, b, c: attention_reference(a, b, c, **ref_opts)[0], dtype, "cuda")
-    got = _grads(q, k, v, dout, lambda a, b, c: varlen.attention(a, b, c, **opts, dropout_p=dropout_p,
-                                                                 generator=draws), dtype, "cuda")
+    args = dict(bias=bias, bias_grad=bias_grad)
+    ref = _grads(q, k, v, dout, lambda a, b, c, *d: attention_reference(a, b, c, bias=_given(d), **ref_opts)[0],
+                 torch.float64, "cuda", **args)
+    low = _grads(q, k, v, dout, lambda a, b, c, *d: attention_reference(a, b, c, bias=_given(d), **ref_opts)[0],
+                 dtype, "cuda", **args)
+    got = _grads(q, k, v, dout, lambda a, b, c, *d: varlen.attention(a, b, c, bias=_given(d), **opts,
+                                                                     dropout_p=dropout_p, generator=draws),
+                 dtype, "cuda", **args)
     kernel, gluon_launches = backward_kernel
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
-    for name, x, lo, r in zip(("dq", "dk", "dv"), got, low, ref, strict=True):
+    for name, x, lo, r in zip(("dq", "dk", "dv", "dbias")[:len(got)], got, low, ref, strict=True):
         err = (x.double() - r).abs().max().item()
         allowed = 2 * (lo.double() - r).abs().max().item() + 1e-5 * r.abs().max().item()
         assert err <= allowed, f"{name}: error {err:.3e} > {allowed:.3e} (2x PyTorch's at {dtype})"

@@ -48,6 +48,7 @@ FEATURES = {
     "plain": {}, "causal": dict(causal=True), "window": dict(causal=True, window_left=64),
     "prefix": dict(causal=True, prefix=True), "documents": dict(causal=True, documents=True),
     "bias_full": dict(bias="BHQK"), "bias_broadcast": dict(bias="1HQK"),
+    "bias_causal": dict(causal=True, bias="1HQK"),  # (the Gluon backward's masked tiles with a bias)
     "bias_deterministic": dict(bias="1HQK", deterministic=True),  # the recompute kernel _bwd_dbias_kernel
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
@@ -60,7 +61,7 @@ FEATURES = {
 CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
-      for name in ("plain", "causal", "bias_broadcast", "dropout", "positions")),
+      for name in ("plain", "causal", "bias_full", "bias_broadcast", "dropout", "positions")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
     # float32 at full accuracy splits the operands into bf16 parts (configs.splits_bf16): their shared memory next
@@ -132,10 +133,11 @@ def main():
                             # (gluon_backward.host_descriptors).
                             ragged = _problem(D, jagged, group, S=200)
                             rq, rk, rv, rdo = _tensors(ragged, dtype)
-                            r_out, r_lse = launch_forward(rq, rk, rv, bias, alibi, ragged, opts, seed, fwd, tma=tma,
+                            r_bias = None if bias is None else torch.empty(*bias.shape[:2], 200, 200, dtype=dtype)
+                            r_out, r_lse = launch_forward(rq, rk, rv, r_bias, alibi, ragged, opts, seed, fwd, tma=tma,
                                                           gluon=False)
-                            launch_backward(rdo, None, rq, rk, rv, r_out, r_lse, bias, alibi, ragged, opts, seed, bwd,
-                                            need_dbias=bias is not None, tma=tma, gluon=True)
+                            launch_backward(rdo, None, rq, rk, rv, r_out, r_lse, r_bias, alibi, ragged, opts, seed,
+                                            bwd, need_dbias=r_bias is not None, tma=tma, gluon=True)
                 finally:
                     gluon_backward.pairs = rule
 

@@ -40,9 +40,16 @@ dSᵀ, made times 2 / keep_scale (dK and dQ take it back at their ends, dV its k
 (Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale: no select. Each tile's instructions are what bounds it (about twice
 the plain tile's), so every one of them counts (``bench/NOTES.md``, "Dropout's instructions").
 
+Bias: the loader brings each tile's bias (its queries x the block's keys, one box per warpgroup) into the ring
+stage beside Q and dO; each warpgroup reads its half transposed (``ldmatrix.trans``) into its Sᵀ product's start
+(lean) or its exponent. Its gradient, dS, is staged transposed in the warpgroup's dQ buffer (free between dQ
+reduces) and leaves by TMA: a store for a full-shape bias, a float32 reduce-add for one broadcast over sequences or
+heads (summed there; ``launch_backward`` rounds it to the bias's dtype).
+
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
-alignment) or windows, GQA, dropout (not with ``query_offset``), non-deterministic (dQ by atomic reduce);
-:func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned). It runs
+alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
+planes (not with dropout), non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90 with
+Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a multiple of 8). It runs
 wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x;
 ``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
 variant it accepts, and run the Triton kernel on the same variants.
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import collections
 
+from ..._kernel_math import LOG2E
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
@@ -84,6 +92,8 @@ PROGRAMS_PER_SM = 8
 # this mean length: see pairs().
 PAIRS_PER_SM = PROGRAMS_PER_SM // 2
 PAIRS_MEAN_KEYS = 4096
+# The bias's and its gradient's strides: data-dependent for a jagged batch's (1, H, max_q, max_k) bias.
+BIAS_STRIDES = ["bias_sb", "bias_sh", "bias_sq", "dbias_sb", "dbias_sh", "dbias_sq"]
 
 # A program's key blocks (one, or two: pairs): how many (``taken``), and each one's first key, first query tile row,
 # tile count and fully visible tile rows [u_lo, u_hi) (masks.query_stages), each a (first block's, second block's)
@@ -134,22 +144,46 @@ if HAVE_GLUON:
         return gl.convert_layout(vector, layout)
 
     @gluon.jit
-    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty, q_row,
-                    k_row, hk, items: Items, ITEMS: gl.constexpr, D: gl.constexpr, GROUP: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr):
+    def _bias_tile(ring, stage, WG: gl.constexpr, KEYS: gl.constexpr, layout: gl.constexpr):
+        """This warpgroup's tile of a ring stage's bias (queries x its keys, as loaded; the ring holds two per stage),
+        transposed into ``layout`` (the warpgroup's keys x queries products), in float32. Loaded as a matmul's A
+        operand, whose registers hold the same elements as the products' (four ``ldmatrix.trans``, where a load in
+        ``layout`` took 32 two-byte loads, and from half of a 128-key tile it took them too)."""
+        operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+        tile = ring.index(2 * stage + WG).permute((1, 0)).load(operand)
+        return gl.convert_layout(tile, layout).to(gl.float32)
+
+    @gluon.jit
+    def _plane_descriptor(ptr, sb, sh, sq, b, h_step, H, Lq, Lk, BM: gl.constexpr, KEYS: gl.constexpr,
+                          layout: gl.constexpr):
+        """A descriptor made here over sequence ``b``'s (1, Hb, Lq, Lk) of a bias-shaped (Bb, Hb, Sq, Sk) tensor (the
+        bias, or its gradient): boxes of BM queries x KEYS keys, clipped at the sequence's last query. Past its last
+        key the boxes were seen to read and write (the GPU tests' jagged batches without a mask: dS of keys past Lk
+        reached the gradient), so the kernel zeroes those keys' P itself. ``sb``: 0 where it broadcasts over
+        sequences; ``sh``: its heads' stride, or any valid one where it broadcasts over them (``h_step`` 0)."""
+        return tma.make_tensor_descriptor(ptr + b.to(gl.int64) * sb, [1, h_step * (H - 1) + 1, Lq, Lk],
+                                          [sh, sh, sq, 1], [1, 1, BM, KEYS], layout)
+
+    @gluon.jit
+    def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring, kv_bar,
+                    ready, empty, q_row, k_row, hk, bias_b, bias_h_step, items: Items, ITEMS: gl.constexpr,
+                    D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BIAS: gl.constexpr):
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
-        released it. ``q_row``, ``k_row``: the sequence's first rows in the descriptors; ``ITEMS``: the most key
-        blocks a program takes (:func:`_blocks_taken`)."""
+        released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. ``q_row``,
+        ``k_row``: the sequence's first rows in the descriptors; ``bias_b``, ``bias_h_step``: the bias
+        descriptor's batch coordinate and its head coordinate per head (0 where the bias broadcasts); ``ITEMS``:
+        the most key blocks a program takes (:func:`_blocks_taken`)."""
         dtype: gl.constexpr = k_desc.dtype
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
             tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar.index(item), k_smem.index(item))
             tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar.index(item), v_smem.index(item))
-        tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
+        tile_bytes: gl.constexpr = (2 * BM * D + (BM * BN if BIAS else 0)) * dtype.primitive_bitwidth // 8
         count = 0
         for item in range(_blocks_taken(items, ITEMS)):
+            n0 = _item(items.n0, item)
             t_lo = _item(items.t_lo, item)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
@@ -160,21 +194,37 @@ if HAVE_GLUON:
                     row = q_row + t_lo + j * BM
                     tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(stage), q_ring.index(stage))
                     tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(stage), do_ring.index(stage))
+                    if BIAS:  # (the bias's rows and columns are the sequence's own query and key positions)
+                        # Each warpgroup's half of the keys in a tile of its own, as the descriptor's 4-D box (the
+                        # same bytes, its two leading dims of 1).
+                        for half in gl.static_range(2):
+                            box = bias_ring.index(2 * stage + half)._reinterpret(dtype, [1, 1, BM, BN // 2],
+                                                                                 bias_desc.layout)
+                            tma.async_copy_global_to_shared(bias_desc, [bias_b, (hk * GROUP + g) * bias_h_step,
+                                                                        t_lo + j * BM, n0 + half * (BN // 2)],
+                                                            ready.index(stage), box)
                     count += 1
 
     @gluon.jit
-    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, ds_free,
-                       dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row,
-                       k_row, hk, items: Items, scale, qk_scale, seed, offset_lo, threshold,
-                       keep_scale, ITEMS: gl.constexpr, VARLEN: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                       DROPOUT: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
+                       ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b, dbias_h_step,
+                       total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale,
+                       qk_scale, seed, offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, VARLEN: gl.constexpr,
+                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
+                       DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
                        LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
         ``[u_lo, u_hi)`` lie wholly inside the band. ``q_row``, ``k_row``: the sequence's first rows in the
         descriptors. The ring's, dSᵀ's and dQ's buffers and barriers take turns across the blocks as within one
-        (``count``)."""
+        (``count``). With ``BIAS`` the scores take the ring stage's bias tile, and with ``DB`` each tile's dS (the
+        bias's gradient) goes out through ``dbias_desc``: staged (transposed: queries x keys) in this warpgroup's dQ
+        buffer, then stored by TMA (1: a full-shape bias, of its dtype) or added by a TMA reduce (2: float32, a bias
+        broadcast over sequences or heads), at batch coordinate ``dbias_b`` and head ``h dbias_h_step``. (Written by
+        the threads themselves, read back from dSᵀ's shared tile into 16-byte stores or float32 reductions, it
+        took the D128 backward to 205 TFLOP/s from 440 without a gradient, H100: the reductions held the memory
+        pipe the few spilled registers reload through; bench/NOTES.md.)"""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,7 +234,10 @@ if HAVE_GLUON:
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
+        gl.static_assert(DB == 0 or not DROPOUT, "no bias gradient beside dropout (supports)")
+        staging_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, KEYS], dbias_desc.dtype)
         inv_qk_scale = 1.0 / qk_scale
+        inv_scale = 1.0 / scale  # (a bias in units of S, the lean products' start: supports() takes no zero scale)
         # With dropout the tile's dS is made times 2 / keep_scale (below), which dK and dQ take back at their ends.
         if DROPOUT:
             twice_inv_keep = 2.0 / keep_scale
@@ -247,11 +300,16 @@ if HAVE_GLUON:
                         else:
                             lse_tile = _query_vector(lse2_row, m0, Lq, True, float("inf"), BM)
                             lse = _spread(lse_tile, q_axis) * inv_qk_scale
-                        st = row_zeros[:, None] - lse[None, :]
+                        if BIAS:  # (the start holds the bias: -lse + bias / scale, in units of S)
+                            mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                            st = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * inv_scale - lse[None, :]
+                        else:
+                            st = row_zeros[:, None] - lse[None, :]
                         if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
                             delta = _spread(delta_raw, q_axis)
                             dpt = row_zeros[:, None] - delta[None, :]
-                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                        if not BIAS:
+                            mbarrier.wait(ready.index(stage), (count // 2) & 1)
                         q_tile = q_ring.index(stage)
                         do_tile = do_ring.index(stage)
                         st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
@@ -276,12 +334,23 @@ if HAVE_GLUON:
                                             gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                             is_async=True)
                         lse2 = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis)
-                        st = warpgroup_mma_wait(1, deps=(st,))
-                        pt = gl.exp2(st * qk_scale - lse2[None, :])
+                        if BIAS:  # (log2 units: bias log2(e) - lse2)
+                            offset2 = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * LOG2E - lse2[None, :]
+                            st = warpgroup_mma_wait(1, deps=(st,))
+                            pt = gl.exp2(st * qk_scale + offset2)
+                        else:
+                            st = warpgroup_mma_wait(1, deps=(st,))
+                            pt = gl.exp2(st * qk_scale - lse2[None, :])
                     if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
                         queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
                         ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                         pt = gl.where(ok, pt, 0.0)
+                    if BIAS and not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
+                        # Keys past the sequence's (_plane_descriptor): their bias (a jagged bias may hold anything
+                        # there, NaN included) must not count, and their dS, written through the gradient's box into
+                        # the row's rest (its keys a multiple of 8: bias_aligned), must be 0. (Masked calls check
+                        # them above.)
+                        pt = gl.where(keys[:, None] < Lk, pt, 0.0)
                     if DROPOUT:
                         # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
                         # scale joins dV at the end).
@@ -293,7 +362,8 @@ if HAVE_GLUON:
                     dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_tile, dv, is_async=True)
                     if LEAN and not DROPOUT:
                         dpt = warpgroup_mma_wait(1, deps=(dpt,))
-                        ds_low = (pt * dpt).to(dtype)
+                        ds = pt * dpt
+                        ds_low = ds.to(dtype)
                     else:
                         delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
                         dpt = warpgroup_mma_wait(1, deps=(dpt,))
@@ -305,8 +375,18 @@ if HAVE_GLUON:
                             twice_delta = delta * twice_inv_keep
                             ds_low = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * twice_delta[None, :]).to(dtype)
                         else:
-                            ds_low = (pt * (dpt - delta[None, :])).to(dtype)
+                            ds = pt * (dpt - delta[None, :])
+                            ds_low = ds.to(dtype)
                     dk = warpgroup_mma(gl.convert_layout(ds_low, a_layout), q_tile, dk, is_async=True)
+                    if DB != 0:
+                        # The bias gradient's tile (queries x these keys) in this warpgroup's dQ buffer, once the
+                        # last bulk operation from there has read it; sent after the fence below.
+                        tma.store_wait(0)
+                        staging = dq_smem.index(WG)._reinterpret(dbias_desc.dtype, [BM, KEYS], staging_layout)
+                        if DB == 1:
+                            staging.permute((1, 0)).store(ds_low)
+                        else:
+                            staging.permute((1, 0)).store(ds)
                     # dSᵀ of these keys into this tile's half of the shared buffer, once the dQ of the tile that
                     # used the buffer before has read it.
                     buf = count % 2
@@ -316,6 +396,13 @@ if HAVE_GLUON:
                     fence_async_shared()
                     gl.thread_barrier()
                     mbarrier.arrive(ds_ready.index(buf))
+                    if DB != 0:
+                        box = staging._reinterpret(dbias_desc.dtype, [1, 1, BM, KEYS], dbias_desc.layout)
+                        coord = [dbias_b, h * dbias_h_step, m0, n0 + WG * KEYS]
+                        if DB == 1:
+                            tma.async_copy_shared_to_global(dbias_desc, coord, box)
+                        else:
+                            _tma_reduce_add(dbias_desc, coord, box)
                     if LEAN:
                         # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
                         # block's keys, issued before dK and dV are waited: 32 accumulator registers, where a whole
@@ -368,13 +455,16 @@ if HAVE_GLUON:
         # wait for their own staging buffer, and the program waits here before it ends.)
         tma.store_wait(0)
 
-    @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
+    @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, *BIAS_STRIDES])
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
-                       dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD,
+                       dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD, Bias, bias_sb, bias_sh,
+                       bias_sq, bias_b_step, bias_h_step, BiasD, dBias, dbias_sb, dbias_sh, dbias_sq,
+                       dbias_b_step, dbias_h_step, dBiasD,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
-                       GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr):
+                       GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr,
+                       HOST_BIAS: gl.constexpr, DB: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
         ``program.blocks_last``), its blocks axis halved (rounded up) with ``PAIRS``; tensors as
         ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
@@ -388,6 +478,13 @@ if HAVE_GLUON:
         PAIRS (:func:`pairs`; not LEAN: shared memory): the blocks axis counts pairs of key blocks; program ``p``
         takes blocks ``p`` and ``n - 1 - p`` of its sequence's ``n`` (one where they meet): under a causal mask
         every pair holds the same work. Each block has its own K and V buffer, loaded at the start.
+        Bias (``F.HAS_BIAS``; :func:`plane_arguments`): the (Bb, Hb, Sq, Sk) tensor at ``Bias`` with strides
+        ``bias_sb`` (0 where it broadcasts over sequences), ``bias_sh`` (its heads' stride, or any valid one where
+        it broadcasts over them) and ``bias_sq``, read through ``BiasD``, a 4-D descriptor made on the host
+        (``HOST_BIAS``: dense calls), or else one each program makes over its sequence's (1, Hb, Lq, Lk)
+        (:func:`_plane_descriptor`); ``bias_b_step``, ``bias_h_step``: 1 on the batch and head dims where the
+        bias doesn't broadcast over them. ``DB``: its gradient, none (0), stored (1) or added in float32 (2) into
+        ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's.
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
@@ -395,6 +492,11 @@ if HAVE_GLUON:
         kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
+        # The bias's and its gradient's descriptors' boxes (one warpgroup's keys), and a bias tile in the ring.
+        bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, BN // 2], dtype)
+        dbias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, BN // 2],
+                                                                          dBias.dtype.element_ty)
+        bias_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN // 2], dtype)
 
         gl.static_assert(not (PAIRS and LEAN), "pairs of key blocks: D64 only (two K and V buffers)")
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -437,6 +539,26 @@ if HAVE_GLUON:
                                                  [dV.stride_s, 1], [BN // 2, D], kw_layout)
             q_row = 0
             k_row = 0
+        # The bias's and its gradient's descriptors (placeholders where there is none: a partition's argument can't
+        # be None), and their batch coordinates.
+        bias_desc = q_desc
+        bias_b = 0
+        dbias_desc = dq_desc
+        dbias_b = 0
+        if F.HAS_BIAS:
+            if HOST_BIAS:
+                bias_desc = BiasD
+                bias_b = seq.b * bias_b_step
+            else:
+                bias_desc = _plane_descriptor(Bias, bias_sb, bias_sh, bias_sq, seq.b, bias_h_step, H, seq.Lq, seq.Lk,
+                                              BM, BN // 2, bias_layout)
+        if DB != 0:
+            if HOST_BIAS:
+                dbias_desc = dBiasD
+                dbias_b = seq.b * dbias_b_step
+            else:
+                dbias_desc = _plane_descriptor(dBias, dbias_sb, dbias_sh, dbias_sq, seq.b, dbias_h_step, H, seq.Lq,
+                                               seq.Lk, BM, BN // 2, dbias_layout)
 
         k_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
@@ -444,6 +566,8 @@ if HAVE_GLUON:
         do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], q_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BN, BM], ds_layout)  # dSᵀ of a tile, double-buffered
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, DQC], dq_layout)  # one per warpgroup
+        # The ring's bias tiles (queries x the block's keys), or a placeholder never read.
+        bias_ring = gl.allocate_shared_memory(dtype, [4, BM, BN // 2], bias_tile_layout) if F.HAS_BIAS else q_ring
         kv_bar = gl.allocate_shared_memory(gl.int64, [ITEMS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -466,18 +590,21 @@ if HAVE_GLUON:
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
-                              ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                              offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R,
-                              F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 0)),
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
-                              ds_free, dq_desc, dk_desc, dv_desc, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                              seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                              offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R,
-                              F.HAS_WL, F.DROPOUT, D, H, GROUP, BM, LEAN, DQC, 1)),
-            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
-                           q_row, k_row, hk, items, ITEMS, D, GROUP, BM, BN)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty,
+                              ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b,
+                              dbias_h_step, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R,
+                              q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                              dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H,
+                              GROUP, BM, LEAN, DQC, 0)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty,
+                              ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b,
+                              dbias_h_step, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R,
+                              q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo, dropout.threshold,
+                              dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H,
+                              GROUP, BM, LEAN, DQC, 1)),
+            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
+                           kv_bar, ready, empty, q_row, k_row, hk, bias_b, bias_h_step, items, ITEMS, D, GROUP, BM, BN,
+                           F.HAS_BIAS)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
             mbarrier.invalidate(kv_bar.index(i))
@@ -491,15 +618,59 @@ if HAVE_GLUON:
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) with dQ by atomics (not
-    deterministic)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi) and not opts.deterministic
+    deterministic); or the same with an additive bias (:func:`takes_bias`) and no dropout."""
+    if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi):
+        return False
+    return bias is None or takes_bias(problem, opts, dtype, bias, seed)
+
+
+def takes_bias(problem, opts, dtype, bias, seed) -> bool:
+    """Whether the kernel takes this bias: of the inputs' dtype (its tiles share the ring with Q and dO), over
+    whole (query, key) planes (a bias broadcast over queries or keys has no tile for TMA to load), without
+    dropout (no draw beside a bias in the kernel) and with a nonzero scale (the lean products start from
+    bias / scale). Broadcast over sequences or heads, it gets its gradient by float32 adds."""
+    return (bias.dtype == dtype and tuple(bias.shape[2:]) == (problem.max_q, problem.max_k) and seed is None
+            and opts.scale != 0)
+
+
+def bias_aligned(bias) -> bool:
+    """Whether TMA can read the bias, and its gradient's rows (contiguous, of the bias's shape) are whole 16-byte
+    units: its base and every stride of a dim it doesn't broadcast over (keys contiguous) multiples of 16 bytes,
+    and its keys a multiple of 8."""
+    if bias.data_ptr() % 16 or bias.stride(-1) != 1 or bias.shape[-1] % 8:
+        return False
+    return all(n == 1 or stride * bias.element_size() % 16 == 0
+               for n, stride in zip(bias.shape[:-1], bias.stride()[:-1], strict=True))
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
-    with its heads packed in a row and TMA-aligned."""
+    with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
     return (supports(problem, opts, q.dtype, bias, alibi, seed)
-            and common.hopper_layout(problem.head_dim, q, k, v, dout))
+            and common.hopper_layout(problem.head_dim, q, k, v, dout) and (bias is None or bias_aligned(bias)))
+
+
+def plane_arguments(problem, t, name: str, placeholder) -> dict:
+    """The kernel's arguments for a bias-shaped (Bb, Hb, Sq, Sk) tensor ``t`` (the bias, ``name`` "bias", or its
+    gradient, "dbias"): the tensor, its strides (0 on the batch dim where it broadcasts over sequences; some valid
+    stride on the heads' where it broadcasts over them) and steps (1 on the dims it doesn't broadcast over), and for
+    dense calls its descriptor made on the host, over (Bb, Hb, Sq, Sk), boxes of BLOCK_M queries x half a key block
+    (its lengths are every sequence's, so its boxes clip where each sequence's do). Without ``t``, placeholders."""
+    upper = {"bias": "Bias", "dbias": "dBias"}[name]
+    if t is None:
+        return {upper: placeholder, f"{name}_sb": 0, f"{name}_sh": 0, f"{name}_sq": 0, f"{name}_b_step": 0,
+                f"{name}_h_step": 0, f"{upper}D": None}
+    b_step, h_step = (int(n > 1 and stride != 0) for n, stride in zip(t.shape[:2], t.stride()[:2], strict=True))
+    sq = t.stride(2)
+    sh = t.stride(1) if h_step else sq * t.shape[2]
+    sb = t.stride(0) if b_step else 0
+    desc = None
+    if problem.dense:
+        box = [1, 1, BLOCK_M, BLOCK_N // 2]
+        desc = TensorDescriptor(t, [t.shape[0] if b_step else 1, t.shape[1] if h_step else 1, t.shape[2], t.shape[3]],
+                                [sb if b_step else sh, sh, sq, 1], box, common.shared_layout(tuple(box), t.dtype))
+    return {upper: t, f"{name}_sb": sb, f"{name}_sh": sh, f"{name}_sq": sq, f"{name}_b_step": b_step,
+            f"{name}_h_step": h_step, f"{upper}D": desc}
 
 
 def host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
@@ -558,28 +729,33 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
-              dropout) -> None:
+              dropout, bias=None, dbias=None, dbias_mode=0) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
     backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
-    arguments."""
+    arguments. ``bias`` (4-D, :func:`takes_bias`) and its gradient ``dbias`` (zeros, contiguous, of the bias's
+    shape), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32)."""
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
-    if descs is None:
-        ensure_allocator()  # the kernel builds its TMA descriptors on the device
+    if descs is None or (bias is not None and not problem.dense):
+        ensure_allocator()  # the kernel builds TMA descriptors on the device
     QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
     blocks = cdiv(problem.max_k, BLOCK_N)
     paired = pairs(problem, feats, problem.batch * problem.max_k if dense else k.shape[0], q.device)
     # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them.)
+    # (A gradient added across sequences: heads last, so that each key block's adds meet in L2.)
     grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
-                                      0 if paired else PROGRAMS_PER_SM)
+                                      0 if paired else PROGRAMS_PER_SM,
+                                      adds_across_batch=dbias_mode == 2 and dbias.shape[0] < problem.batch)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, **dropout, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
-        HOST_DESCS=descs is not None, PAIRS=paired, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+        HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
+        **plane_arguments(problem, dbias if dbias_mode else None, "dbias", q), HOST_BIAS=problem.dense, DB=dbias_mode,
+        num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

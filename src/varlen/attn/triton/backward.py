@@ -449,7 +449,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     )
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
-                                 feats, common["scores"], dropout_kwargs)
+                                 feats, common["scores"], dropout_kwargs, bias=bias,
+                                 dbias=dbias_buf if db_mode != DBIAS_NONE else None, dbias_mode=db_mode)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=db_mode == DBIAS_ATOMIC and bcast[0])
