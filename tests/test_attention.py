@@ -671,9 +671,12 @@ def test_gluon_backward_pairs_key_blocks_under_causal_masks_at_d64(monkeypatch, 
     ((1, 4, 64, 96), torch.bfloat16, True, 0.125, False),  # dropout beside a bias: the Triton kernel
     ((1, 4, 64, 96), torch.bfloat16, False, 0.0, False),  # the lean products start from bias / scale
 ])
-def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, dropout, scale, expected):
-    # (Defined whatever the Triton; the kernel runs on an sm_90 GPU, tests/test_attention_gluon.py.)
-    problem = Problem(2, 4, 4, 64, 64, 64, 96, True, None, None)
+@pytest.mark.parametrize("dense", [True, False])
+def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, dropout, scale, expected, dense):
+    # (Defined whatever the Triton; the kernel runs on an sm_90 GPU, tests/test_attention_gluon.py.) A jagged
+    # batch's bias may be wider than its longest sequence.
+    offsets = None if dense else torch.tensor([0, 64, 100], dtype=torch.int32)
+    problem = Problem(2, 4, 4, 64, 64, 64 if dense else 56, 96 if dense else 88, dense, offsets, offsets)
     opts = AttentionOptions(scale=scale, dropout_p=0.1 if dropout else 0.0)
     bias = torch.zeros(bias_shape, dtype=bias_dtype)
     seed = object() if dropout else None

@@ -7,7 +7,7 @@ import torch
 
 import varlen
 from utils import record_calls
-from varlen.attn import cpu_fused
+from varlen.attn import api, cpu_fused
 from varlen.jagged import JaggedTensor
 
 B, S, H, HKV, D = 2, 5, 4, 2, 8
@@ -398,3 +398,16 @@ def test_cpu_output_takes_in_place_ops():
     out.mul_(w)
     (dw,) = torch.autograd.grad(out.sum(), w)
     assert dw.shape == (4,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_bool_mask_becomes_an_additive_bias_of_the_inputs_dtype(dtype):
+    # 0 where True and -inf where False are exact in every float dtype; a bias of the inputs' dtype is what the Gluon
+    # backward takes (its tiles share the ring with Q and dO).
+    q = torch.randn(2, 5, 2, 8, dtype=dtype)
+    mask = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) < 0.7
+    call = api.prepare(q, q, q, causal=False, window=None, align="top_left", scale=None, bias=mask, alibi_slopes=None,
+                       softcap=0.0, dropout_p=0.0, generator=None, deterministic=False, backend=None)
+    bias = call.args[3]
+    assert bias.dtype == dtype and bias.shape == (1, 1, 5, 5)
+    assert torch.equal(bias[0, 0], torch.zeros(5, 5, dtype=dtype).masked_fill(~mask, float("-inf")))

@@ -287,6 +287,8 @@ def _grads(q, k, v, dout, fn, dtype, device, bias=None, bias_grad=True):
     def prep(t, grad=True):
         if isinstance(t, varlen.JaggedTensor):
             return varlen.JaggedTensor(t.values.to(device, dtype).requires_grad_(), t.offsets.to(device), t.max_len)
+        if t.dtype == torch.bool:  # (a mask, as given)
+            return t.to(device)
         return t.to(device, dtype).requires_grad_(grad)
 
     q, k, v = (prep(t) for t in (q, k, v))
@@ -444,16 +446,22 @@ def test_gluon_backward_pairs_key_blocks_under_causal_masks(monkeypatch, D, layo
 BIASES = ["1HQK", "BHQK"]  # broadcast over sequences (float32 adds), and full (each element stored once)
 
 
-def _bias(name, q, k, heads, g, masked=False):
-    """A bias of shape ``name`` (B, H or 1 for each of its first two dims) over the inputs' whole (query, key)
-    planes; ``masked``: with -inf at one entry in ten. A jagged batch's full-shape bias holds NaN past each
-    sequence's queries and keys (entries no score reads)."""
+def _bias(name, q, k, heads, g, masked=False, wider=0):
+    """A bias of shape ``name`` (B, H or 1 for each of its first two dims; "bool": a (B, 1) bool mask, True at nine
+    entries in ten) over the inputs' whole (query, key) planes; ``masked``: with -inf at one entry in ten. A jagged
+    batch's bias is ``wider`` wider than its longest sequence, and holds NaN where no score reads it (past each
+    sequence's queries and keys for a full-shape bias, past the longest sequence's for any)."""
     jagged = isinstance(q, varlen.JaggedTensor)
     batch, max_q, max_k = (q.batch_size, q.max_len, k.max_len) if jagged else (q.shape[0], q.shape[1], k.shape[1])
+    if name == "bool":
+        return torch.rand(batch, 1, max_q, max_k, generator=g) < 0.9
     dims = {"B": batch, "H": heads, "1": 1}
-    bias = torch.randn(dims[name[0]], dims[name[1]], max_q, max_k, generator=g)
+    bias = torch.randn(dims[name[0]], dims[name[1]], max_q + wider, max_k + wider, generator=g)
     if masked:
         bias = bias.masked_fill(torch.rand(bias.shape, generator=g) < 0.1, float("-inf"))
+    if jagged:
+        bias[:, :, max_q:] = float("nan")
+        bias[:, :, :, max_k:] = float("nan")
     if jagged and name[0] == "B":
         for b, (lq, lk) in enumerate(zip(q.offsets.diff().tolist(), k.offsets.diff().tolist(), strict=True)):
             bias[b, :, lq:] = float("nan")
@@ -473,19 +481,25 @@ def test_backward_kernels_with_bias_match_reference(backward_kernel, dtype, D, l
     _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias=bias)
 
 
+OTHER_BIASES = [  # (bias, masked, bias_grad, scale, wider)
+    ("B1QK", False, True, None, 0), ("11QK", False, True, None, 0),  # broadcast over heads (and sequences)
+    ("1HQK", True, True, None, 0), ("BHQK", True, True, None, 0),  # -inf entries: rows with few keys, or none
+    ("1HQK", False, False, None, 0),  # no gradient wanted for the bias
+    ("BHQK", False, True, -0.3, 0),  # a negative scale (the lean products start from bias / scale)
+    ("1HQK", False, True, None, 24), ("BHQK", False, True, None, 24),  # wider than the longest sequence (jagged)
+    ("bool", False, False, None, 0),  # a bool mask: an additive one of the inputs' dtype (varlen.attention)
+]
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("bias,masked,bias_grad,scale", [
-    ("B1QK", False, True, None), ("11QK", False, True, None),  # broadcast over heads (and sequences)
-    ("1HQK", True, True, None), ("BHQK", True, True, None),  # -inf entries: rows with few keys, or none
-    ("1HQK", False, False, None),  # no gradient wanted for the bias
-    ("BHQK", False, True, -0.3),  # a negative scale (the lean products start from bias / scale)
-])
-@pytest.mark.parametrize("layout", ["dense", "jagged"])
+@pytest.mark.parametrize("layout,bias,masked,bias_grad,scale,wider",
+                         [(layout, *case) for layout in ("dense", "jagged") for case in OTHER_BIASES
+                          if layout == "jagged" or not case[-1]])  # (a dense bias is exactly the planes)
 @pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
 def test_backward_kernels_with_other_biases_match_reference(backward_kernel, D, layout, bias, masked, bias_grad,
-                                                            scale):
-    _check_backward(backward_kernel, torch.bfloat16, D, layout, 4, 4, "causal", bias=bias, bias_masked=masked,
-                    bias_grad=bias_grad, scale=scale)
+                                                            scale, wider):
+    _check_backward(backward_kernel, torch.bfloat16, D, layout, 4, 4, "none", bias=bias, bias_masked=masked,
+                    bias_grad=bias_grad, scale=scale, bias_wider=wider)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -510,14 +524,14 @@ def _given(rest):
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0, bias=None,
-                    bias_masked=False, bias_grad=True, scale=None):
+                    bias_masked=False, bias_grad=True, scale=None, bias_wider=0):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
     dout = torch.randn(rows, generator=g)
     opts = dict(MASKS[mask], scale=scale)
     draws = _draws(offset, g)
-    bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked)
+    bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked, bias_wider)
     ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))
     args = dict(bias=bias, bias_grad=bias_grad)
     ref = _grads(q, k, v, dout, lambda a, b, c, *d: attention_reference(a, b, c, bias=_given(d), **ref_opts)[0],

@@ -221,7 +221,7 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
                             documents=_documents(document_ids, problem, qt.device),
                             query_offset=_per_sequence("query_offset", query_offset, problem, qt.device),
                             dropout_sequences=dropout_sequences)
-    bias = _check_bias(bias, problem)
+    bias = _check_bias(bias, problem, qt.dtype)
     alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
 
     impl = backends.select(backend, qt, bias, alibi, problem, opts)
@@ -266,7 +266,9 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     return _cpu_conversions.get((offsets,), None, lambda: offsets.to(torch.int32))
 
 
-def _check_bias(bias, problem: Problem):
+def _check_bias(bias, problem: Problem, dtype: torch.dtype):
+    """The bias as 4 dims; a bool mask becomes an additive one (0 where True, -inf where False) of ``dtype``, the
+    inputs' (exact in every float dtype; the kernels that take a bias of the inputs' dtype then take it)."""
     if bias is None:
         return None
     if bias.dtype != torch.bool:
@@ -283,7 +285,7 @@ def _check_bias(bias, problem: Problem):
                              f"(B, H, Sq, Sk) = {full}: dim {what} is {got}, allowed {allowed}")
     bias = bias.reshape(shape)
     if bias.dtype == torch.bool:
-        bias = torch.zeros(shape, dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
+        bias = torch.zeros(shape, dtype=dtype, device=bias.device).masked_fill(~bias, float("-inf"))
     return bias
 
 

@@ -626,11 +626,12 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
 
 def takes_bias(problem, opts, dtype, bias, seed) -> bool:
     """Whether the kernel takes this bias: of the inputs' dtype (its tiles share the ring with Q and dO), over
-    whole (query, key) planes (a bias broadcast over queries or keys has no tile for TMA to load), without
-    dropout (no draw beside a bias in the kernel) and with a nonzero scale (the lean products start from
-    bias / scale). Broadcast over sequences or heads, it gets its gradient by float32 adds."""
-    return (bias.dtype == dtype and tuple(bias.shape[2:]) == (problem.max_q, problem.max_k) and seed is None
-            and opts.scale != 0)
+    whole (query, key) planes (a bias broadcast over queries or keys has no tile for TMA to load; a jagged batch's
+    may be larger than its longest sequence), without dropout (no draw beside a bias in the kernel) and with a
+    nonzero scale (the lean products start from bias / scale). Broadcast over sequences or heads, it gets its
+    gradient by float32 adds."""
+    return (bias.dtype == dtype and bias.shape[2] >= problem.max_q and bias.shape[3] >= problem.max_k
+            and seed is None and opts.scale != 0)
 
 
 def bias_aligned(bias) -> bool:
