@@ -282,8 +282,7 @@ def test_gluon_forward_declines_gapped_batches():
 
 
 def _grads(q, k, v, dout, fn, dtype, device, bias=None, bias_grad=True):
-    """Gradients of ``fn(q, k, v)`` (or ``fn(q, k, v, bias)``) at ``dtype`` for q, k, v (and the bias, if
-    ``bias_grad``)."""
+    """Gradients of ``fn(q, k, v, bias)`` at ``dtype`` for q, k, v (and the bias, if given and ``bias_grad``)."""
     def prep(t, grad=True):
         if isinstance(t, varlen.JaggedTensor):
             return varlen.JaggedTensor(t.values.to(device, dtype).requires_grad_(), t.offsets.to(device), t.max_len)
@@ -293,12 +292,10 @@ def _grads(q, k, v, dout, fn, dtype, device, bias=None, bias_grad=True):
 
     q, k, v = (prep(t) for t in (q, k, v))
     leaves = [t.values if isinstance(t, varlen.JaggedTensor) else t for t in (q, k, v)]
-    if bias is None:
-        out = fn(q, k, v)
-    else:
+    if bias is not None:
         bias = prep(bias, bias_grad)
-        out = fn(q, k, v, bias)
         leaves += [bias] if bias_grad else []
+    out = fn(q, k, v, bias)
     out = out.values if isinstance(out, varlen.JaggedTensor) else out
     return torch.autograd.grad(out, leaves, dout.to(device, dtype))
 
@@ -518,11 +515,6 @@ def test_gluon_backward_leaves_other_biases_to_the_triton_kernel(monkeypatch, ke
     assert launches  # (the same call, with keys and a bias it takes)
 
 
-def _given(rest):
-    """The bias among a function's optional arguments (:func:`_grads`), or None."""
-    return rest[0] if rest else None
-
-
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0, bias=None,
                     bias_masked=False, bias_grad=True, scale=None, bias_wider=0):
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
@@ -534,13 +526,12 @@ def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dr
     bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked, bias_wider)
     ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))
     args = dict(bias=bias, bias_grad=bias_grad)
-    ref = _grads(q, k, v, dout, lambda a, b, c, *d: attention_reference(a, b, c, bias=_given(d), **ref_opts)[0],
+    ref = _grads(q, k, v, dout, lambda a, b, c, d: attention_reference(a, b, c, bias=d, **ref_opts)[0],
                  torch.float64, "cuda", **args)
-    low = _grads(q, k, v, dout, lambda a, b, c, *d: attention_reference(a, b, c, bias=_given(d), **ref_opts)[0],
-                 dtype, "cuda", **args)
-    got = _grads(q, k, v, dout, lambda a, b, c, *d: varlen.attention(a, b, c, bias=_given(d), **opts,
-                                                                     dropout_p=dropout_p, generator=draws),
-                 dtype, "cuda", **args)
+    low = _grads(q, k, v, dout, lambda a, b, c, d: attention_reference(a, b, c, bias=d, **ref_opts)[0], dtype,
+                 "cuda", **args)
+    got = _grads(q, k, v, dout, lambda a, b, c, d: varlen.attention(a, b, c, bias=d, **opts, dropout_p=dropout_p,
+                                                                    generator=draws), dtype, "cuda", **args)
     kernel, gluon_launches = backward_kernel
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
     for name, x, lo, r in zip(("dq", "dk", "dv", "dbias")[:len(got)], got, low, ref, strict=True):

@@ -154,15 +154,20 @@ if HAVE_GLUON:
         return gl.convert_layout(tile, layout).to(gl.float32)
 
     @gluon.jit
-    def _plane_descriptor(ptr, sb, sh, sq, b, h_step, H, Lq, Lk, BM: gl.constexpr, KEYS: gl.constexpr,
-                          layout: gl.constexpr):
-        """A descriptor made here over sequence ``b``'s (1, Hb, Lq, Lk) of a bias-shaped (Bb, Hb, Sq, Sk) tensor (the
-        bias, or its gradient): boxes of BM queries x KEYS keys, clipped at the sequence's last query. Past its last
-        key the boxes were seen to read and write (the GPU tests' jagged batches without a mask: dS of keys past Lk
-        reached the gradient), so the kernel zeroes those keys' P itself. ``sb``: 0 where it broadcasts over
-        sequences; ``sh``: its heads' stride, or any valid one where it broadcasts over them (``h_step`` 0)."""
-        return tma.make_tensor_descriptor(ptr + b.to(gl.int64) * sb, [1, h_step * (H - 1) + 1, Lq, Lk],
-                                          [sh, sh, sq, 1], [1, 1, BM, KEYS], layout)
+    def _plane(host_desc, ptr, sb, sh, sq, b, b_step, h_step, H, Lq, Lk, BM: gl.constexpr, KEYS: gl.constexpr,
+               layout: gl.constexpr, HOST: gl.constexpr):
+        """(descriptor, batch coordinate) of a bias-shaped (Bb, Hb, Sq, Sk) tensor (the bias, or its gradient) for
+        sequence ``b``, boxes of BM queries x KEYS keys: ``host_desc`` (``HOST``: dense calls; made over (Bb, Hb, Sq,
+        Sk), its batch coordinate b where ``b_step``), or one made here over the sequence's (1, Hb, Lq, Lk), clipped
+        at its last query. Past its last key such boxes were seen to read and write (the GPU tests' jagged batches
+        without a mask: dS of keys past Lk reached the gradient), so the kernel zeroes those keys' P itself. ``sb``:
+        0 where the tensor broadcasts over sequences; ``sh``: its heads' stride, or any valid one where it
+        broadcasts over them (``h_step`` 0)."""
+        if HOST:
+            return host_desc, b * b_step
+        else:
+            return tma.make_tensor_descriptor(ptr + b.to(gl.int64) * sb, [1, h_step * (H - 1) + 1, Lq, Lk],
+                                              [sh, sh, sq, 1], [1, 1, BM, KEYS], layout), 0
 
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring, kv_bar,
@@ -346,7 +351,7 @@ if HAVE_GLUON:
                         ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                         pt = gl.where(ok, pt, 0.0)
                     if BIAS and not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
-                        # Keys past the sequence's (_plane_descriptor): their bias (a jagged bias may hold anything
+                        # Keys past the sequence's (_plane): their bias (a jagged bias may hold anything
                         # there, NaN included) must not count, and their dS, written through the gradient's box into
                         # the row's rest (its keys a multiple of 8: bias_aligned), must be 0. (Masked calls check
                         # them above.)
@@ -482,7 +487,7 @@ if HAVE_GLUON:
         ``bias_sb`` (0 where it broadcasts over sequences), ``bias_sh`` (its heads' stride, or any valid one where
         it broadcasts over them) and ``bias_sq``, read through ``BiasD``, a 4-D descriptor made on the host
         (``HOST_BIAS``: dense calls), or else one each program makes over its sequence's (1, Hb, Lq, Lk)
-        (:func:`_plane_descriptor`); ``bias_b_step``, ``bias_h_step``: 1 on the batch and head dims where the
+        (:func:`_plane`); ``bias_b_step``, ``bias_h_step``: 1 on the batch and head dims where the
         bias doesn't broadcast over them. ``DB``: its gradient, none (0), stored (1) or added in float32 (2) into
         ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's.
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
@@ -541,24 +546,14 @@ if HAVE_GLUON:
             k_row = 0
         # The bias's and its gradient's descriptors (placeholders where there is none: a partition's argument can't
         # be None), and their batch coordinates.
-        bias_desc = q_desc
-        bias_b = 0
-        dbias_desc = dq_desc
-        dbias_b = 0
+        bias_desc, bias_b = q_desc, 0
+        dbias_desc, dbias_b = dq_desc, 0
         if F.HAS_BIAS:
-            if HOST_BIAS:
-                bias_desc = BiasD
-                bias_b = seq.b * bias_b_step
-            else:
-                bias_desc = _plane_descriptor(Bias, bias_sb, bias_sh, bias_sq, seq.b, bias_h_step, H, seq.Lq, seq.Lk,
-                                              BM, BN // 2, bias_layout)
+            bias_desc, bias_b = _plane(BiasD, Bias, bias_sb, bias_sh, bias_sq, seq.b, bias_b_step, bias_h_step, H,
+                                       seq.Lq, seq.Lk, BM, BN // 2, bias_layout, HOST_BIAS)
         if DB != 0:
-            if HOST_BIAS:
-                dbias_desc = dBiasD
-                dbias_b = seq.b * dbias_b_step
-            else:
-                dbias_desc = _plane_descriptor(dBias, dbias_sb, dbias_sh, dbias_sq, seq.b, dbias_h_step, H, seq.Lq,
-                                               seq.Lk, BM, BN // 2, dbias_layout)
+            dbias_desc, dbias_b = _plane(dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, seq.b, dbias_b_step,
+                                         dbias_h_step, H, seq.Lq, seq.Lk, BM, BN // 2, dbias_layout, HOST_BIAS)
 
         k_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
