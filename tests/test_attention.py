@@ -707,6 +707,37 @@ def test_gluon_kernels_only_with_the_triton_they_are_written_for():
         assert not gluon_common.HAVE_GLUON and not gluon_backward.HAVE_GLUON
 
 
+@pytest.mark.parametrize("mask,dense,heads,kv_heads,batch,blocks,expected", [
+    ("causal", True, 32, 8, 2, 32, 4),  # 132 // 32 = 4 kv heads a group, of 16
+    ("causal_bottom_right", True, 32, 8, 2, 32, 4), ("causal", True, 32, 8, 1, 64, 2),
+    ("causal", True, 12, 4, 8, 16, 8),
+    ("causal", True, 32, 8, 2, 8, 16),  # few blocks: one group of all (blocks last's order)
+    ("causal", True, 6, 3, 3, 32, 3),  # 9 kv heads: the largest divisor up to 4
+    ("causal", True, 8, 1, 7, 32, 0),  # 7 kv heads: no divisor from 2 to 4
+    ("causal", True, 32, 8, 1, 128, 0),  # 132 // 128 = 1
+    ("causal", True, 2, 1, 140000, 64, 0),  # 70000 groups of 2: past a grid's 65535
+    ("causal", True, 32, 32, 2, 32, 0),  # MHA: a program walks one head
+    ("none", True, 32, 8, 2, 32, 0), ("causal_window", True, 32, 8, 2, 32, 0), ("causal", False, 32, 8, 2, 32, 0),
+])
+def test_gqa_key_block_programs_run_in_groups_of_kv_heads(monkeypatch, mask, dense, heads, kv_heads, batch, blocks,
+                                                          expected):
+    # Dense GQA calls under a causal mask: the programs of a group of kv heads, every key block of each, run
+    # together (program.kv_head_groups), the group's kv heads the largest divisor of all (B x Hkv) up to
+    # sm_count / blocks, at least 2; only for kernels that take that grid and unless sequences add into one memory.
+    monkeypatch.setattr(program, "sm_count", lambda device: 132)
+    offsets = None if dense else torch.tensor([0, 5] + [9] * (batch - 1))
+    problem = Problem(batch, heads, kv_heads, 64, 64, blocks * 128, blocks * 128, dense, offsets, offsets)
+    feats = features(problem, AttentionOptions(scale=0.125, **KEY_BLOCK_MASKS[mask]), None, None, None)
+    assert program.kv_head_groups(problem, feats, blocks, None) == expected
+    grid, order = program.key_block_grid(problem, feats, blocks, None, 8, kv_groups=True)
+    if expected:
+        assert (order, grid) == (program.KV_GROUPS, (expected, blocks, batch * kv_heads // expected))
+    else:
+        assert order != program.KV_GROUPS
+    assert program.key_block_grid(problem, feats, blocks, None, 8)[1] != program.KV_GROUPS
+    assert program.key_block_grid(problem, feats, blocks, None, 8, True, kv_groups=True)[1] != program.KV_GROUPS
+
+
 @pytest.mark.parametrize("batch,adds,causal,expected", [
     (3, True, False, program.HEADS_LAST), (1, True, False, program.BLOCKS_FIRST),
     (3, False, False, program.BLOCKS_FIRST), (65536, True, False, program.BLOCKS_FIRST),

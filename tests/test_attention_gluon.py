@@ -372,14 +372,32 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
     # Dense causal programs start heaviest first when they are few (program.blocks_last): both orders, whatever
     # the GPU, for both kernels; the Gluon kernel's descriptors made by its programs (dense) or on the host
     # (dense_tiles).
+    # (The Gluon kernel's grid in groups of kv heads, which GQA takes first, apart: the test below.)
     monkeypatch.setattr(gluon_backward, "PROGRAMS_PER_SM", programs_per_sm)
     monkeypatch.setattr(triton_backward, "KV_PROGRAMS_PER_SM", programs_per_sm)
+    monkeypatch.setattr(program, "kv_head_groups", lambda *args: 0)
     orders = record_calls(monkeypatch, program, "blocks_last")
     host_descriptors = record_calls(monkeypatch, gluon_backward, "host_descriptors")
     _check_backward(backward_kernel, torch.bfloat16, D, layout, 8, 2, mask)
     assert orders == [programs_per_sm > 0], orders
     made_on_host = [d is not None for d in host_descriptors]
     assert made_on_host == ([layout == "dense_tiles"] if backward_kernel[0] == "gluon" else []), made_on_host
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("kv_heads_per_group", [1, 2, 4])
+@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles"])
+@pytest.mark.parametrize("D,paired", [(64, False), (64, True), (128, False)])
+def test_gluon_backward_programs_in_groups_of_kv_heads(monkeypatch, kv_heads_per_group, mask, layout, D, paired):
+    # GQA's dense causal programs in groups of kv heads (program.kv_head_groups), forced to 1, 2 and 4 of the
+    # batch's kv heads a group (2 per sequence here): groups within a sequence, a sequence's, and across two.
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    monkeypatch.setattr(program, "kv_head_groups", lambda *args: kv_heads_per_group)
+    monkeypatch.setattr(gluon_backward, "pairs", lambda *args: paired)
+    grids, taken = _launch_arguments(monkeypatch, gluon_backward, "_bwd_kv_hopper", "GRID", "PAIRS")
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask)
+    assert grids == [program.KV_GROUPS] and taken == [paired], (grids, taken)
 
 
 def _backward_pairs(monkeypatch) -> list:

@@ -19,7 +19,7 @@ import torch
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
-from varlen.attn.triton import configs
+from varlen.attn.triton import configs, program
 from varlen.attn.triton.backward import launch_backward
 from varlen.attn.triton.forward import launch_forward
 
@@ -62,6 +62,8 @@ CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
       for name in ("plain", "causal", "bias_full", "bias_broadcast", "dropout", "positions")),
+    # Dense GQA under a causal mask: the Gluon backward's grid in groups of kv heads (program.kv_head_groups).
+    *((D, torch.bfloat16, "ieee", False, 4, "causal") for D in (64, 128)),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
     # float32 at full accuracy splits the operands into bf16 parts (configs.splits_bf16): their shared memory next
@@ -118,8 +120,11 @@ def main():
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                     gluon_forward.query_warpgroups = rule
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
-                # At D64 one key block per program and two, whatever the rule takes (gluon_backward.pairs).
-                rule = gluon_backward.pairs
+                # At D64 one key block per program and two, whatever the rule takes (gluon_backward.pairs); dense
+                # GQA in groups of one kv head (the rule counts SMs, 1 here).
+                rule, groups_rule = gluon_backward.pairs, program.kv_head_groups
+                if problem.dense and group > 1:
+                    program.kv_head_groups = lambda *args: 1
                 try:
                     for paired in (False, True) if D == 64 else (None,):
                         if paired is not None:
@@ -139,7 +144,7 @@ def main():
                             launch_backward(rdo, None, rq, rk, rv, r_out, r_lse, r_bias, alibi, ragged, opts, seed,
                                             bwd, need_dbias=r_bias is not None, tma=tma, gluon=True)
                 finally:
-                    gluon_backward.pairs = rule
+                    gluon_backward.pairs, program.kv_head_groups = rule, groups_rule
 
 if __name__ == "__main__":
     main()

@@ -470,8 +470,8 @@ if HAVE_GLUON:
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr,
                        HOST_BIAS: gl.constexpr, DB: gl.constexpr):
-        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or ``(Hkv, B, cdiv(max_k, BN))`` (``GRID``: dense only,
-        ``program.blocks_last``), its blocks axis halved (rounded up) with ``PAIRS``; tensors as
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``),
+        its blocks axis halved (rounded up) with ``PAIRS``; tensors as
         ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
         row (stride_h = D). ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args``
@@ -505,7 +505,7 @@ if HAVE_GLUON:
 
         gl.static_assert(not (PAIRS and LEAN), "pairs of key blocks: D64 only (two K and V buffers)")
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID)
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID, HKV)
         if PAIRS:
             n_blocks = (seq.Lk + BN - 1) // BN
             if 2 * block >= n_blocks:
@@ -743,7 +743,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     # (A gradient added across sequences: heads last, so that each key block's adds meet in L2.)
     grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
                                       0 if paired else PROGRAMS_PER_SM,
-                                      adds_across_batch=dbias_mode == 2 and dbias.shape[0] < problem.batch)
+                                      adds_across_batch=dbias_mode == 2 and dbias.shape[0] < problem.batch,
+                                      kv_groups=True)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,

@@ -72,6 +72,7 @@ def longest_first(problem, placeholder) -> torch.Tensor:
 BLOCKS_FIRST = 0  # (blocks, heads, B)
 BLOCKS_LAST = 1  # (heads, B, blocks): blocks_last
 HEADS_LAST = 2  # (blocks, B, heads): heads_last
+KV_GROUPS = 3  # (kv heads in a group, blocks, groups): kv_head_groups
 
 
 def blocks_last(problem, feats, blocks: int, device, programs_per_sm: int) -> bool:
@@ -103,12 +104,35 @@ def heads_last(problem, adds_across_batch: bool) -> bool:
     return adds_across_batch and 1 < problem.batch <= 65535
 
 
+def kv_head_groups(problem, feats, blocks: int, device) -> int:
+    """The kv heads (of every sequence: sequence b's head h is the ``b Hkv + h``-th) in each group of the ``(P,
+    blocks, groups)`` grid, or 0 where it doesn't apply. The grid runs one group's programs, every key block of P
+    kv heads, heaviest blocks first, before the next group's: for dense calls under a causal-like mask
+    (:func:`first_blocks_heaviest`) with GQA (each program walks a kv head's query heads), P the largest divisor
+    of the kv heads x B up to ``sm_count / blocks``, at least 2, leaving at most 65535 groups (a grid's third
+    axis). Blocks last (every head's first block, then
+    every head's second...) ran a GQA head's 32 blocks in four waves (D128 S4k B2, 32/8), and each wave read that
+    head's Q, dO and dQ rows from DRAM again (ncu: 2.4 GB read against 0.7 for MHA of the same FLOPs); blocks first
+    leaves the last heads' heaviest blocks to the end. Measured on an H100 (bench/NOTES.md, "GQA programs in
+    groups of kv heads"): D64 GQA 32/8 and 12/4 causal +5-6%, D128 GQA 32/8 B4 S4k 301-380 -> 397-404 TFLOP/s."""
+    if not (problem.dense and first_blocks_heaviest(feats) and problem.group > 1):
+        return 0
+    pairs = problem.kv_heads * problem.batch
+    return next((p for p in range(min(pairs, sm_count(device) // blocks), 1, -1)
+                 if pairs % p == 0 and pairs // p <= 65535), 0)
+
+
 def key_block_grid(problem, feats, blocks: int, device, programs_per_sm: int,
-                   adds_across_batch: bool = False) -> tuple[tuple[int, int, int], int]:
+                   adds_across_batch: bool = False, kv_groups: bool = False) -> tuple[tuple[int, int, int], int]:
     """The grid of a key-block kernel with ``blocks`` key blocks per sequence, and its order (``prologue``'s
-    ``GRID``): blocks last (:func:`blocks_last`; it wins where both apply: its few programs run at once anyway),
-    heads last (:func:`heads_last`), or blocks first. (Blocks last is taken with few programs only, so its B and
-    block count stay far below the 65535 a grid's second and third axes allow; heads last checks its B.)"""
+    ``GRID``): kv heads in groups (:func:`kv_head_groups`; for kernels that take that grid, ``kv_groups``, unless
+    sequences add into one memory), blocks last (:func:`blocks_last`; it wins where both apply: its few programs run
+    at once anyway), heads last (:func:`heads_last`), or blocks first. (Blocks last is taken with few programs
+    only, so its B and block count stay far below the 65535 a grid's second and third axes allow; heads last checks
+    its B; a group's P kv heads are at most sm_count / blocks, its groups at most 65535.)"""
+    group = kv_head_groups(problem, feats, blocks, device) if kv_groups and not adds_across_batch else 0
+    if group:
+        return (group, blocks, problem.kv_heads * problem.batch // group), KV_GROUPS
     if blocks_last(problem, feats, blocks, device, programs_per_sm):
         return (problem.kv_heads, problem.batch, blocks), BLOCKS_LAST
     if heads_last(problem, adds_across_batch):
@@ -142,15 +166,21 @@ def sequence(bt: Batch, b, F: tl.constexpr):
 
 @triton.jit
 def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.constexpr, ORDERED: tl.constexpr,
-             GRID: tl.constexpr = 0):
+             GRID: tl.constexpr = 0, KV_HEADS: tl.constexpr = 0):
     """``(block, head, seq, masks)`` of a program of a ``(blocks, heads, B)`` grid, or of the other orders of
-    :func:`key_block_grid` (``GRID``). ``HEAVY_FIRST``: under a causal-like mask later query blocks see more
-    keys, so they start first (block order reversed). ``ORDERED``: the sequence axis walks the sequences in
-    ``ORDER`` (:func:`longest_first`)."""
+    :func:`key_block_grid` (``GRID``; the kv head count ``KV_HEADS`` for its grid in groups). ``HEAVY_FIRST``: under
+    a causal-like mask later query blocks see more keys, so they start first (block order reversed). ``ORDERED``: the
+    sequence axis walks the sequences in ``ORDER`` (:func:`longest_first`)."""
     if GRID == 1:  # BLOCKS_LAST
         block = tl.program_id(2)
         b = tl.program_id(1)
         head = tl.program_id(0)
+    elif GRID == 3:  # KV_GROUPS
+        tl.static_assert(KV_HEADS > 0, "the grid in groups of kv heads needs KV_HEADS")
+        kv_head = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # (over the sequences' kv heads)
+        block = tl.program_id(1)
+        b = kv_head // KV_HEADS
+        head = kv_head % KV_HEADS
     else:
         block = tl.program_id(0)
         if HEAVY_FIRST:
