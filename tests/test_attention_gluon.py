@@ -385,18 +385,20 @@ def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout,
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("kv_heads_per_group", [1, 2, 4])
+@pytest.mark.parametrize("heads,kv_heads,kv_heads_per_group", [(8, 2, 1), (8, 2, 2), (8, 2, 4), (6, 3, 2), (6, 3, 3)])
 @pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles"])
 @pytest.mark.parametrize("D,paired", [(64, False), (64, True), (128, False)])
-def test_gluon_backward_programs_in_groups_of_kv_heads(monkeypatch, kv_heads_per_group, mask, layout, D, paired):
-    # GQA's dense causal programs in groups of kv heads (program.kv_head_groups), forced to 1, 2 and 4 of the
-    # batch's kv heads a group (2 per sequence here): groups within a sequence, a sequence's, and across two.
+def test_gluon_backward_programs_in_groups_of_kv_heads(monkeypatch, heads, kv_heads, kv_heads_per_group, mask, layout,
+                                                       D, paired):
+    # GQA's dense causal programs in groups of kv heads (program.kv_head_groups), forced to a number dividing the
+    # batch's (two sequences): groups within a sequence, a sequence's, across two, and (3 kv heads, 2 a group)
+    # groups that end inside a sequence.
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     monkeypatch.setattr(program, "kv_head_groups", lambda *args: kv_heads_per_group)
     monkeypatch.setattr(gluon_backward, "pairs", lambda *args: paired)
     grids, taken = _launch_arguments(monkeypatch, gluon_backward, "_bwd_kv_hopper", "GRID", "PAIRS")
-    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask)
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, heads, kv_heads, mask)
     assert grids == [program.KV_GROUPS] and taken == [paired], (grids, taken)
 
 

@@ -12,6 +12,7 @@ query warpgroups, "gluon forward 3wg ...", and the backward with one key block p
 block ..." and "gluon pairs ..."). Outputs stay unwritten (nothing is run).
 """
 
+import itertools
 import os
 
 import torch
@@ -121,16 +122,17 @@ def main():
                     gluon_forward.query_warpgroups = rule
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
                 # At D64 one key block per program and two, whatever the rule takes (gluon_backward.pairs); dense
-                # GQA in groups of one kv head (the rule counts SMs, 1 here).
+                # GQA also in groups of one kv head (program.kv_head_groups: the rule counts SMs, 1 here, and
+                # takes none).
                 rule, groups_rule = gluon_backward.pairs, program.kv_head_groups
-                if problem.dense and group > 1:
-                    program.kv_head_groups = lambda *args: 1
+                grouped = (False, True) if problem.dense and group > 1 else (False,)
                 try:
-                    for paired in (False, True) if D == 64 else (None,):
+                    for paired, groups in itertools.product((False, True) if D == 64 else (None,), grouped):
+                        program.kv_head_groups = (lambda *args: 1) if groups else groups_rule
                         if paired is not None:
                             gluon_backward.pairs = lambda *args, paired=paired: paired
                         form = {None: "gluon", False: "gluon one block", True: "gluon pairs"}[paired]
-                        print(label.replace("case", form), flush=True)
+                        print(label.replace("case", form + (" in kv head groups" if groups else "")), flush=True)
                         launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                                         need_dbias=bias is not None, tma=tma, gluon=True)
                         if problem.dense:

@@ -739,7 +739,9 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     dense = problem.dense
     blocks = cdiv(problem.max_k, BLOCK_N)
     paired = pairs(problem, feats, problem.batch * problem.max_k if dense else k.shape[0], q.device)
-    # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them.)
+    # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them. GQA's groups of kv
+    # heads still apply: with as many programs as pairs take, a group's are about the first wave that blocks first
+    # would run, in another order.)
     # (A gradient added across sequences: heads last, so that each key block's adds meet in L2.)
     grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
                                       0 if paired else PROGRAMS_PER_SM,

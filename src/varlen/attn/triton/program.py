@@ -114,7 +114,8 @@ def kv_head_groups(problem, feats, blocks: int, device) -> int:
     every head's second...) ran a GQA head's 32 blocks in four waves (D128 S4k B2, 32/8), and each wave read that
     head's Q, dO and dQ rows from DRAM again (ncu: 2.4 GB read against 0.7 for MHA of the same FLOPs); blocks first
     leaves the last heads' heaviest blocks to the end. Measured on an H100 (bench/NOTES.md, "GQA programs in
-    groups of kv heads"): D64 GQA 32/8 and 12/4 causal +5-6%, D128 GQA 32/8 B4 S4k 301-380 -> 397-404 TFLOP/s."""
+    groups of kv heads"; the old and new grids alternated in one call): D64 GQA 32/8 and 12/4 causal +5-6%, D128 GQA
+    32/8 S4k +1-2% (0.92 -> 0.94x cuDNN at B2)."""
     if not (problem.dense and first_blocks_heaviest(feats) and problem.group > 1):
         return 0
     pairs = problem.kv_heads * problem.batch
@@ -175,8 +176,8 @@ def prologue(bt: Batch, mask: Mask, ORDER, F: tl.constexpr, HEAVY_FIRST: tl.cons
         block = tl.program_id(2)
         b = tl.program_id(1)
         head = tl.program_id(0)
-    elif GRID == 3:  # KV_GROUPS
-        tl.static_assert(KV_HEADS > 0, "the grid in groups of kv heads needs KV_HEADS")
+    elif GRID == 3:  # KV_GROUPS (its blocks heaviest first already)
+        tl.static_assert(KV_HEADS > 0 and not HEAVY_FIRST, "the grid in groups of kv heads: KV_HEADS, no HEAVY_FIRST")
         kv_head = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)  # (over the sequences' kv heads)
         block = tl.program_id(1)
         b = kv_head // KV_HEADS
