@@ -725,13 +725,14 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
-              dropout, bias=None, dbias=None, dbias_mode=0) -> None:
+              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
     backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
     arguments. ``bias`` (4-D, :func:`takes_bias`) and its gradient ``dbias`` (zeros, contiguous, of the bias's
-    shape), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32)."""
+    shape; None without one), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32);
+    ``adds_across_batch``: sequences add into the same gradient (``program.heads_last``)."""
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None or (bias is not None and not problem.dense):
         ensure_allocator()  # the kernel builds TMA descriptors on the device
@@ -742,11 +743,9 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them. GQA's groups of kv
     # heads still apply: with as many programs as pairs take, a group's are about the first wave that blocks first
     # would run, in another order.)
-    # (A gradient added across sequences: heads last, so that each key block's adds meet in L2.)
     grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
                                       0 if paired else PROGRAMS_PER_SM,
-                                      adds_across_batch=dbias_mode == 2 and dbias.shape[0] < problem.batch,
-                                      kv_groups=True)
+                                      adds_across_batch=adds_across_batch, kv_groups=True)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
@@ -754,7 +753,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
-        **plane_arguments(problem, dbias if dbias_mode else None, "dbias", q), HOST_BIAS=problem.dense, DB=dbias_mode,
+        **plane_arguments(problem, dbias, "dbias", q), HOST_BIAS=problem.dense, DB=dbias_mode,
         num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -428,6 +428,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
             db_mode = DBIAS_ATOMIC
             dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
     db_args = DBias(dbias_buf, *(broadcast_strides(dbias_buf) if db_mode != DBIAS_NONE else (0,) * 4))
+    # Sequences add into one gradient (either kv kernel: heads last, program.heads_last).
+    adds_across_batch = db_mode == DBIAS_ATOMIC and bcast[0]
 
     kv = config.kv
     kv_tiles = tiles(problem, kv, q.dtype, tma)
@@ -450,10 +452,11 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                  feats, common["scores"], dropout_kwargs, bias=bias,
-                                 dbias=dbias_buf if db_mode != DBIAS_NONE else None, dbias_mode=db_mode)
+                                 dbias=dbias_buf if db_mode != DBIAS_NONE else None, dbias_mode=db_mode,
+                                 adds_across_batch=adds_across_batch)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
-                                          KV_PROGRAMS_PER_SM, adds_across_batch=db_mode == DBIAS_ATOMIC and bcast[0])
+                                          KV_PROGRAMS_PER_SM, adds_across_batch=adds_across_batch)
         _bwd_kv_kernel[grid](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense),
             dK=rows(dk, dense), dV=rows(dv, dense), LSE2=lse2, DELTA=delta, dBias=db_args,

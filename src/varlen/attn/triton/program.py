@@ -105,17 +105,16 @@ def heads_last(problem, adds_across_batch: bool) -> bool:
 
 
 def kv_head_groups(problem, feats, blocks: int, device) -> int:
-    """The kv heads (of every sequence: sequence b's head h is the ``b Hkv + h``-th) in each group of the ``(P,
-    blocks, groups)`` grid, or 0 where it doesn't apply. The grid runs one group's programs, every key block of P
-    kv heads, heaviest blocks first, before the next group's: for dense calls under a causal-like mask
-    (:func:`first_blocks_heaviest`) with GQA (each program walks a kv head's query heads), P the largest divisor
-    of the kv heads x B up to ``sm_count / blocks``, at least 2, leaving at most 65535 groups (a grid's third
-    axis). Blocks last (every head's first block, then
-    every head's second...) ran a GQA head's 32 blocks in four waves (D128 S4k B2, 32/8), and each wave read that
-    head's Q, dO and dQ rows from DRAM again (ncu: 2.4 GB read against 0.7 for MHA of the same FLOPs); blocks first
-    leaves the last heads' heaviest blocks to the end. Measured on an H100 (bench/NOTES.md, "GQA programs in
-    groups of kv heads"; the old and new grids alternated in one call): D64 GQA 32/8 and 12/4 causal +5-6%, D128 GQA
-    32/8 S4k +1-2% (0.92 -> 0.94x cuDNN at B2)."""
+    """The kv heads (of every sequence: sequence b's head h is the ``b Hkv + h``-th) in each group of the ``(P, blocks,
+    groups)`` grid, or 0 where it doesn't apply. The grid runs one group's programs, every key block of P kv heads,
+    heaviest blocks first, before the next group's: for dense calls under a causal-like mask
+    (:func:`first_blocks_heaviest`) with GQA (each program walks a kv head's query heads), P the largest divisor of the
+    kv heads x B up to ``sm_count / blocks``, at least 2, leaving at most 65535 groups (a grid's third axis). Blocks
+    last (every head's first block, then every head's second...) ran a GQA head's 32 blocks in four waves (D128 S4k B2,
+    32/8), and each wave read that head's Q, dO and dQ rows from DRAM again (ncu: 2.4 GB read against 0.7 for MHA of the
+    same FLOPs); blocks first leaves the last heads' heaviest blocks to the end. Measured on an H100 (bench/NOTES.md,
+    "GQA programs in groups of kv heads"; the old and new grids alternated in one call): D64 GQA 32/8 and 12/4 causal
+    +5-6%, D128 GQA 32/8 S4k +1-2% (0.92 -> 0.94x cuDNN at B2)."""
     if not (problem.dense and first_blocks_heaviest(feats) and problem.group > 1):
         return 0
     pairs = problem.kv_heads * problem.batch
