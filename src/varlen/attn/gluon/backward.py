@@ -6,7 +6,8 @@ which on sm_90 keeps them synchronous and spills at 128-key tiles. Here FA3's st
 blocks (``PAIRS``, below), three partitions (``gl.warp_specialize``):
 
 - a loader warp (24 registers): K and V once per block by TMA, then the (Q, dO) tiles of 64 queries of every head of
-  the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers);
+  the GQA group through a two-stage ring of shared memory (``ready`` / ``empty`` mbarriers), each stage with its
+  tile's lse and delta (loaded by the warp's threads);
 - two key warpgroups (240 registers each), each owning 64 of the keys: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ read both
   operands from shared memory; Pᵀ and dSᵀ stay in registers as the A operand of dV += Pᵀ dO and
   dK += dSᵀ Q (no transposes); each writes its dSᵀ into its half of a shared (double-buffered) tile
@@ -130,24 +131,10 @@ if HAVE_GLUON:
         return pair[0] + item * (pair[1] - pair[0])
 
     @gluon.jit
-    def _query_vector(ptr, m0, Lq, ok, other, BM: gl.constexpr):
-        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``, and everywhere where ``ok`` is false),
-        one element per thread, to be redistributed where it is used (:func:`_spread`). Loaded in the tile's own
-        layout, each thread's 16 elements took 16 masked loads, with an address and a predicate each."""
-        queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        return gl.load(ptr + queries, mask=(queries < Lq) & ok, other=other)
-
-    @gluon.jit
-    def _head_rows(LSE2, DELTA, b, q_start, h, H: gl.constexpr, total_q, max_q, VARLEN: gl.constexpr):
-        """Head ``h``'s rows of lse (log2 units) and delta for the sequence."""
-        row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)
-        return LSE2 + row, DELTA + row
-
-    @gluon.jit
-    def _spread(vector, layout: gl.constexpr):
-        """A :func:`_query_vector` vector in ``layout`` (the query axis of a warpgroup's tile), through shared
-        memory."""
-        return gl.convert_layout(vector, layout)
+    def _query_vector(ptr, m0, Lq, other, BM: gl.constexpr):
+        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``), loaded by the loader warp."""
+        queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([BM // 32], [32], [1], [0]))
+        return gl.load(ptr + queries, mask=queries < Lq, other=other)
 
     @gluon.jit
     def _bias_tile(ring, stage, WG: gl.constexpr, KEYS: gl.constexpr, layout: gl.constexpr):
@@ -176,15 +163,21 @@ if HAVE_GLUON:
                                               [sh, sh, sq, 1], [1, 1, BM, KEYS], layout), 0
 
     @gluon.jit
-    def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring, kv_bar,
-                    ready, empty, q_row, k_row, hk, bias_b, bias_h_step, items: Items, ITEMS: gl.constexpr,
-                    D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BIAS: gl.constexpr):
+    def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
+                    lse_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
+                    k_row, hk, bias_b, bias_h_step, items: Items, ITEMS: gl.constexpr, VARLEN: gl.constexpr,
+                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                    BIAS: gl.constexpr):
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
-        released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. ``q_row``,
-        ``k_row``: the sequence's first rows in the descriptors; ``bias_b``, ``bias_h_step``: the bias
-        descriptor's batch coordinate and its head coordinate per head (0 where the bias broadcasts); ``ITEMS``:
-        the most key blocks a program takes (:func:`_blocks_taken`)."""
+        released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. Each stage
+        also takes the tile's lse (log2 units; +inf past ``Lq``, so that P is 0 there) and delta, loaded by this
+        warp's threads and stored beside the tiles. (Loaded by the key warpgroups, their latency stood on the tile's
+        path, or took registers to hide a tile ahead: H100, this way D128 GQA 32/8 causal 0.93-0.96 -> 1.02-1.07x
+        cuDNN, D64 rows +2-4%, dropout +8%; bench/NOTES.md.) ``q_row``, ``k_row``: the sequence's first rows in
+        the descriptors; ``bias_b``, ``bias_h_step``: the bias descriptor's batch coordinate and its head
+        coordinate per head (0 where the bias broadcasts); ``ITEMS``: the most key blocks a program takes
+        (:func:`_blocks_taken`)."""
         dtype: gl.constexpr = k_desc.dtype
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
@@ -198,6 +191,7 @@ if HAVE_GLUON:
             t_lo = _item(items.t_lo, item)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
+                lse_row = lse_offset(b, q_start, hk * GROUP + g, H, total_q, max_q, VARLEN)
                 for j in range(_item(items.n_tiles, item)):
                     stage = count % 2
                     mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
@@ -214,16 +208,21 @@ if HAVE_GLUON:
                             tma.async_copy_global_to_shared(bias_desc, [bias_b, (hk * GROUP + g) * bias_h_step,
                                                                         t_lo + j * BM, n0 + half * (BN // 2)],
                                                             ready.index(stage), box)
+                    # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
+                    lse_ring.index(stage).store(_query_vector(LSE2 + lse_row, t_lo + j * BM, Lq, float("inf"), BM))
+                    delta_ring.index(stage).store(_query_vector(DELTA + lse_row, t_lo + j * BM, Lq, 0.0, BM))
+                    gl.thread_barrier()
+                    mbarrier.arrive(ready.index(stage))
                     count += 1
 
     @gluon.jit
-    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready,
-                       ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b, dbias_h_step,
-                       total_q, max_q, b, q_start, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale,
-                       qk_scale, seed, offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, VARLEN: gl.constexpr,
-                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
-                       DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
+    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem, kv_bar,
+                       ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
+                       b, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed, offset_lo,
+                       threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                       DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
+                       GROUP: gl.constexpr, BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
+                       WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
@@ -257,19 +256,6 @@ if HAVE_GLUON:
             dq_scale = scale
         count = 0
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
-        # The lean tile loads its lse and delta a tile ahead: loaded where they are used, their latency stood
-        # before the tile's products (H200, D128 S4k: 458-467 -> 495-517 TFLOP/s). With dropout (whose draw covers the
-        # latency) or at D64, the two registers that carries cost more than they save (bench/NOTES.md). (The lean
-        # form takes one key block per program: ``pairs``.) The lean GQA tile walks its heads' tiles as one loop
-        # (``FLAT``) and loads lse and delta where they are used: nested loops, with the prefetch reaching into the
-        # next head, kept 112 bytes of stack against 64 (H100, D128 GQA 32/8 causal: 0.93 -> 0.95x cuDNN). At D64 the
-        # nested loops are faster (flat: -4%).
-        FLAT: gl.constexpr = LEAN and GROUP > 1
-        AHEAD: gl.constexpr = LEAN and not DROPOUT and not FLAT
-        if AHEAD:
-            row = lse_offset(b, q_start, hk * GROUP, H, total_q, max_q, VARLEN)
-            lse_ahead = _query_vector(LSE2 + row, items.t_lo[0], Lq, True, float("inf"), BM)
-            delta_ahead = _query_vector(DELTA + row, items.t_lo[0], Lq, True, 0.0, BM)
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             t_lo = _item(items.t_lo, item)
@@ -286,57 +272,25 @@ if HAVE_GLUON:
             # products' fence, and ptxas then waits for the product in flight before the next one.
             row_zeros = keys.to(gl.float32) * 0.0
             mbarrier.wait(kv_bar.index(item), 0)
-            for g_first in range(1 if FLAT else GROUP):
-                if FLAT:  # (counters carried: no division by n_tiles)
-                    g = 0
-                    j = 0
-                else:
-                    g = g_first
-                    if not AHEAD:  # (the head's rows of lse and delta)
-                        lse2_row, delta_row = _head_rows(LSE2, DELTA, b, q_start, hk * GROUP + g, H, total_q, max_q,
-                                                         VARLEN)
-                for t in range(GROUP * n_tiles if FLAT else n_tiles):
-                    h = hk * GROUP + g
-                    if FLAT:
-                        lse2_row, delta_row = _head_rows(LSE2, DELTA, b, q_start, h, H, total_q, max_q, VARLEN)
-                    else:
-                        j = t
+            for g in range(GROUP):
+                h = hk * GROUP + g
+                for j in range(n_tiles):
                     stage = count % 2
                     m0 = t_lo + j * BM
-                    if AHEAD:
-                        lse_raw = lse_ahead
-                        delta_raw = delta_ahead
-                        # The next tile's (after the last, the next head's first: masked off, GROUP being 1 here;
-                        # the row kept from before the loop instead took the stack from 16 to 56 bytes).
-                        wrap = (j + 1 == n_tiles).to(gl.int32)
-                        row_next = lse_offset(b, q_start, h + wrap, H, total_q, max_q, VARLEN)
-                        m0_next = t_lo + (j + 1 - wrap * n_tiles) * BM
-                        lse_ahead = _query_vector(LSE2 + row_next, m0_next, Lq, g + wrap < GROUP, float("inf"), BM)
-                        delta_ahead = _query_vector(DELTA + row_next, m0_next, Lq, g + wrap < GROUP, 0.0, BM)
                     if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
                         words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
                     if LEAN:
                         # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
                         # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                         # keeps the D128 tile from spilling.
-                        if AHEAD:
-                            lse = _spread(lse_raw, q_axis) * inv_qk_scale
-                        else:
-                            lse_tile = _query_vector(lse2_row, m0, Lq, True, float("inf"), BM)
-                            lse = _spread(lse_tile, q_axis) * inv_qk_scale
+                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                        lse = lse_ring.index(stage).load(q_axis) * inv_qk_scale
                         if BIAS:  # (the start holds the bias: -lse + bias / scale, in units of S)
-                            mbarrier.wait(ready.index(stage), (count // 2) & 1)
                             st = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * inv_scale - lse[None, :]
                         else:
                             st = row_zeros[:, None] - lse[None, :]
                         if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
-                            if AHEAD:
-                                delta = _spread(delta_raw, q_axis)
-                            else:
-                                delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
-                            dpt = row_zeros[:, None] - delta[None, :]
-                        if not BIAS:
-                            mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                            dpt = row_zeros[:, None] - delta_ring.index(stage).load(q_axis)[None, :]
                         q_tile = q_ring.index(stage)
                         do_tile = do_ring.index(stage)
                         st = warpgroup_mma(k_w, q_tile.permute((1, 0)), st, is_async=True)
@@ -349,7 +303,7 @@ if HAVE_GLUON:
                         st = warpgroup_mma_wait(1, deps=(st,))
                         pt = gl.exp2(st * qk_scale)
                     else:
-                        # (At D64 loading lse and delta while the products run is faster.)
+                        # (At D64 reading lse and delta while the products run is faster.)
                         mbarrier.wait(ready.index(stage), (count // 2) & 1)
                         q_tile = q_ring.index(stage)
                         do_tile = do_ring.index(stage)
@@ -360,7 +314,7 @@ if HAVE_GLUON:
                         dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                             gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                             is_async=True)
-                        lse2 = _spread(_query_vector(lse2_row, m0, Lq, True, float("inf"), BM), q_axis)
+                        lse2 = lse_ring.index(stage).load(q_axis)
                         if BIAS:  # (log2 units: bias log2(e) - lse2)
                             offset2 = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * LOG2E - lse2[None, :]
                             st = warpgroup_mma_wait(1, deps=(st,))
@@ -392,7 +346,7 @@ if HAVE_GLUON:
                         ds = pt * dpt
                         ds_low = ds.to(dtype)
                     else:
-                        delta = _spread(_query_vector(delta_row, m0, Lq, True, 0.0, BM), q_axis)
+                        delta = delta_ring.index(stage).load(q_axis)
                         dpt = warpgroup_mma_wait(1, deps=(dpt,))
                         if DROPOUT:
                             # dS = P (keep_scale dP - delta) where kept, -P delta where dropped; times 2 / keep_scale,
@@ -463,11 +417,6 @@ if HAVE_GLUON:
                             mbarrier.arrive(ds_free.index(buf))
                             _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
                     count += 1
-                    if FLAT:
-                        j += 1
-                        wrap = (j == n_tiles).to(gl.int32)
-                        g += wrap
-                        j -= wrap * n_tiles
             # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
             # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
             if count > 0:
@@ -590,6 +539,10 @@ if HAVE_GLUON:
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BM, DQC], dq_layout)  # one per warpgroup
         # The ring's bias tiles (queries x the block's keys), or a placeholder never read.
         bias_ring = gl.allocate_shared_memory(dtype, [4, BM, BN // 2], bias_tile_layout) if F.HAS_BIAS else q_ring
+        # The ring's lse and delta (one tile's queries each).
+        vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
+        delta_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [ITEMS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -598,7 +551,7 @@ if HAVE_GLUON:
         for i in gl.static_range(ITEMS):
             mbarrier.init(kv_bar.index(i), count=1)
         for i in gl.static_range(2):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=2)  # the tiles' bytes with one arrival; lse and delta stored
             mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
             mbarrier.init(ds_free.index(i), count=2 if LEAN else 1)  # read by each dQ computing warpgroup
@@ -612,20 +565,19 @@ if HAVE_GLUON:
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty,
-                              ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b,
-                              dbias_h_step, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R,
-                              q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                              dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H,
-                              GROUP, BM, LEAN, DQC, 0)),
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, ds_smem, dq_smem, kv_bar, ready, empty,
-                              ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, LSE2, DELTA, dbias_b,
-                              dbias_h_step, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, m.shift, m.WL, m.R,
-                              q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo, dropout.threshold,
-                              dropout.keep_scale, ITEMS, F.VARLEN, F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H,
-                              GROUP, BM, LEAN, DQC, 1)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+                              kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
+                              dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
+                              qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
+                              F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+                              kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
+                              dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
+                              qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
+                              F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
-                           kv_bar, ready, empty, q_row, k_row, hk, bias_b, bias_h_step, items, ITEMS, D, GROUP, BM, BN,
+                           lse_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                           seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, items, ITEMS, F.VARLEN, D, H, GROUP, BM, BN,
                            F.HAS_BIAS)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
