@@ -132,7 +132,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _query_vector(ptr, m0, Lq, other, BM: gl.constexpr):
-        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``), loaded by the loader warp."""
+        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``), loaded by the loader (one warp)."""
+        gl.static_assert(BM % 32 == 0, "a whole number of queries per lane of the loader warp")
         queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([BM // 32], [32], [1], [0]))
         return gl.load(ptr + queries, mask=queries < Lq, other=other)
 
@@ -164,7 +165,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
-                    lse_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
+                    lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
                     k_row, hk, bias_b, bias_h_step, items: Items, ITEMS: gl.constexpr, VARLEN: gl.constexpr,
                     D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     BIAS: gl.constexpr):
@@ -173,11 +174,10 @@ if HAVE_GLUON:
         released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. Each stage
         also takes the tile's lse (log2 units; +inf past ``Lq``, so that P is 0 there) and delta, loaded by this
         warp's threads and stored beside the tiles. (Loaded by the key warpgroups, their latency stood on the tile's
-        path, or took registers to hide a tile ahead: H100, this way D128 GQA 32/8 causal 0.93-0.96 -> 1.02-1.07x
-        cuDNN, D64 rows +2-4%, dropout +8%; bench/NOTES.md.) ``q_row``, ``k_row``: the sequence's first rows in
-        the descriptors; ``bias_b``, ``bias_h_step``: the bias descriptor's batch coordinate and its head
-        coordinate per head (0 where the bias broadcasts); ``ITEMS``: the most key blocks a program takes
-        (:func:`_blocks_taken`)."""
+        path, or took registers to hide a tile ahead; bench/NOTES.md, "lse and delta through the ring".) ``q_row``,
+        ``k_row``: the sequence's first rows in the descriptors; ``bias_b``, ``bias_h_step``: the bias descriptor's
+        batch coordinate and its head coordinate per head (0 where the bias broadcasts); ``ITEMS``: the most key
+        blocks a program takes (:func:`_blocks_taken`)."""
         dtype: gl.constexpr = k_desc.dtype
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
@@ -191,7 +191,7 @@ if HAVE_GLUON:
             t_lo = _item(items.t_lo, item)
             for g in range(GROUP):
                 col = (hk * GROUP + g) * D
-                lse_row = lse_offset(b, q_start, hk * GROUP + g, H, total_q, max_q, VARLEN)
+                head_row = lse_offset(b, q_start, hk * GROUP + g, H, total_q, max_q, VARLEN)  # (of lse2 and delta)
                 for j in range(_item(items.n_tiles, item)):
                     stage = count % 2
                     mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
@@ -209,14 +209,14 @@ if HAVE_GLUON:
                                                                         t_lo + j * BM, n0 + half * (BN // 2)],
                                                             ready.index(stage), box)
                     # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
-                    lse_ring.index(stage).store(_query_vector(LSE2 + lse_row, t_lo + j * BM, Lq, float("inf"), BM))
-                    delta_ring.index(stage).store(_query_vector(DELTA + lse_row, t_lo + j * BM, Lq, 0.0, BM))
+                    lse2_ring.index(stage).store(_query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
+                    delta_ring.index(stage).store(_query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
                     gl.thread_barrier()
                     mbarrier.arrive(ready.index(stage))
                     count += 1
 
     @gluon.jit
-    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem, kv_bar,
+    def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem, kv_bar,
                        ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
                        b, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed, offset_lo,
                        threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
@@ -226,7 +226,8 @@ if HAVE_GLUON:
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
-        ``[u_lo, u_hi)`` lie wholly inside the band. ``q_row``, ``k_row``: the sequence's first rows in the
+        ``[u_lo, u_hi)`` lie wholly inside the band. Each ring stage holds the tile's Q, dO, lse (log2 units, +inf
+        past the sequence's last query) and delta. ``q_row``, ``k_row``: the sequence's first rows in the
         descriptors. The ring's, dSᵀ's and dQ's buffers and barriers take turns across the blocks as within one
         (``count``). With ``BIAS`` the scores take the ring stage's bias tile, and with ``DB`` each tile's dS (the
         bias's gradient) goes out through ``dbias_desc``: staged (transposed: queries x keys) in this warpgroup's dQ
@@ -284,7 +285,7 @@ if HAVE_GLUON:
                         # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                         # keeps the D128 tile from spilling.
                         mbarrier.wait(ready.index(stage), (count // 2) & 1)
-                        lse = lse_ring.index(stage).load(q_axis) * inv_qk_scale
+                        lse = lse2_ring.index(stage).load(q_axis) * inv_qk_scale
                         if BIAS:  # (the start holds the bias: -lse + bias / scale, in units of S)
                             st = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * inv_scale - lse[None, :]
                         else:
@@ -303,7 +304,7 @@ if HAVE_GLUON:
                         st = warpgroup_mma_wait(1, deps=(st,))
                         pt = gl.exp2(st * qk_scale)
                     else:
-                        # (At D64 reading lse and delta while the products run is faster.)
+                        # (At D64 lse is read once the products are issued: nothing of it is live across them.)
                         mbarrier.wait(ready.index(stage), (count // 2) & 1)
                         q_tile = q_ring.index(stage)
                         do_tile = do_ring.index(stage)
@@ -314,7 +315,7 @@ if HAVE_GLUON:
                         dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                             gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                             is_async=True)
-                        lse2 = lse_ring.index(stage).load(q_axis)
+                        lse2 = lse2_ring.index(stage).load(q_axis)
                         if BIAS:  # (log2 units: bias log2(e) - lse2)
                             offset2 = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * LOG2E - lse2[None, :]
                             st = warpgroup_mma_wait(1, deps=(st,))
@@ -393,6 +394,8 @@ if HAVE_GLUON:
                                            gl.zeros([BM, DQC], gl.float32, layout=dq_layout), use_acc=False,
                                            is_async=True)
                         dk, dv, dq = warpgroup_mma_wait(0, deps=(dk, dv, dq))
+                        # (Every thread read the stage's lse and delta before dSᵀ's barrier above: this one thread's
+                        # release may free it.)
                         mbarrier.arrive(empty.index(stage))
                         mbarrier.arrive(ds_free.index(buf))
                         tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
@@ -402,7 +405,7 @@ if HAVE_GLUON:
                         # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
                         # turn the asynchronous accumulators into plain tensors.)
                         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-                        mbarrier.arrive(empty.index(stage))
+                        mbarrier.arrive(empty.index(stage))  # (lse and delta were read before dSᵀ's barrier)
                         if count % 2 == WG:
                             # This warpgroup's turn: the tile's dQ over all the block's keys (both halves of dSᵀ).
                             # One reduce of the block's dQ per tile, where each warpgroup adding its own keys' part
@@ -541,7 +544,7 @@ if HAVE_GLUON:
         bias_ring = gl.allocate_shared_memory(dtype, [4, BM, BN // 2], bias_tile_layout) if F.HAS_BIAS else q_ring
         # The ring's lse and delta (one tile's queries each).
         vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        lse_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
+        lse2_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
         delta_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [ITEMS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -565,18 +568,18 @@ if HAVE_GLUON:
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
         gl.warp_specialize([
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
                               dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
                               qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
                               F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse_ring, delta_ring, ds_smem, dq_smem,
+            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
                               dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
                               qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
                               F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
-                           lse_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                           lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                            seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, items, ITEMS, F.VARLEN, D, H, GROUP, BM, BN,
                            F.HAS_BIAS)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
