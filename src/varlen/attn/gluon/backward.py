@@ -280,11 +280,11 @@ if HAVE_GLUON:
                     m0 = t_lo + j * BM
                     if DROPOUT:  # (drawn before the products are issued: drawing while they run spills at D128)
                         words = keep_words(seed, offset_lo, threshold, b * H + h, m0, n0 + WG * KEYS, LEAN)
+                    mbarrier.wait(ready.index(stage), (count // 2) & 1)
                     if LEAN:
                         # The products start from -lse (in units of S) and -delta, so that P = exp2(qk_scale Sᵀ) and
                         # dS = P dPᵀ hold no lse or delta registers beside them (16 each per thread), the margin that
                         # keeps the D128 tile from spilling.
-                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
                         lse = lse2_ring.index(stage).load(q_axis) * inv_qk_scale
                         if BIAS:  # (the start holds the bias: -lse + bias / scale, in units of S)
                             st = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * inv_scale - lse[None, :]
@@ -305,7 +305,6 @@ if HAVE_GLUON:
                         pt = gl.exp2(st * qk_scale)
                     else:
                         # (At D64 lse is read once the products are issued: nothing of it is live across them.)
-                        mbarrier.wait(ready.index(stage), (count // 2) & 1)
                         q_tile = q_ring.index(stage)
                         do_tile = do_ring.index(stage)
                         # (Accumulators made at their use: zeros kept across the loop would hold registers.)
@@ -324,7 +323,7 @@ if HAVE_GLUON:
                             st = warpgroup_mma_wait(1, deps=(st,))
                             pt = gl.exp2(st * qk_scale - lse2[None, :])
                     if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
-                        queries = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, kq_layout))  # (not kept live)
+                        queries = m0 + gl.arange(0, BM, layout=q_axis)  # (not kept live)
                         ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                         pt = gl.where(ok, pt, 0.0)
                     if BIAS and not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
