@@ -3,9 +3,10 @@ each case's forward and training step through ``varlen.attention`` and cuDNN's (
 from CUDA-graph replays, so that no host time enters (``bench/attention.py``'s eager rows are host-bound at S1k on
 these machines).
 
-bf16; dense rows (B·S = 16k tokens, H·D = 2048), dense GQA rows at S2k-4k, and jagged rows of causal
-attention: a long-tailed mix like ``bench/train_llm.py``'s documents (GQA 12/4) and 16 sequences of 256-4096 tokens.
-FLOPs 4·B·H·Sq·Sk·D (the real sequences' for jagged rows), halved when causal; the backward counts 2.5x.
+bf16; dense rows (B·S = 16k tokens, H·D = 2048), dense GQA rows at S2k-4k, dropout 0.1 at S2k and 8k, and jagged
+rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s documents (D64 GQA 12/4, and D128 GQA
+32/8) and 16 sequences of 256-4096 tokens. FLOPs 4·B·H·Sq·Sk·D (the real sequences' for jagged rows), halved when
+causal; the backward counts 2.5x.
 """
 
 from __future__ import annotations
@@ -38,28 +39,29 @@ def replayed_ms(fn: Callable[[], None]) -> float:
     return do_bench(captured(fn), warmup=50, rep=300, return_mode="median")
 
 
-def dense_case(B, S, H, HKV, D, causal) -> Case:
+def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0) -> Case:
     q = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     dout = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16)
 
     def forward():
         with torch.no_grad():
-            varlen.attention(q, k, v, causal=causal)
+            varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p)
 
     def step():
-        torch.autograd.grad(varlen.attention(q, k, v, causal=causal), (q, k, v), dout)
+        torch.autograd.grad(varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p), (q, k, v), dout)
 
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     dout_t = dout.transpose(1, 2).contiguous()
 
     def cudnn_forward():
         with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV)
+            F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV, dropout_p=dropout_p)
 
     def cudnn_step():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV)
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV,
+                                                 dropout_p=dropout_p)
         torch.autograd.grad(out, (qt, kt, vt), dout_t)
     return Case(forward, step, cudnn_forward, cudnn_step, 4 * B * H * S * S * D * (0.5 if causal else 1))
 
@@ -101,10 +103,15 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     yield "D64 GQA 32/8 S4096 B2 causal", lambda: dense_case(2, 4096, 32, 8, 64, True)
     yield "D64 GQA 12/4 S2048 B8 causal", lambda: dense_case(8, 2048, 12, 4, 64, True)
     yield "D128 GQA 32/8 S4096 B2 causal", lambda: dense_case(2, 4096, 32, 8, 128, True)
+    # bench/attention.py's dropout rows (a captured call draws its key on the GPU: options.DropoutSeed)
+    yield "D128 S2048 B4 H16 dropout 0.1", lambda: dense_case(4, 2048, 16, 16, 128, False, 0.1)
+    yield "D128 S8192 B1 H16 dropout 0.1", lambda: dense_case(1, 8192, 16, 16, 128, False, 0.1)
     torch.manual_seed(1)
     tail = long_tail(48 * 1024)
     yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) D64 GQA 12/4 causal",
            lambda: jagged_case(tail, 12, 4, 64, True))
+    yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) D128 GQA 32/8 causal",
+           lambda: jagged_case(tail, 32, 8, 128, True))
     uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
            lambda: jagged_case(uniform, 16, 16, 64, True))

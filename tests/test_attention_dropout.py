@@ -9,7 +9,8 @@ import triton.language as tl
 
 import varlen
 from attention_cases import AttnCase, backend_params, main_dtype, run_attention
-from utils import assert_close
+from utils import assert_close, record_calls
+from varlen.attn import api, function
 from varlen.attn.dropout import (
     PHILOX_ROUNDS,
     attention_dropout_mask,
@@ -261,6 +262,28 @@ def test_mask_of_the_call_is_the_one_applied(backend, case, device):
     wrong, _ = attention_reference(q.double(), k.double(), v.double(), dropout_mask=other, dropout_p=0.5)
     with pytest.raises(AssertionError):
         assert_close(out, wrong, dtype)
+
+
+@pytest.mark.parametrize("backend,case", backend_params(DROPOUT_CASES))
+def test_a_key_drawn_on_the_device_is_that_keys_mask(backend, case, device, monkeypatch):
+    """Inside a captured CUDA graph (simulated: the capture test says yes) the key is drawn from the generator on the
+    call's device and stays there; the kernels load it. The output and gradients are those of the same key held on
+    the host, bit for bit, forward and backward; the next draw is another key."""
+    inputs = case.make(main_dtype(backend), device)
+    monkeypatch.setattr(function, "capturing", lambda device: True)
+    drawn = record_calls(monkeypatch, api, "dropout_seed")
+    out, lse, grads = run_attention(case, inputs, backend)
+    (key,) = drawn
+    assert key.shape == (1,) and key.dtype == torch.int64 and key.device.type == device.type
+    monkeypatch.setattr(function, "capturing", lambda device: False)
+    monkeypatch.setattr(api, "dropout_seed", lambda *args: torch.tensor([int(key), 0]))  # the key, on the host
+    out_host, lse_host, grads_host = run_attention(case, inputs, backend)
+    assert torch.equal(_values(out), _values(out_host)) and torch.equal(lse, lse_host)
+    for a, b in zip(grads, grads_host, strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(function, "capturing", lambda device: True)
+    monkeypatch.setattr(api, "dropout_seed", function.dropout_seed)
+    assert not torch.equal(_values(run_attention(case, inputs, backend)[0]), _values(out))
 
 
 def test_attention_dropout_mask_leaves_generator_alone(device):

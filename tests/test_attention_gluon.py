@@ -20,7 +20,8 @@ import torch
 import varlen
 from conftest import ON_GPU
 from utils import record_calls
-from varlen.attn.dropout import attention_dropout_mask, dropout_threshold
+from varlen.attn import api, function
+from varlen.attn.dropout import attention_dropout_mask, dropout_keep_mask, dropout_threshold
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -352,6 +353,43 @@ def test_kernels_draw_the_mask_exactly(forward_kernel, backward_kernel, D, dropo
         assert bool(launches[1]) == (launches[0] == "gluon"), f"the {name}'s {launches[0]} kernel did not run"
     assert torch.equal(out.float().permute(0, 2, 1, 3) > 0, keep)
     assert torch.equal(dv.float().permute(0, 2, 3, 1) > 0, keep)
+
+
+def _key_in_memory(monkeypatch) -> list:
+    """Calls from now on draw their dropout key on the GPU, as inside a captured CUDA graph (simulated: the capture
+    test says yes), and the kernels load it (``options.DropoutSeed``); returns the list the keys drawn go to."""
+    monkeypatch.setattr(function, "capturing", lambda device: True)
+    return record_calls(monkeypatch, api, "dropout_seed")
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+def test_kernels_draw_the_mask_of_a_key_in_memory(forward_kernel, backward_kernel, D, monkeypatch):
+    """Every keep bit, forward and backward, is the mask of the key drawn on the GPU (the mask-revealing inputs of
+    the test above)."""
+    q, k, v, dout, draws, _ = _mask_revealing_inputs(D, 0.5, 0, seed=D + 1)
+    drawn = _key_in_memory(monkeypatch)
+    out = varlen.attention(q, k, v, dropout_p=0.5, generator=draws)
+    (dv,) = torch.autograd.grad(out, (v,), dout)
+    for name, launches in (("forward", forward_kernel), ("backward", backward_kernel)):
+        assert bool(launches[1]) == (launches[0] == "gluon"), f"the {name}'s {launches[0]} kernel did not run"
+    (key,) = drawn
+    keep = dropout_keep_mask(2, 3, D, D, 0.5, seed=int(key), offset=0, device="cuda")
+    assert torch.equal(out.float().permute(0, 2, 1, 3) > 0, keep)
+    assert torch.equal(dv.float().permute(0, 2, 3, 1) > 0, keep)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+def test_three_query_warpgroups_draw_the_mask_of_a_key_in_memory(three_query_warpgroups, monkeypatch):
+    """The same with the forward's three query warpgroups (D64; dropout never takes them by the rule)."""
+    q, k, v, _, draws, _ = _mask_revealing_inputs(64, 0.5, 0, seed=65)
+    drawn = _key_in_memory(monkeypatch)
+    with torch.no_grad():
+        out = varlen.attention(q, k, v, dropout_p=0.5, generator=draws)
+    assert three_query_warpgroups[0] == [3]
+    (key,) = drawn
+    keep = dropout_keep_mask(2, 3, 64, 64, 0.5, seed=int(key), offset=0, device="cuda")
+    assert torch.equal(out.float().permute(0, 2, 1, 3) > 0, keep)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

@@ -3,13 +3,11 @@ breaks the capture (tests/test_cuda_graphs.py captures for real, on a GPU). Here
 simulated by making the capture test say yes."""
 
 import importlib
-import types
 
 import pytest
 import torch
 
 import varlen
-from varlen.attn.function import dropout_seed
 
 # (the modules, not the functions varlen exports under the same names)
 offsets_module = importlib.import_module("varlen.offsets")
@@ -19,13 +17,6 @@ jagged_module = importlib.import_module("varlen.jagged")
 @pytest.fixture
 def capturing(monkeypatch):
     monkeypatch.setattr(offsets_module, "capturing", lambda device: True)
-
-
-def test_dropout_seed_refuses_capture(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(ValueError, match=r"dropout_p: 0\.25 while a CUDA graph is being captured.*Allowed: 0\.0"):
-        dropout_seed(types.SimpleNamespace(dropout_p=0.25), None, torch.device("cuda"))
-    assert dropout_seed(types.SimpleNamespace(dropout_p=0.0), None, torch.device("cuda")) is None
 
 
 def test_validated_offsets_refuse_capture(capturing):

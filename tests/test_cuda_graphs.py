@@ -1,15 +1,16 @@
-"""CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the
-inputs copied in before each replay (attention dense and jagged, in cases that select the Gluon kernels on Hopper
-and cases that select the Triton ones, and the jagged ops; jagged tensors built with ``validate=False``, whose
-offsets check would sync), so does ``torch.compile(mode="reduce-overhead")``; dropout, whose seed is drawn on the
-host, refuses to be captured instead of replaying one mask, and so do host reads of offsets (a JaggedTensor
-validated or without max_len). Capture needs a GPU (tests/test_capture_errors.py checks the refusals anywhere)."""
+"""CUDA graphs: a forward + backward captured with ``torch.cuda.graph`` replays what eager computes on the inputs
+copied in before each replay (attention dense and jagged, in cases that select the Gluon kernels on Hopper and
+cases that select the Triton ones, and the jagged ops; jagged tensors built with ``validate=False``, whose
+offsets check would sync), so does ``torch.compile(mode="reduce-overhead")``; with dropout the capture draws its
+key on the GPU, so each replay applies a new mask; host reads of offsets (a JaggedTensor validated or without
+max_len) refuse to be captured. Capture needs a GPU (tests/test_capture_errors.py checks the refusals anywhere)."""
 
 import pytest
 import torch
 
 import varlen
-from utils import assert_close
+from utils import assert_close, record_calls
+from varlen.attn import api
 
 pytestmark = pytest.mark.gpu_only
 
@@ -37,20 +38,27 @@ def _inputs(case, seed):
     return q, k, v, bias, dout
 
 
-def _attend(case, q, k, v, bias, offsets):
+def _attend(case, q, k, v, bias, offsets, dropout_p=0.0):
     opts = {n: o for n, o in CASES[case][5].items() if n != "bias"}
     if offsets is not None:
         q, k, v = (varlen.JaggedTensor(t, offsets, max(LENGTHS), validate=False) for t in (q, k, v))
-    out = varlen.attention(q, k, v, bias=bias, **opts)
+    out = varlen.attention(q, k, v, bias=bias, dropout_p=dropout_p, **opts)
     return out if offsets is None else out.values
 
 
-def _eager(case, values, offsets):
+def _eager(case, values, offsets, dropout_p=0.0):
     """Output and gradients of q, k, v (and the bias) computed eagerly."""
     q, k, v, bias, dout = (t if t is None else t.clone().requires_grad_(i < 4) for i, t in enumerate(values))
     leaves = [t for t in (q, k, v, bias) if t is not None]
-    out = _attend(case, q, k, v, bias, offsets)
+    out = _attend(case, q, k, v, bias, offsets, dropout_p)
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+def _offsets(case):
+    """The jagged cases' offsets (None for dense ones)."""
+    if CASES[case][1] is not None:
+        return None
+    return torch.tensor([0, *LENGTHS], device="cuda").cumsum(0).to(torch.int32)
 
 
 def _capture(step, leaves):
@@ -77,9 +85,7 @@ def _capture(step, leaves):
 def test_captured_attention_replays_eager(case):
     """Capture once; each replay on new inputs gives eager's output and gradients (bitwise where the kernels are
     deterministic; within bf16 rounding where dQ is added atomically in any order)."""
-    offsets = None
-    if CASES[case][1] is None:
-        offsets = torch.tensor([0, *LENGTHS], device="cuda").cumsum(0).to(torch.int32)
+    offsets = _offsets(case)
     static = [t if t is None else t.requires_grad_(i < 4) for i, t in enumerate(_inputs(case, 0))]
     q, k, v, bias, dout = static
     leaves = [t for t in (q, k, v, bias) if t is not None]
@@ -170,14 +176,69 @@ def _eager_plain(q, k, v, dout):
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
 
-def test_dropout_refuses_capture():
-    """The dropout seed is a host value: a captured graph would drop the same weights on every replay."""
-    q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.bfloat16)
-    varlen.attention(q, q, q, dropout_p=0.1)  # warm-up outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match=r"dropout_p: 0\.1 while a CUDA graph is being captured"), \
-            torch.cuda.graph(graph):
-        varlen.attention(q, q, q, dropout_p=0.1)
+@pytest.mark.parametrize("case", ["dense D128 causal", "jagged D64 causal", "jagged D40 deterministic"])
+def test_captured_dropout_draws_a_new_mask_each_replay(case, monkeypatch):
+    """With dropout the capture draws its key on the GPU (from the default generator, which each replay advances):
+    each replay applies another mask, and gives eager's output and gradients with that replay's key, read back from
+    the graph's memory (the Gluon kernels and, at D40, the Triton ones)."""
+    offsets = _offsets(case)
+    static = [t if t is None else t.requires_grad_(i < 4) for i, t in enumerate(_inputs(case, 0))]
+    q, k, v, bias, dout = static
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    drawn = record_calls(monkeypatch, api, "dropout_seed")
+
+    def step():
+        out = _attend(case, q, k, v, bias, offsets, dropout_p=0.2)
+        out.backward(dout)
+        return out
+
+    graph, out = _capture(step, leaves)
+    key_memory = drawn[-1]  # (the capture's own draw: the warm-up steps drew host keys)
+    assert key_memory.is_cuda and key_memory.shape == (1,)
+    keys = []
+    for seed in (1, 2):
+        fresh = _inputs(case, seed)
+        with torch.no_grad():
+            for t, new in zip(static, fresh, strict=True):
+                if t is not None:
+                    t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        keys.append(int(key_memory))
+        got = [out.detach(), *(t.grad for t in leaves)]
+        with monkeypatch.context() as m:
+            m.setattr(api, "dropout_seed", lambda *args: torch.tensor([keys[-1], 0]))  # that key, on the host
+            want = _eager(case, fresh, offsets, dropout_p=0.2)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+            if CASES[case][5].get("deterministic") or name == "out":
+                assert torch.equal(a, b), f"{name}: replay differs from eager with its key"
+            else:
+                assert_close(a, b, tol=4e-3, name=name)  # (bf16 rounding of dQ added in another order)
+    assert keys[0] != keys[1]
+
+
+def test_compiled_with_cuda_graphs_and_dropout():
+    """``torch.compile(mode="reduce-overhead")`` records attention with dropout too (the graph draws the key on the
+    GPU): no skips, a new mask on each step of the same inputs, and each step's backward applies its forward's mask:
+    out = A v for the dropped attention matrix A, so <out, dout> = <v, dv> (float64, the PyTorch path: equal up to
+    rounding; the kernels' keys drawn on the device are checked against host keys above)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = (torch.randn(2, 64, 2, 16, device="cuda", dtype=torch.float64, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: varlen.attention(q, k, v, causal=True, dropout_p=0.3),
+                             mode="reduce-overhead", fullgraph=True)
+    outs = []
+    for _ in range(4):  # (the first steps warm up; the later ones replay)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(q, k, v)
+        dout = torch.randn_like(out)
+        (dv,) = torch.autograd.grad(out, v, dout)
+        outs.append(out.detach().clone())
+        torch.testing.assert_close((out * dout).sum(), (v * dv).sum(), rtol=1e-10, atol=0)
+    assert not torch.equal(outs[-1], outs[-2])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_len=7), dict(validate=False)], ids=["validate", "no_max_len"])

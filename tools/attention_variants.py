@@ -6,10 +6,10 @@
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
-ALiBi + softcap, dropout; deterministic mode; TMA loads and pointer loads; and the Gluon forward and backward
-for every case they support (their "gluon forward ..." and "gluon ..." labels; at D64 the forward also with three
-query warpgroups, "gluon forward 3wg ...", and the backward with one key block per program and with two, "gluon one
-block ..." and "gluon pairs ..."). Outputs stay unwritten (nothing is run).
+ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
+the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
+D64 the forward also with three query warpgroups, "gluon forward 3wg ...", and the backward with one key block
+per program and with two, "gluon one block ..." and "gluon pairs ..."). Outputs stay unwritten (nothing is run).
 """
 
 import itertools
@@ -54,6 +54,7 @@ FEATURES = {
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
     "dropout_threshold_one": dict(dropout=2**-8),  # the mask's threshold 1: an integer Triton makes a constant
+    "dropout_device_seed": dict(dropout=0.1, device_seed=True),  # the key in memory (captured graphs: DropoutSeed)
     "positions": dict(causal=True, positions=True, dropout=0.1),
 }
 # (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,
@@ -99,6 +100,8 @@ def main():
                                 dropout_sequences=torch.zeros(B, dtype=torch.int32) if f.get("positions") else None)
         alibi = torch.empty(B, H) if f.get("alibi") else None
         seed = DropoutSeed(1, 2) if f.get("dropout") else None
+        if f.get("device_seed"):
+            seed = DropoutSeed(torch.ones(1, dtype=torch.int64), 0)
         for tma in (True, False) if name in ("plain", "causal") else (True,):
             label = (f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
                      f"{'tma' if tma else 'pointers'}")

@@ -72,7 +72,8 @@ def attention(
             dropout_p)`` (dropout_p rounded to a multiple of 2**-8, as FlashAttention 2 draws it: 0.1 drops 26 /
             256, and up to 1/512 nothing; see ``varlen.attn.dropout``). The mask is a function of a seed and offset
             drawn from ``generator`` (torch's default when None): the same generator state gives the same mask, and
-            the backward replays it. Pass 0.0 in evaluation.
+            the backward replays it. Inside a captured CUDA graph the seed is drawn on the GPU, anew on each
+            replay. Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when
             ``torch.are_deterministic_algorithms_enabled()``).
         prefix_len: an int or an integer tensor ``(B,)``: the first ``prefix_len[b]`` keys of sequence b

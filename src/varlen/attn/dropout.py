@@ -71,7 +71,8 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
 
     Args:
         counter: four int64 tensors or Python ints with values in ``[0, 2**32)``, at least one a tensor.
-        key: two Python ints (or one-element int64 tensors, read on the host) with values in ``[0, 2**32)``.
+        key: two Python ints or two 0-dim int64 tensors (a key drawn on the counters' device stays there), with
+            values in ``[0, 2**32)``.
         rounds: 7 for the mask's Philox4x32-7, 10 for Random123's default Philox4x32-10.
 
     Returns:
@@ -105,11 +106,17 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     # While x holds (c2, c0) its multipliers are (B, A) and its key words (k0, k1); while it holds (c0, c2), (A, B)
     # and (k1, k0). One table of the rounds' key words, made from the keys' values (one copy to the device).
     ones = (1,) * len(shape)
-    multipliers = torch.tensor([(_ROUND_B, _ROUND_A), (_ROUND_A, _ROUND_B)], dtype=torch.int64,
-                               device=like.device).view((2, 2) + ones)
+    # (Filled on the device, not copied from the host: a copy can't be captured in a CUDA graph.)
+    multipliers = torch.full((2, 2), _ROUND_A, dtype=torch.int64, device=like.device)
+    multipliers.diagonal().fill_(_ROUND_B)  # [[B, A], [A, B]]
+    multipliers = multipliers.view((2, 2) + ones)
     round_keys = [((k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32) for r in range(1, rounds)]
-    round_keys = torch.tensor([pair if r % 2 == 1 else pair[::-1] for r, pair in enumerate(round_keys, 1)],
-                              dtype=torch.int64, device=like.device).view((rounds - 1, 2) + ones)
+    round_keys = [pair if r % 2 == 1 else pair[::-1] for r, pair in enumerate(round_keys, 1)]
+    if isinstance(k0, torch.Tensor):
+        round_keys = torch.stack([torch.stack(pair) for pair in round_keys]).to(like.device)
+    else:
+        round_keys = torch.tensor(round_keys, dtype=torch.int64, device=like.device)
+    round_keys = round_keys.view((rounds - 1, 2) + ones)
     for r in range(1, rounds):
         products = x * multipliers[0 if r % 2 == 1 else 1]
         x = products >> 32
@@ -124,10 +131,11 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     return x[0], y[0], x[1], y[1]
 
 
-def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[int, int], max_k: int,
+def keep_mask_block(seed: int | torch.Tensor, offset: int, batch: int, heads: int, rows: tuple[int, int], max_k: int,
                     dropout_p: float, device=None, row_offset: torch.Tensor | None = None,
                     sequences: torch.Tensor | None = None) -> torch.Tensor:
-    """Keep bits ``(batch, heads, rows[1] - rows[0], max_k)`` for query rows ``[rows[0], rows[1])``.
+    """Keep bits ``(batch, heads, rows[1] - rows[0], max_k)`` for query rows ``[rows[0], rows[1])``; ``seed`` an int
+    or a one-element int64 tensor on ``device`` (a key drawn there, ``options.DropoutSeed``).
 
     The backends' entry point (they build the mask one block of query rows at a time); no checks.
     ``row_offset`` ``(batch,)``: sequence b's rows start there (``query_offset``); ``sequences`` ``(batch,)``:
@@ -146,7 +154,10 @@ def keep_mask_block(seed: int, offset: int, batch: int, heads: int, rows: tuple[
     c1 = ar(groups).view(1, 1, 1, -1)
     b = ar(batch) if sequences is None else sequences.to(torch.int64)
     c2 = (b.view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & _U32
-    # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy.
+    # The per-call words stay Python ints: a tensor built from them would be a host-to-device copy. (A key drawn on
+    # the device, a one-element tensor, stays there: its words are 0-dim tensors.)
+    if isinstance(seed, torch.Tensor):
+        seed = seed.reshape(())
     c3, k0, k1 = offset & _U32, seed & _U32, ((seed >> 32) ^ (offset >> 32)) & _U32
     out = philox4x32((c0, c1, c2, c3), (k0, k1))
     # The words' low 32 bits side by side, (batch, heads, calls, groups, 4), and their bytes as a uint8 view (no

@@ -19,8 +19,9 @@ Two entries share :func:`run_forward` and :func:`run_backward`:
   only tensors and primitives: the bias (which gets a gradient) on its own, the other optional tensors as
   one list (``EXTRA_TENSORS``: no gradient), the options as
   one argument per field of ``AttentionOptions`` (the schema is generated from the dataclass, so a new
-  option crosses the boundary with no edit here), the backend by name, and the dropout seed as a CPU int64
-  tensor ``[seed, offset]`` (built on the host; inside a compiled graph drawn by the graph itself).
+  option crosses the boundary with no edit here), the backend by name, and the dropout seed as an int64 tensor
+  (``[seed, offset]`` built on the host; inside a compiled graph drawn by the graph itself: see
+  :func:`dropout_seed`).
 
 Double backward (the gradient of a gradient) is not supported: it raises a clear error, on both paths.
 Outputs are contiguous (the fake implementations promise it), gradients included.
@@ -72,7 +73,13 @@ def _functorch_wrapped(t) -> bool:
 
 
 def _seed(seed: Tensor | None) -> DropoutSeed | None:
-    return None if seed is None else DropoutSeed(*seed.tolist())
+    """The ``DropoutSeed`` of :func:`dropout_seed`'s tensor: ``[seed, offset]`` on the host, or one key drawn on the
+    device, which stays there (read on the host, it would sync, and break a capture)."""
+    if seed is None:
+        return None
+    if seed.numel() == 1:
+        return DropoutSeed(seed=seed, offset=0)
+    return DropoutSeed(*seed.tolist())
 
 
 # --------------------------------------------------------------------------------- eager entry
@@ -221,15 +228,17 @@ torch.library.register_autograd("varlen::attention_backward", _no_double_backwar
 
 # ---------------------------------------------------------------------------------------- entry
 def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, device: torch.device) -> Tensor | None:
-    """The dropout seed of one call as a CPU int64 tensor ``[seed, offset]``, or None without dropout.
+    """The dropout seed of one call as an int64 tensor, or None without dropout: ``[seed, offset]`` on the host, or
+    ``[key]`` on ``device`` where the host can't hold the key (:func:`_seed` reads either).
 
-    Eager: drawn from ``generator`` by :func:`dropout.draw_dropout_seed` (so
-    ``varlen.attention_dropout_mask`` predicts the mask). Inside ``torch.compile`` the graph draws it
-    with ``torch.randint`` from the default CPU generator (reproducible under ``torch.manual_seed``, but
-    not the eager call's mask); a ``generator`` can't be passed there.
-
-    Not while a CUDA graph is being captured: the seed is a host value, so every replay of the graph would drop
-    the same weights (torch's own dropout reads its offset from device memory that each replay advances).
+    Eager: drawn from ``generator`` by :func:`dropout.draw_dropout_seed` (so ``varlen.attention_dropout_mask``
+    predicts the mask). While a CUDA graph is being captured, drawn on the device with ``torch.randint`` from
+    ``generator`` (torch's default CUDA generator when None), as torch's own dropout does: each replay of the
+    graph draws a new key, which the kernels load, so each replay drops other weights (a host value would be
+    replayed as it was captured); ``attention_dropout_mask`` can't predict those masks. Inside ``torch.compile``
+    the graph draws it with ``torch.randint`` from the default generator of the call's device, on that device
+    (reproducible under ``torch.manual_seed``, but not the eager call's mask; a CUDA graph of the compiled code,
+    ``mode="reduce-overhead"``, draws anew on each replay); a ``generator`` can't be passed there.
     """
     if opts.dropout_p == 0.0:
         return None
@@ -237,11 +246,11 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
         if generator is not None:
             raise ValueError("generator: not supported inside torch.compile (the compiled graph draws the "
                              "dropout seed from the default generator); pass generator=None")
+        if device.type == "cuda":
+            return torch.randint(0, SEED_LIMIT, (1,), dtype=torch.int64, device=device)
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
     if capturing(device):
-        raise ValueError(f"dropout_p: {opts.dropout_p} while a CUDA graph is being captured; varlen draws the dropout "
-                         "seed on the host, so every replay would drop the same weights. Allowed: 0.0 inside a "
-                         "captured graph (run steps with dropout eagerly)")
+        return torch.randint(0, SEED_LIMIT, (1,), dtype=torch.int64, device=device, generator=generator)
     drawn = draw_dropout_seed(generator, device)
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
 

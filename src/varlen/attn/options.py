@@ -91,7 +91,11 @@ class Problem:
 
 @dataclasses.dataclass(frozen=True)
 class DropoutSeed:
-    """Philox key of one call: the kernels' mask for element (b, h, i, j) depends on these alone."""
+    """Philox key of one call: the kernels' mask for element (b, h, i, j) depends on these alone.
 
-    seed: int
+    ``seed`` is an int drawn on the host, or, where the call can't read one there (inside a captured CUDA graph, or
+    a compiled graph on a GPU), a one-element int64 tensor drawn on the call's device, which the kernels load (each
+    replay of the graph draws it anew); ``offset`` is then 0."""
+
+    seed: int | torch.Tensor
     offset: int

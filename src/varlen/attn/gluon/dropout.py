@@ -93,11 +93,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _key(seed, i0, FRESH: gl.constexpr):
-        """The Philox key's two words from ``seed`` (an int64). ``FRESH``: made from a value the compiler can't fold
+        """The Philox key's two words from ``seed`` (an int64, or a pointer to the one drawn on the device, loaded
+        here: where used, not held across the caller's loop). ``FRESH``: made from a value the compiler can't fold
         (``i0``, a tile's first query, is >= 0), so that a loop around the caller computes the round keys anew
         for each tile instead of holding them across the loop: at D128 the backward spilled them around its
         products' issue (stack 200-224 -> 144-152 bytes; backward 309 -> 347 TFLOP/s, H200; the forward's causal
         D128 tile 280 -> 292; the backward's D64 tile, which doesn't spill, lost 2%)."""
+        if seed.dtype.is_ptr():
+            seed = gl.load(seed)
         seed64 = seed.to(gl.uint64)
         k0 = (seed64 & 0xFFFFFFFF).to(gl.uint32)
         k1 = ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32)

@@ -55,8 +55,9 @@ def score_args(bias, alibi, opts, placeholder) -> Scores:
 def dropout_args(seed, opts, problem, placeholder) -> dict:
     """The ``dropout`` bundle and the key of a call, as kernel keyword arguments: Philox keyed with the seed's
     two words, the offset's high word folded into the second; the offset's low word passed as an int32 with
-    the same bits. With ``query_offset`` (``POSITIONS``), each sequence's mask is that of its
-    ``dropout_sequences`` entry (its own index when None)."""
+    the same bits. A key drawn on the device (``DropoutSeed``) is passed as its one-element tensor, which the
+    kernels load (:func:`philox_key`), with offset 0. With ``query_offset`` (``POSITIONS``), each sequence's mask
+    is that of its ``dropout_sequences`` entry (its own index when None)."""
     if seed is None:
         return dict(dropout=Dropout(0, 1.0, placeholder), seed=0, offset_lo=0)
     sequences = placeholder
@@ -64,6 +65,9 @@ def dropout_args(seed, opts, problem, placeholder) -> dict:
         sequences = opts.dropout_sequences
         if sequences is None:
             sequences = torch.arange(problem.batch, dtype=torch.int32, device=opts.query_offset.device)
+    if isinstance(seed.seed, torch.Tensor):
+        return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p), sequences),
+                    seed=seed.seed, offset_lo=0)
     key = seed.seed ^ ((seed.offset >> 32) << 32)
     offset_lo = seed.offset & 0xFFFFFFFF
     offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo
@@ -82,9 +86,20 @@ def head_scores(s: Scores, b, h, F: tl.constexpr):
 
 
 @triton.jit
+def philox_key(seed):
+    """The call's Philox key: ``seed`` itself, or the int64 it points to (a key drawn on the device,
+    ``dropout_args``). Which one is known when the kernel compiles (a pointer is another variant)."""
+    if seed.dtype.is_ptr():
+        return tl.load(seed)
+    else:
+        return seed
+
+
+@triton.jit
 def head_dropout(d: Dropout, seed, offset_lo, b, h, heads, m: SeqMask, F: tl.constexpr):
     """Sequence b, head h's dropout stream. With ``POSITIONS`` its rows are the queries' key positions
     (``m.shift + i``) and its sequence is ``d.sequences[b]``: the mask a whole batch draws for this part."""
+    seed = philox_key(seed)
     if F.POSITIONS:
         return HeadDropout(seed, offset_lo, d.threshold, d.keep_scale, tl.load(d.sequences + b) * heads + h,
                            m.shift)
