@@ -3,11 +3,13 @@ breaks the capture (tests/test_cuda_graphs.py captures for real, on a GPU). Here
 simulated by making the capture test say yes."""
 
 import importlib
+import types
 
 import pytest
 import torch
 
 import varlen
+from varlen.attn import function
 
 # (the modules, not the functions varlen exports under the same names)
 offsets_module = importlib.import_module("varlen.offsets")
@@ -17,6 +19,24 @@ jagged_module = importlib.import_module("varlen.jagged")
 @pytest.fixture
 def capturing(monkeypatch):
     monkeypatch.setattr(offsets_module, "capturing", lambda device: True)
+
+
+def test_captured_dropout_refuses_a_cpu_generator(monkeypatch):
+    """Inside a capture the dropout key is drawn on the GPU, which a CPU generator can't do (torch's error names
+    neither the cause nor the way out)."""
+    monkeypatch.setattr(function, "capturing", lambda device: True)
+    with pytest.raises(ValueError, match=r"generator: a cpu generator while a CUDA graph is being captured "
+                                         r"\(dropout_p=0\.25\).*register_generator_state"):
+        function.dropout_seed(types.SimpleNamespace(dropout_p=0.25), torch.Generator(), torch.device("cuda"))
+
+
+def test_dropout_mask_refuses_capture(monkeypatch):
+    """A captured call draws its key at each replay: no mask can be read ahead of it inside the capture."""
+    monkeypatch.setattr(importlib.import_module("varlen.attn.dropout"), "capturing", lambda device: True)
+    q = torch.randn(1, 5, 2, 8)
+    with pytest.raises(ValueError, match=r"dropout_p: 0\.1 while a CUDA graph is being captured.*outside the capture"):
+        varlen.attention_dropout_mask(q, q, 0.1)
+    assert varlen.attention_dropout_mask(q, q, 0.0).all()
 
 
 def test_validated_offsets_refuse_capture(capturing):

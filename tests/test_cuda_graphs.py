@@ -217,27 +217,65 @@ def test_captured_dropout_draws_a_new_mask_each_replay(case, monkeypatch):
     assert keys[0] != keys[1]
 
 
-def test_compiled_with_cuda_graphs_and_dropout():
+def test_captured_dropout_draws_from_a_registered_generator(monkeypatch):
+    """A CUDA generator registered with the graph is the one each replay draws the key from (its seed then
+    reproduces the replays' keys); one not registered, or reading a mask ahead, raises a ValueError naming the way
+    out."""
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        varlen.attention(q, q, q, dropout_p=0.3, generator=g)  # (warm-up outside the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    unregistered = r"generator: this CUDA generator is not registered.*register_generator_state"
+    with pytest.raises(ValueError, match=unregistered), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        varlen.attention(q, q, q, dropout_p=0.3, generator=g)
+    ahead = r"dropout_p: 0\.3 while a CUDA graph is being captured.*outside the capture"
+    with pytest.raises(ValueError, match=ahead), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        varlen.attention_dropout_mask(q, q, 0.3)
+    drawn = record_calls(monkeypatch, api, "dropout_seed")
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(g)
+    with torch.cuda.graph(graph):
+        out = varlen.attention(q, q, q, dropout_p=0.3, generator=g)
+    keys, outs = [], []
+    for seed in (7, 7, None):
+        if seed is not None:
+            g.manual_seed(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        keys.append(int(drawn[-1]))
+        outs.append(out.clone())
+    assert keys[0] == keys[1] != keys[2] and torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_compiled_with_cuda_graphs_and_dropout(dtype):
     """``torch.compile(mode="reduce-overhead")`` records attention with dropout too (the graph draws the key on the
-    GPU): no skips, a new mask on each step of the same inputs, and each step's backward applies its forward's mask:
-    out = A v for the dropped attention matrix A, so <out, dout> = <v, dv> (float64, the PyTorch path: equal up to
-    rounding; the kernels' keys drawn on the device are checked against host keys above)."""
+    GPU): no skips, a new mask on each step of the same inputs, the same mask again under the same
+    ``torch.manual_seed``, and each step's backward applies its forward's mask: out = A v for the dropped attention
+    matrix A, so <out, out> = <v, dv> for dout = out (float64, the PyTorch path: up to rounding; bf16, the kernels:
+    to bf16's precision)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    q, k, v = (torch.randn(2, 64, 2, 16, device="cuda", dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 128, 2, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     compiled = torch.compile(lambda q, k, v: varlen.attention(q, k, v, causal=True, dropout_p=0.3),
                              mode="reduce-overhead", fullgraph=True)
     outs = []
-    for _ in range(4):  # (the first steps warm up; the later ones replay)
+    for seed in (None, None, None, 5, 5):  # (the first steps warm up; the later ones replay)
+        if seed is not None:
+            torch.manual_seed(seed)
         torch.compiler.cudagraph_mark_step_begin()
         out = compiled(q, k, v)
-        dout = torch.randn_like(out)
+        dout = out.detach().clone()
         (dv,) = torch.autograd.grad(out, v, dout)
-        outs.append(out.detach().clone())
-        torch.testing.assert_close((out * dout).sum(), (v * dv).sum(), rtol=1e-10, atol=0)
-    assert not torch.equal(outs[-1], outs[-2])
+        outs.append(dout)
+        torch.testing.assert_close((dout.double() * dout).sum(), (v.double() * dv).sum(),
+                                   rtol=1e-10 if dtype == torch.float64 else 2e-2, atol=0)
+    assert not torch.equal(outs[1], outs[2]) and torch.equal(outs[3], outs[4])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 

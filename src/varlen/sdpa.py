@@ -73,7 +73,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         - Dropout draws another random stream than torch's, so masks differ for one seed (same
           distribution and scaling; a seed still reproduces varlen's mask). Get the mask of the next call
           with ``varlen.attention_dropout_mask(query.transpose(1, 2), key.transpose(1, 2), dropout_p)``
-          (4-dim or nested inputs).
+          (4-dim or nested inputs; eager calls only: captured and compiled calls draw their key on the GPU).
         - Extensions: float masks of any float dtype; nested inputs with ``is_causal``, masks and GQA.
         - Rejected: ``dropout_p == 1`` (torch returns zeros), key and value with different head counts,
           a query with fewer heads than key (broadcasting query over heads), fewer than 2 dims, bools

@@ -73,7 +73,7 @@ def attention(
             256, and up to 1/512 nothing; see ``varlen.attn.dropout``). The mask is a function of a seed and offset
             drawn from ``generator`` (torch's default when None): the same generator state gives the same mask, and
             the backward replays it. Inside a captured CUDA graph the seed is drawn on the GPU, anew on each
-            replay. Pass 0.0 in evaluation.
+            replay (``generator``: None, or a CUDA generator registered with the graph). Pass 0.0 in evaluation.
         deterministic: bitwise-reproducible gradients (also on when
             ``torch.are_deterministic_algorithms_enabled()``).
         prefix_len: an int or an integer tensor ``(B,)``: the first ``prefix_len[b]`` keys of sequence b

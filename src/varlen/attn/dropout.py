@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from .._checks import check_generator, check_int, check_probability
+from .._checks import capturing, check_generator, check_int, check_probability
 from ..jagged import as_jagged
 from .options import DropoutSeed
 
@@ -104,18 +104,22 @@ def philox4x32(counter: tuple[torch.Tensor, ...], key: tuple[torch.Tensor, torch
     x = torch.stack([t.expand(shape) for t in x])
     y = torch.stack([t.expand(shape) for t in y])
     # While x holds (c2, c0) its multipliers are (B, A) and its key words (k0, k1); while it holds (c0, c2), (A, B)
-    # and (k1, k0). One table of the rounds' key words, made from the keys' values (one copy to the device).
+    # and (k1, k0). One table of the rounds' key words: from Python ints one copy to the device, from a key drawn on
+    # the device made there.
     ones = (1,) * len(shape)
     # (Filled on the device, not copied from the host: a copy can't be captured in a CUDA graph.)
     multipliers = torch.full((2, 2), _ROUND_A, dtype=torch.int64, device=like.device)
     multipliers.diagonal().fill_(_ROUND_B)  # [[B, A], [A, B]]
     multipliers = multipliers.view((2, 2) + ones)
-    round_keys = [((k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32) for r in range(1, rounds)]
-    round_keys = [pair if r % 2 == 1 else pair[::-1] for r, pair in enumerate(round_keys, 1)]
     if isinstance(k0, torch.Tensor):
-        round_keys = torch.stack([torch.stack(pair) for pair in round_keys]).to(like.device)
+        r = torch.arange(1, rounds, dtype=torch.int64, device=like.device)
+        words = ((k0.to(like.device) + r * _BUMP_A) & _U32, (k1.to(like.device) + r * _BUMP_B) & _U32)
+        odd = r % 2 == 1
+        round_keys = torch.stack([torch.where(odd, words[0], words[1]), torch.where(odd, words[1], words[0])], 1)
     else:
-        round_keys = torch.tensor(round_keys, dtype=torch.int64, device=like.device)
+        round_keys = [((k0 + r * _BUMP_A) & _U32, (k1 + r * _BUMP_B) & _U32) for r in range(1, rounds)]
+        round_keys = torch.tensor([pair if r % 2 == 1 else pair[::-1] for r, pair in enumerate(round_keys, 1)],
+                                  dtype=torch.int64, device=like.device)
     round_keys = round_keys.view((rounds - 1, 2) + ones)
     for r in range(1, rounds):
         products = x * multipliers[0 if r % 2 == 1 else 1]
@@ -227,7 +231,9 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
         ref, _ = attention_reference(q, k, v, dropout_mask=keep, dropout_p=0.1)  # same math
 
     Nothing else may draw from the generator in between (with the default generator: no other random
-    op). The mask is ``(B, H, max_q, max_k)``: meant for debugging at small sizes.
+    op). The mask is ``(B, H, max_q, max_k)``: meant for debugging at small sizes. Calls inside a captured CUDA graph
+    or a compiled graph draw their key on the device (``varlen.attention``'s ``dropout_p``): their masks can't be
+    read ahead, and inside a capture this raises a ValueError.
 
     Args:
         q: dense ``(B, Sq, H, D)`` or jagged ``(B, j, H, D)``, as passed to ``varlen.attention``.
@@ -241,7 +247,8 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
 
     Raises:
         TypeError / ValueError: q or k is not a 4-dim tensor or a jagged tensor of 3-dim values,
-        ``dropout_p`` is outside ``[0, 1)``, or ``generator`` is not a ``torch.Generator``.
+        ``dropout_p`` is outside ``[0, 1)``, ``generator`` is not a ``torch.Generator``, or a CUDA graph is being
+        captured.
     """
     dropout_p = check_probability("dropout_p", dropout_p)
     check_generator("generator", generator)
@@ -249,6 +256,10 @@ def attention_dropout_mask(q, k, dropout_p: float, *, generator: torch.Generator
     _, max_k, _, _ = _shape(k, "k")
     if dropout_p == 0.0:
         return torch.ones(batch, heads, max_q, max_k, dtype=torch.bool, device=device)
+    if capturing(device):
+        raise ValueError(f"dropout_p: {dropout_p} while a CUDA graph is being captured; a captured call draws its "
+                         "dropout key on the GPU at each replay, so no mask can be read ahead of it: read masks "
+                         "outside the capture (they are those of eager calls)")
     generator = generator if generator is not None else default_generator(device)
     state = generator.get_state()
     try:

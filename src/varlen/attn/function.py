@@ -20,8 +20,8 @@ Two entries share :func:`run_forward` and :func:`run_backward`:
   one list (``EXTRA_TENSORS``: no gradient), the options as
   one argument per field of ``AttentionOptions`` (the schema is generated from the dataclass, so a new
   option crosses the boundary with no edit here), the backend by name, and the dropout seed as an int64 tensor
-  (``[seed, offset]`` built on the host; inside a compiled graph drawn by the graph itself: see
-  :func:`dropout_seed`).
+  (``[seed, offset]`` built on the host, or ``[key]`` drawn on the GPU inside a captured CUDA graph or a compiled
+  graph: see :func:`dropout_seed`).
 
 Double backward (the gradient of a gradient) is not supported: it raises a clear error, on both paths.
 Outputs are contiguous (the fake implementations promise it), gradients included.
@@ -77,7 +77,7 @@ def _seed(seed: Tensor | None) -> DropoutSeed | None:
     device, which stays there (read on the host, it would sync, and break a capture)."""
     if seed is None:
         return None
-    if seed.numel() == 1:
+    if seed.numel() == 1:  # (the only one-element form: a host seed always comes with its offset)
         return DropoutSeed(seed=seed, offset=0)
     return DropoutSeed(*seed.tolist())
 
@@ -233,9 +233,10 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
 
     Eager: drawn from ``generator`` by :func:`dropout.draw_dropout_seed` (so ``varlen.attention_dropout_mask``
     predicts the mask). While a CUDA graph is being captured, drawn on the device with ``torch.randint`` from
-    ``generator`` (torch's default CUDA generator when None), as torch's own dropout does: each replay of the
-    graph draws a new key, which the kernels load, so each replay drops other weights (a host value would be
-    replayed as it was captured); ``attention_dropout_mask`` can't predict those masks. Inside ``torch.compile``
+    ``generator`` (torch's default CUDA generator when None; another CUDA generator must be registered with the
+    graph), graph-safely like torch's random ops: each replay of the graph draws a new key, which the kernels load,
+    so each replay drops other weights (a host value would be replayed as it was captured);
+    ``attention_dropout_mask`` can't predict those masks. Inside ``torch.compile``
     the graph draws it with ``torch.randint`` from the default generator of the call's device, on that device
     (reproducible under ``torch.manual_seed``, but not the eager call's mask; a CUDA graph of the compiled code,
     ``mode="reduce-overhead"``, draws anew on each replay); a ``generator`` can't be passed there.
@@ -250,9 +251,27 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
             return torch.randint(0, SEED_LIMIT, (1,), dtype=torch.int64, device=device)
         return torch.randint(0, SEED_LIMIT, (2,), dtype=torch.int64, device="cpu")
     if capturing(device):
-        return torch.randint(0, SEED_LIMIT, (1,), dtype=torch.int64, device=device, generator=generator)
+        return _captured_seed(opts, generator, device)
     drawn = draw_dropout_seed(generator, device)
     return torch.tensor([drawn.seed, drawn.offset], dtype=torch.int64)
+
+
+def _captured_seed(opts: AttentionOptions, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """The key of a call inside a CUDA graph capture, drawn on ``device`` from ``generator``; a generator the capture
+    can't draw from raises a ValueError that says which one it can (torch's own errors name neither)."""
+    if generator is not None and generator.device.type != device.type:
+        raise ValueError(f"generator: a {generator.device.type} generator while a CUDA graph is being captured "
+                         f"(dropout_p={opts.dropout_p}); inside a capture the key is drawn on the GPU: pass None "
+                         "(torch's default CUDA generator) or a CUDA generator registered with the graph "
+                         "(graph.register_generator_state(generator))")
+    try:
+        return torch.randint(0, SEED_LIMIT, (1,), dtype=torch.int64, device=device, generator=generator)
+    except RuntimeError as error:
+        if "not in capture mode" not in str(error):
+            raise
+        raise ValueError("generator: this CUDA generator is not registered with the CUDA graph being captured; "
+                         "call graph.register_generator_state(generator) before the capture, or pass None (torch's "
+                         "default CUDA generator)") from error
 
 
 def attention_function(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, impl, seed: Tensor | None):
