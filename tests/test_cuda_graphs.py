@@ -81,6 +81,16 @@ def _capture(step, leaves):
     return graph, result
 
 
+def _replay_on(graph, static, fresh):
+    """Copy ``fresh`` values into the captured tensors ``static`` (None where a case has none), replay, wait."""
+    with torch.no_grad():
+        for t, new in zip(static, fresh, strict=True):
+            if t is not None:
+                t.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_captured_attention_replays_eager(case):
     """Capture once; each replay on new inputs gives eager's output and gradients (bitwise where the kernels are
@@ -99,12 +109,7 @@ def test_captured_attention_replays_eager(case):
     deterministic = CASES[case][5].get("deterministic", False)
     for seed in (1, 2):
         fresh = _inputs(case, seed)
-        with torch.no_grad():
-            for t, new in zip(static, fresh, strict=True):
-                if t is not None:
-                    t.copy_(new)
-        graph.replay()
-        torch.cuda.synchronize()
+        _replay_on(graph, static, fresh)
         got = [out.detach(), *(t.grad for t in leaves)]
         names = ("out", "dq", "dk", "dv", "dbias")[:len(got)]
         for name, a, b in zip(names, got, _eager(case, fresh, offsets), strict=True):
@@ -198,12 +203,7 @@ def test_captured_dropout_draws_a_new_mask_each_replay(case, monkeypatch):
     keys = []
     for seed in (1, 2):
         fresh = _inputs(case, seed)
-        with torch.no_grad():
-            for t, new in zip(static, fresh, strict=True):
-                if t is not None:
-                    t.copy_(new)
-        graph.replay()
-        torch.cuda.synchronize()
+        _replay_on(graph, static, fresh)
         keys.append(int(key_memory))
         got = [out.detach(), *(t.grad for t in leaves)]
         with monkeypatch.context() as m:
