@@ -236,9 +236,9 @@ def dropout_seed(opts: AttentionOptions, generator: torch.Generator | None, devi
     ``generator`` (torch's default CUDA generator when None; another CUDA generator must be registered with the
     graph), graph-safely like torch's random ops: each replay of the graph draws a new key, which the kernels load,
     so each replay drops other weights (a host value would be replayed as it was captured);
-    ``attention_dropout_mask`` can't predict those masks. Inside ``torch.compile``
-    the graph draws it with ``torch.randint`` from the default generator of the call's device, on that device
-    (reproducible under ``torch.manual_seed``, but not the eager call's mask; a CUDA graph of the compiled code,
+    ``attention_dropout_mask`` can't predict those masks. Inside ``torch.compile`` the graph draws it with
+    ``torch.randint`` from the default generator of the call's device, on the GPU for CUDA calls (reproducible under
+    ``torch.manual_seed``, but not the eager call's mask; a CUDA graph of the compiled code,
     ``mode="reduce-overhead"``, draws anew on each replay); a ``generator`` can't be passed there.
     """
     if opts.dropout_p == 0.0:

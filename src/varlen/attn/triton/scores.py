@@ -65,14 +65,13 @@ def dropout_args(seed, opts, problem, placeholder) -> dict:
         sequences = opts.dropout_sequences
         if sequences is None:
             sequences = torch.arange(problem.batch, dtype=torch.int32, device=opts.query_offset.device)
+    bundle = Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p), sequences)
     if isinstance(seed.seed, torch.Tensor):
-        return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p), sequences),
-                    seed=seed.seed, offset_lo=0)
+        return dict(dropout=bundle, seed=seed.seed, offset_lo=0)
     key = seed.seed ^ ((seed.offset >> 32) << 32)
     offset_lo = seed.offset & 0xFFFFFFFF
     offset_lo = offset_lo - 2**32 if offset_lo >= 2**31 else offset_lo
-    return dict(dropout=Dropout(dropout_threshold(opts.dropout_p), dropout_keep_scale(opts.dropout_p), sequences),
-                seed=key, offset_lo=offset_lo)
+    return dict(dropout=bundle, seed=key, offset_lo=offset_lo)
 
 
 @triton.jit
