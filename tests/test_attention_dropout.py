@@ -264,7 +264,15 @@ def test_mask_of_the_call_is_the_one_applied(backend, case, device):
         assert_close(out, wrong, dtype)
 
 
-@pytest.mark.parametrize("backend,case", backend_params(DROPOUT_CASES))
+# The kernels that load a key drawn on the device, beyond DROPOUT_CASES': per-sequence mask rows (query_offset,
+# POSITIONS), and the deterministic mode's separate dQ kernel and recompute kernel for a broadcast bias's gradient.
+KEY_IN_MEMORY_CASES = DROPOUT_CASES + [
+    AttnCase(True, (3, 5, 9), (7, 6, 12), 2, 2, 8, 8, causal=True, query_offset=2, dropout_p=0.3),
+    AttnCase(False, (13, 13), None, 2, 1, 16, 16, bias="1HQK", deterministic=True, dropout_p=0.25),
+]
+
+
+@pytest.mark.parametrize("backend,case", backend_params(KEY_IN_MEMORY_CASES))
 def test_a_key_drawn_on_the_device_is_that_keys_mask(backend, case, device, monkeypatch):
     """Inside a captured CUDA graph (simulated: the capture test says yes) the key is drawn from the generator on the
     call's device and stays there; the kernels load it. The output and gradients are those of the same key held on
