@@ -99,9 +99,9 @@ def main():
                                 query_offset=torch.zeros(B, dtype=torch.int32) if f.get("positions") else None,
                                 dropout_sequences=torch.zeros(B, dtype=torch.int32) if f.get("positions") else None)
         alibi = torch.empty(B, H) if f.get("alibi") else None
-        seed = DropoutSeed(1, 2) if f.get("dropout") else None
-        if f.get("device_seed"):
-            seed = DropoutSeed(torch.ones(1, dtype=torch.int64), 0)
+        seed = None
+        if f.get("dropout"):  # (a host key, or one in memory as a captured call draws it: options.DropoutSeed)
+            seed = DropoutSeed(torch.ones(1, dtype=torch.int64), 0) if f.get("device_seed") else DropoutSeed(1, 2)
         for tma in (True, False) if name in ("plain", "causal") else (True,):
             label = (f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
                      f"{'tma' if tma else 'pointers'}")
