@@ -116,9 +116,12 @@ def eager_beside_graph(B, S, H, D, causal) -> dict:
 
 def breakdown(q, n: int = 300) -> dict:
     """Microseconds per forward + backward step spent inside each level (levels nest: a launcher's time
-    includes its Triton launches)."""
+    includes its kernel launches). A launch is ``launch: <kernel>`` (``varlen._launch.FastLaunch``, which launches
+    a kernel it keeps without Triton's binding), inside it ``triton launch: <kernel>`` where it went through
+    Triton's ``JITFunction.run`` (its first call with a new key, or every call where it can't keep the kernel)."""
     from triton.runtime import jit
 
+    from varlen._launch import FastLaunch
     from varlen.attn import function
     from varlen.attn.triton import backend
 
@@ -138,6 +141,11 @@ def breakdown(q, n: int = 300) -> dict:
     def timed_run(self, *args, **kwargs):
         return timed("triton launch: " + self.fn.__name__, run)(self, *args, **kwargs)
 
+    fast = FastLaunch.launch
+
+    def timed_fast(self, *args, **kwargs):
+        return timed("launch: " + self.kernel.fn.__name__, fast)(self, *args, **kwargs)
+
     patches = [(function, "run_forward", "run_forward (autograd Function's forward)"),
                (function, "run_backward", "run_backward (autograd Function's backward)"),
                (backend, "launch_forward", "launch_forward"), (backend, "launch_backward", "launch_backward"),
@@ -148,6 +156,7 @@ def breakdown(q, n: int = 300) -> dict:
         for obj, name, label in patches:
             setattr(obj, name, timed(label, getattr(obj, name)))
         jit.JITFunction.run = timed_run
+        FastLaunch.launch = timed_fast
 
         def step():
             t = time.perf_counter_ns()
@@ -170,6 +179,7 @@ def breakdown(q, n: int = 300) -> dict:
         for obj, name, fn in originals:
             setattr(obj, name, fn)
         jit.JITFunction.run = run
+        FastLaunch.launch = fast
     return {"step": total, **{k: round(v / n / 1e3, 1) for k, v in sorted(spent.items())}}
 
 

@@ -36,12 +36,14 @@ def _compiled_variants() -> dict[str, int]:
 
     import varlen.attn.triton.backend  # noqa: F401  (load every kernel module)
     import varlen.ops._linear_kernels  # noqa: F401
+    from varlen._launch import FastLaunch
 
     counts = {}
     for name, module in sys.modules.items():
         if not name.startswith("varlen"):
             continue
         for attr, value in vars(module).items():
+            value = value.kernel if isinstance(value, FastLaunch) else value
             if isinstance(value, jit.JITFunction):
                 caches = value.device_caches.get(torch.cuda.current_device())
                 counts[f"{name}.{attr}"] = 0 if caches is None else len(caches[0])

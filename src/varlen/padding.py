@@ -14,6 +14,7 @@ from torch.types import Number
 
 from . import capabilities
 from ._backend import gradient_op, through_custom_op
+from ._launch import fast_launch
 from ._triton import tl, triton
 from .offsets import row_positions
 from .tiling import as_columns, cdiv, copy_tiles, tile_coords
@@ -24,6 +25,7 @@ from .tiling import as_columns, cdiv, copy_tiles, tile_coords
 # kernel variant per batch). The padded side's batch stride is passed as a count of one of its other strides
 # (``unit_stride``: the row stride, a model constant), so that its alignment survives; a count, not a copy,
 # also covers broadcast rows (stride 0: the gradient of a sum over the padded rows).
+@fast_launch
 @triton.jit(do_not_specialize=["total", "width", "n_row_tiles"])
 def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_row_tiles, n_col_tiles,
                              stride_vr, stride_vc, stride_or,
@@ -42,6 +44,7 @@ def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_
     tl.store(dst, x, mask=(rows < width)[:, None] & col_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "width", "n_row_tiles", "batch_units"])
 def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_tiles, n_col_tiles,
                              batch_units, unit_stride, stride_pr, stride_pc, stride_or,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._amp import dot_precision
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..offsets import sequence_bounds
 from ..tiling import cdiv, chunk_rows_for, sequence_rows
@@ -37,6 +38,7 @@ TRANSPOSED_BLOCK_N = 64
 MIN_ROWS_PER_CHUNK = 512
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["B", "total"])
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, offsets_ptr, block_seq_ptr, block_row_ptr,
@@ -71,6 +73,7 @@ def _grouped_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "CHUNKS", "rows_per_chunk"])
 def _transposed_matmul_kernel(
     x_ptr, y_ptr, out_ptr, offsets_ptr,

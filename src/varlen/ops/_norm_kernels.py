@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2, sm_count
 
@@ -34,6 +35,7 @@ def _inverse_sqrt(v):
         return tl.div_rn(tl.full(v.shape, 1.0, v.dtype), tl.sqrt_rn(v))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, stride_yr, eps_hi, eps_lo,
                      CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
@@ -60,6 +62,7 @@ def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, 
     tl.store(y + rows[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_rows, n_cols, stride_xr, stride_gr,
                      stride_dxr, CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
@@ -98,6 +101,7 @@ def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_
         tl.store(bias_part + tl.program_id(0) * n_cols + cols, tl.sum(bias_acc, 0), mask=col_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_parts"])
 def _norm_sum_parts_kernel(parts, first, second, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     # first (program_id(1) == 0) or second = the sum over p, in a fixed order, of parts[program_id(1), p, :], for one

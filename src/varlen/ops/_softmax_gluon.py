@@ -28,6 +28,7 @@ import torch
 
 from .._backend import interpreter_enabled
 from .._kernel_math import exp, merge_max_sum, reduce_max_sum
+from .._launch import fast_launch
 from ..attn.gluon.common import (
     HAVE_GLUON,
     TensorDescriptor,
@@ -46,6 +47,7 @@ COLS = 64  # columns per chunk (a block of 128 bytes: the TMA box's row, one swi
 MAX_CHUNK_BYTES = 128 * 1024  # of input per program (an H100 SM has 227 KiB of shared memory)
 
 if HAVE_GLUON:
+    @fast_launch
     @gluon.jit(do_not_specialize=["total", "n_chunks"])
     def _softmax_shared_kernel(x_desc, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                stride_yr, CHUNK_ROWS: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_F: gl.constexpr,

@@ -23,6 +23,7 @@ from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype
 from .._kernel_math import exp, merge_max_sum, reduce_max_sum
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
@@ -32,6 +33,7 @@ DOUBLE_BACKWARD = ("varlen.cross_entropy: the Triton path has no double backward
 
 
 # ------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_rows, n_cols, stride_lr, ignore_index,
                               ACC: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -59,6 +61,7 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
     tl.store(row_log_sum + row, log_sum)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _cross_entropy_bwd_kernel(logits, targets, row_max, row_log_sum, row_scale, dlogits, n_rows, n_cols, stride_lr,
                               stride_dr, stride_scale, ignore_index, ACC: tl.constexpr, BLOCK_V: tl.constexpr):

@@ -23,6 +23,7 @@ from torch import Tensor
 from .. import _amp, capabilities
 from .._backend import gradient_op, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
@@ -39,6 +40,7 @@ from ..tiling import (
 
 
 # ------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _segment_sum_kernel(x, offsets, out, partials, chunks_done, total, n_cols, n_chunks, chunk_rows, n_col_tiles,
                         stride_xr, stride_xc, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -78,6 +80,7 @@ def _segment_sum_kernel(x, offsets, out, partials, chunks_done, total, n_cols, n
         tl.store(out + b.to(tl.int64) * n_cols + cols, result.to(out.dtype.element_ty), mask=col_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_row_tiles"])
 def _broadcast_rows_kernel(g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, stride_gb, stride_gc,
                            stride_or, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,

@@ -28,6 +28,7 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import gradient_op, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_real
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import row_positions
@@ -70,6 +71,7 @@ def _positions_from_offsets(offsets, rows, n_seqs, n_steps, width):
     return tl.minimum(tl.maximum(rows - start, 0), width - 1)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows", "n_seqs", "n_steps", "width"])
 def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
                    n_seqs, n_steps, width, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
@@ -92,6 +94,7 @@ def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stri
                BLOCK_H, BLOCK_HALF)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _rotary_tables_kernel(x, out, cos_table, sin_table, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
                           stride_tr, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,

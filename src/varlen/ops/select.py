@@ -17,6 +17,7 @@ from torch.types import Number
 
 from .._backend import gradient_op, through_custom_op
 from .._checks import check_int, normalize_dim
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import sequence_bounds
@@ -36,6 +37,7 @@ def _positions(offsets, bs, batch, index, total, FROM_END: tl.constexpr):
     return start + pos, b_ok & (pos >= 0) & (pos < length)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["batch", "index", "total"])
 def _gather_kernel(x, offsets, fill, out, batch, index, total, n_cols, n_col_tiles, stride_xr, stride_xc,
                    stride_ob, FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -49,6 +51,7 @@ def _gather_kernel(x, offsets, fill, out, batch, index, total, n_cols, n_col_til
     tl.store(out + bs[:, None] * stride_ob + cols, v, mask=(bs < batch)[:, None] & col_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["batch", "index", "total"])
 def _scatter_kernel(g, offsets, out, batch, index, total, n_cols, n_col_tiles, stride_gb, stride_gc, stride_or,
                     FROM_END: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_F: tl.constexpr):

@@ -44,6 +44,7 @@ from .. import _amp, capabilities
 from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
 from .._kernel_math import exp, merge_max_sum, reduce_max_sum
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import segment_ids
@@ -62,6 +63,7 @@ from ._cooperative import claim_chunk, share_max_sum, wait_for_group
 
 
 # ------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit(do_not_specialize=["total"])
 def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr, stride_xc, stride_yr,
                            ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -133,6 +135,7 @@ def _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, 
                         BLOCK_T)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           stride_xr, stride_xc,
@@ -150,6 +153,7 @@ def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunk
     tl.store(part_sum + idx, s, mask=col_ok)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
 def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           n_programs, stride_xr, stride_xc, stride_yr,
@@ -174,6 +178,7 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
     _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, stride_yr, ACC, BLOCK_T)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                 stride_xr, stride_xc, stride_yr,
@@ -207,6 +212,7 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
     tl.store(y + (start + rows)[:, None] * stride_yr + cols[None, :], out.to(y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks,
                                        n_col_tiles, stride_xr, stride_xc, stride_yr, ACC: tl.constexpr,
@@ -232,6 +238,7 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
                  STAGES, True)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total"])
 def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
                                stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
@@ -247,6 +254,7 @@ def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, s
     tl.store(dx + rows * stride_dxr + cols, (yv * (g - dot[None, :])).to(dx.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _softmax_bwd_dot_kernel(y, dy, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                             stride_yr, stride_dyr, stride_dyc,
@@ -268,6 +276,7 @@ def _softmax_bwd_dot_kernel(y, dy, offsets, total, part_dot, n_cols, n_chunks, c
     tl.store(part_dot + idx, tl.sum(acc, 0)[None, :], mask=cols < n_cols)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
 def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                               n_programs, stride_yr, stride_dyr, stride_dyc, stride_dxr,
@@ -301,6 +310,7 @@ def _opaque(v):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets, n_cols, n_chunks, n_col_tiles,
                                     stride_yr, stride_dyr, stride_dyc, stride_dxr,

@@ -19,12 +19,14 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, check_dtype
+from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
 
 
 # ------------------------------------------------------------------------------------ kernels
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_fwd_kernel(gate, up, out, n_rows, n_cols, stride_gr, stride_ur, stride_or, ACC: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -38,6 +40,7 @@ def _swiglu_fwd_kernel(gate, up, out, n_rows, n_cols, stride_gr, stride_ur, stri
              mask=mask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_bwd_kernel(gate, up, grad, d_gate, d_up, n_rows, n_cols, stride_gr, stride_ur, stride_yr, stride_dgr,
                        stride_dur, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

@@ -61,6 +61,7 @@ from __future__ import annotations
 import collections
 
 from ..._kernel_math import LOG2E
+from ..._launch import fast_launch
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
@@ -438,6 +439,7 @@ if HAVE_GLUON:
         # wait for their own staging buffer, and the program waits here before it ends.)
         tma.store_wait(0)
 
+    @fast_launch
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, *BIAS_STRIDES])
     def _bwd_kv_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA,
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,

@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 
 from ..._kernel_math import LN2
+from ..._launch import fast_launch
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator, raw_scores
 from ..triton.masks import Mask, band_keys, in_band, tile_stages
@@ -520,6 +521,7 @@ if HAVE_GLUON:
             t = _receive(it, item, item_ready, item_free)
         tma.store_wait(0)
 
+    @fast_launch
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,

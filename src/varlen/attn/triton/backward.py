@@ -24,6 +24,7 @@ import collections
 import torch
 
 from ..._kernel_math import LOG2E
+from ..._launch import fast_launch
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
@@ -83,6 +84,7 @@ DBIAS_NONE, DBIAS_STORE, DBIAS_ATOMIC = 0, 1, 2
 KV_PROGRAMS_PER_SM = 16
 
 
+@fast_launch
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_preprocess(O: Rows, dO: Rows, dQ: Rows, dLSE, LSE, DELTA, LSE2, seqs: Seqs, total_q, total_k, max_q,
                     max_k, F: tl.constexpr, HAS_DLSE: tl.constexpr, ZERO_DQ: tl.constexpr, DV: tl.constexpr,
@@ -218,6 +220,7 @@ def _bwd_kv_tiles(dk, dv, k_parts, v_parts, q_descs, do_descs, dq_tile, lse2_row
     return dk, dv
 
 
+@fast_launch
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                    total_q, total_k, max_q, max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo,
@@ -276,6 +279,7 @@ def _bwd_kv_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, dK: Rows, dV: 
     store_rows(base(dV, seq.b, seq.k_start, hk), n0, seq.Lk, dV.stride_s, dv, T.DV, T.BLOCK_N, T.BLOCK_DV)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, seqs: Seqs, total_q, total_k, max_q,
                   max_k, ORDER, mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, F: tl.constexpr,
@@ -311,6 +315,7 @@ def _bwd_q_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, dQ: Rows, LSE2, DELTA, se
                T.BLOCK_D)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=[*DATA_DEPENDENT, "n_seqs"])
 def _bwd_dbias_kernel(Q: Rows, K: Rows, V: Rows, dO: Rows, LSE2, DELTA, seqs: Seqs, total_q, total_k, max_q, max_k,
                       mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, dBias: DBias, n_seqs, bias_heads,

@@ -13,6 +13,7 @@ takes the rest.
 import torch
 
 from ..._kernel_math import LN2
+from ..._launch import fast_launch
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import forward as gluon_forward
@@ -72,6 +73,7 @@ def _fwd_tiles(acc, m_i, l_i, q, k_descs, v_descs, K: Rows, V: Rows, start, end,
     return acc, m_i, l_i
 
 
+@fast_launch
 @triton.jit(do_not_specialize=DATA_DEPENDENT)
 def _attn_fwd_kernel(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
                      mask: Mask, scores: Scores, dropout: Dropout, seed, offset_lo, Q_FIRST: Rows, K_FIRST: Rows,

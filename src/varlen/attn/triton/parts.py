@@ -14,6 +14,7 @@ in registers per tile (:func:`bf16_parts`). ``configs.splits_bf16`` says where t
 
 import torch
 
+from ..._launch import fast_launch
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from .configs import splits_bf16
@@ -106,6 +107,7 @@ def _split_rows(X: Rows, FIRST: Rows, LAST: Rows, b, h, r0, n_rows, D: tl.conste
     store_rows(base(LAST, b, zero, h), r0, n_rows, LAST.stride_s, x2, D, ROWS, BLOCK_D)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["q_rows", "k_rows"])
 def _split_bf16_kernel(Q: Rows, Q_FIRST: Rows, Q_LAST: Rows, dO: Rows, dO_FIRST: Rows, dO_LAST: Rows, K: Rows,
                        K_FIRST: Rows, K_LAST: Rows, V: Rows, V_FIRST: Rows, V_LAST: Rows, q_rows, k_rows, heads,

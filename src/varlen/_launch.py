@@ -1,0 +1,162 @@
+"""Kernel launches without Triton's per-launch binding: ``@fast_launch`` over a ``@triton.jit`` kernel.
+
+``kernel[grid](*args, **kwargs)`` goes through Triton 3.6's ``JITFunction.run``, which binds every argument (each
+tensor, integer and bundle field through ``specialize_impl``), builds a cache key as strings, reads the knobs and
+checks the kernel's globals before the launcher runs: on the H100 machine's host 66-77 us per launch of the
+attention forward in a tight loop, 108-156 us inside a training step, where the caches are cold (bench/NOTES.md,
+"Host time per call"). A ``FastLaunch`` keeps what Triton compiled under a key of its own, made from the
+arguments in Python (about 12-20 us for the attention kernels' 50-80 bundle fields on this machine's host), and
+launches a kept kernel through its launcher directly: 55-57 us per forward launch in the same loop.
+
+The key is never coarser than Triton's: each argument's type, each tensor's dtype and 16-byte alignment, each
+integer's value class (its width, being 1, being a multiple of 16), every constexpr's value and type (a bundle's
+identity), the launch options, the debug knob and instrumentation mode. So two calls with one key are two calls
+Triton would give one compiled kernel; a new key goes through ``JITFunction.run`` (which compiles or finds its
+kernel, and launches it) and keeps the kernel it returns. Anything else takes Triton's own path on every call: a
+hook on launches (a profiler's), a kernel under the interpreter or without Triton, a Triton version whose ``run``
+this doesn't mirror, an argument of a type the key doesn't know, another current device than the kernel's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from triton import __version__ as _TRITON_VERSION
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+except ImportError:  # (no Triton, or one without these: every launch takes the kernel's own path)
+    JITFunction = None
+
+# Triton versions whose ``JITFunction.run`` this mirrors (its launcher's arguments, the knobs it reads), checked on
+# the GPU (tests/test_launch.py); other versions launch through Triton's own path.
+MIRRORED_TRITON = ("3.6.",)
+# Keys kept per kernel, at most: a few per model and dtype in practice (varlen's bundles are made once per value).
+KEPT_LIMIT = 256
+_MISSING = object()
+
+
+class _Unkeyed(Exception):
+    """An argument the key can't represent: the launch takes Triton's path."""
+
+
+def _extend_key(out: list, values) -> None:
+    """Append the key of each of ``values`` (non-constexpr arguments, or a bundle's fields) to ``out``: one item per
+    leaf, of a kind no other leaf's item equals (an integer class is an int, the rest are strings, dtypes, types)."""
+    append = out.append
+    for value in values:
+        kind = type(value)
+        if kind is int:
+            # Triton specializes an integer on its width (i32, i64, u64), on being 1 and on being a multiple of 16:
+            # most are 32-bit and not 1 (False or True: a multiple of 16); the others 2 and up.
+            if value != 1 and -2**31 <= value < 2**31:
+                append(value % 16 == 0)
+            else:
+                width = 0 if -2**31 <= value < 2**31 else 4 if -2**63 <= value < 2**63 else 8
+                append(width + (value == 1) * 2 + (value % 16 == 0))
+        elif kind is torch.Tensor:
+            append(value.dtype)
+            append("aligned" if value.data_ptr() % 16 == 0 else "unaligned")
+        elif value is None:
+            append("none")
+        elif kind is float:
+            append("float")
+        elif kind is bool:
+            append("true" if value else "false")
+        elif isinstance(value, tuple):  # (bundles: namedtuples of tensors, integers and constexprs)
+            append(kind)
+            append(f"{len(value)} fields")
+            _extend_key(out, value)
+        elif isinstance(value, torch.Tensor):  # (a subclass: a Parameter)
+            append(value.dtype)
+            append("aligned" if value.data_ptr() % 16 == 0 else "unaligned")
+        elif kind.__name__ == "constexpr" or kind is str or isinstance(value, torch.dtype):
+            append(kind)
+            append(value)
+        elif kind.__name__ == "TensorDescriptor":
+            base = value.base
+            append(kind)
+            append((base.dtype, base.data_ptr() % 16 == 0, tuple(value.block_shape),
+                    tuple(n % 16 == 0 for n in value.shape), tuple(n % 16 == 0 for n in value.strides),
+                    getattr(value, "layout", None), value.padding))  # (Gluon's layout: hashable)
+        else:
+            raise _Unkeyed(kind)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (a function, or a chain of them: later Triton versions keep an empty one)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class FastLaunch:
+    """A ``@triton.jit`` kernel whose launches skip Triton's binding once a call of the same key has compiled
+    (module docstring). Launched as the kernel is, ``fast[grid](*args, **kwargs)``; other attributes are the
+    kernel's."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._names = tuple(p.name for p in kernel.params)
+        self._defaults = {p.name: p.default for p in kernel.params if p.has_default}
+        self._position = {name: i for i, name in enumerate(self._names)}
+        self._runtime = tuple(i for i, p in enumerate(kernel.params) if not p.is_constexpr)
+        self._constexprs = tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr)
+        self._kept = {}  # key -> (device, CompiledKernel)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        """Launch on ``grid`` (a tuple of up to three ints); the kernel's own path where the key can't serve."""
+        kernel = self.kernel
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook) or kernel.pre_run_hooks:
+            return kernel[grid](*args, **kwargs)
+        n_args = len(args)
+        if n_args > len(self._names) or any(name in kwargs for name in self._names[:n_args]):
+            return kernel[grid](*args, **kwargs)  # (Triton's error for the extra or repeated arguments)
+        values = list(args)
+        for name in self._names[n_args:]:
+            value = kwargs.get(name, _MISSING)
+            if value is _MISSING:
+                value = self._defaults.get(name, _MISSING)
+                if value is _MISSING:
+                    return kernel[grid](*args, **kwargs)  # (Triton's error for the missing argument)
+            values.append(value)
+        key = [knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               *((name, value) for name, value in kwargs.items() if name not in self._position)]  # (launch options)
+        try:
+            _extend_key(key, [values[i] for i in self._runtime])
+            # Constexprs by value and type, as Triton compiles them; bundles (tuples) by identity: hashing their
+            # constexpr fields costs microseconds, and the kept entry holds them, so no other bundle takes their id.
+            constexprs = [values[i] for i in self._constexprs]
+            key.extend(id(value) if isinstance(value, tuple) else (value, type(value)) for value in constexprs)
+            key = tuple(key)
+            kept = self._kept.get(key)
+        except (_Unkeyed, TypeError):  # (TypeError: an unhashable option)
+            return kernel[grid](*args, **kwargs)
+        if kept is not None:
+            device, compiled, _ = kept
+            if driver.active.get_current_device() == device:
+                n = len(grid)
+                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                             driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                             None, None, None, *values)
+                return compiled
+        compiled = kernel[grid](*args, **kwargs)
+        if isinstance(compiled, CompiledKernel):  # (not a tool's stand-in for run, nor an interpreted launch)
+            if len(self._kept) >= KEPT_LIMIT:  # (bundles made anew for each call would be new keys each time)
+                self._kept.clear()
+            self._kept[key] = (driver.active.get_current_device(), compiled, constexprs)
+        return compiled
+
+
+def fast_launch(kernel):
+    """``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` kernel) as a :class:`FastLaunch`; as it is where it is no
+    ``JITFunction`` (the interpreter's, or the stand-in without Triton) or Triton's version is not one mirrored."""
+    if JITFunction is None or not isinstance(kernel, JITFunction) or not _TRITON_VERSION.startswith(MIRRORED_TRITON):
+        return kernel
+    return FastLaunch(kernel)

@@ -1,0 +1,211 @@
+"""``varlen._launch``: a kernel's launches skip Triton's binding only where Triton would launch the kernel it kept.
+
+On the CPU: the key against Triton's specialization rules, and ``FastLaunch``'s routing with a stand-in kernel
+(the interpreter has no compiled kernels to keep). On the GPU: real kernels, whose repeated launches go through
+the kept kernel (no ``JITFunction.run``), new specializations (a misaligned pointer, integer classes) through
+Triton again, with correct results each time.
+"""
+
+import collections
+import importlib
+import types
+
+import pytest
+import torch
+
+from varlen import _launch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+
+def _key(*values):
+    out = []
+    for value in values:
+        _launch._extend_key(out, [value])
+    return tuple(out)
+
+
+def test_key_tells_apart_what_triton_specializes():
+    a = torch.zeros(64, dtype=torch.float16)
+    # Integers: equal to 1, multiples of 16 and the rest; 32-bit, 64-bit and unsigned 64-bit widths.
+    assert len({_key(v) for v in (1, 16, 17, 2**31, 2**31 + 1, 2**63 + 1)}) == 6
+    assert _key(17) == _key(33) == _key(-3) and _key(16) == _key(4096)
+    # Tensors: dtype and 16-byte alignment; not the size or the address beyond its alignment.
+    assert _key(a) == _key(torch.zeros(1000, dtype=torch.float16))
+    assert _key(a) != _key(a.float()) and _key(a) != _key(a[1:])
+    assert _key(a) == _key(a[8:])
+    # Floats are fp32 runtime values (any value), bools by value, None, strings and dtypes as they are.
+    assert _key(0.5) == _key(3.0) != _key(1) and _key(True) != _key(False) != _key(None)
+    assert _key(True) != _key(1) and _key(False) != _key(0) and _key(None) != _key(0.0)
+    assert _key("zero") != _key("nan") and _key(torch.float16) != _key(torch.bfloat16)
+    # Bundles: their type, length and fields; constexpr fields by value.
+    pair = collections.namedtuple("Pair", "ptr stride")
+    assert _key(pair(a, 64)) != _key((a, 64)) and _key(pair(a, 64)) != _key(pair(a, 65))
+    assert _key((tl.constexpr(2),)) != _key((tl.constexpr(3),))
+    with pytest.raises(_launch._Unkeyed):
+        _key(object())
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records launches through its launcher."""
+
+    def __init__(self):
+        self.launches = []
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Kernel:
+    """Stands in for a JITFunction ``(x, n, BLOCK: constexpr, scale=2.0)``: launches through Triton's path are
+    recorded, each returning a new compiled kernel (or None, as a tool's stand-in for ``run`` does)."""
+
+    def __init__(self, returns=True):
+        def param(name, constexpr=False, default=None):
+            return types.SimpleNamespace(name=name, is_constexpr=constexpr, has_default=default is not None,
+                                         default=default)
+        self.params = [param("x"), param("n"), param("BLOCK", constexpr=True), param("scale", default=2.0)]
+        self.pre_run_hooks = []
+        self.slow = []
+        self.returns = returns
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            return _Compiled() if self.returns else None
+        return run
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    monkeypatch.setattr(_launch, "CompiledKernel", _Compiled)
+    device = types.SimpleNamespace(current=0)
+    monkeypatch.setattr(_launch, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=lambda: device.current, get_current_stream=lambda d: f"stream {d}")))
+    return device
+
+
+def test_a_key_seen_launches_the_kept_kernel_with_every_argument_in_order(stand_ins):
+    kernel = _Kernel()
+    fast = _launch.FastLaunch(kernel)
+    x = torch.zeros(32)
+    fast[(3,)](x, 17, BLOCK=64)
+    assert len(kernel.slow) == 1
+    compiled = next(iter(fast._kept.values()))[1]
+    fast[(4, 2)](x, 33, BLOCK=64)
+    assert len(kernel.slow) == 1
+    # The grid padded to three dims, the stream of the current device, no launch hooks, then every parameter in
+    # the kernel's order: the positional ones, the keyword ones in their places, the defaults.
+    assert compiled.launches == [(4, 2, 1, "stream 0", "function", "metadata", None, None, None, x, 33, 64, 2.0)]
+
+
+@pytest.mark.parametrize("change", ["int class", "alignment", "dtype", "constexpr", "constexpr type", "option",
+                                    "default given"])
+def test_a_new_key_goes_through_triton(stand_ins, change):
+    kernel = _Kernel()
+    fast = _launch.FastLaunch(kernel)
+    x = torch.zeros(32)
+    fast[(1,)](x, 17, BLOCK=64)
+    call = {"int class": lambda: fast[(1,)](x, 16, BLOCK=64),
+            "alignment": lambda: fast[(1,)](x[1:], 17, BLOCK=64),
+            "dtype": lambda: fast[(1,)](x.double(), 17, BLOCK=64),
+            "constexpr": lambda: fast[(1,)](x, 17, BLOCK=128),
+            "constexpr type": lambda: fast[(1,)](x, 17, BLOCK=64.0),
+            "option": lambda: fast[(1,)](x, 17, BLOCK=64, num_warps=8),
+            "default given": lambda: fast[(1,)](x, 17, BLOCK=64, scale=1)}[change]
+    call()
+    assert len(kernel.slow) == 2
+    call()  # (kept now)
+    assert len(kernel.slow) == 2
+
+
+def test_triton_path_where_the_kept_kernel_cant_serve(stand_ins, monkeypatch):
+    kernel = _Kernel()
+    fast = _launch.FastLaunch(kernel)
+    x = torch.zeros(32)
+    fast[(1,)](x, 17, BLOCK=64)
+    stand_ins.current = 1  # another current device
+    fast[(1,)](x, 17, BLOCK=64)
+    assert len(kernel.slow) == 2
+    fast[(1,)](x, object(), BLOCK=64)  # an argument the key doesn't know
+    fast[(1,)](x, 17, BLOCK=[64])  # an unhashable constexpr
+    fast[(1,)](x, 17)  # a missing argument: Triton's error
+    fast[(1,)](x, 17, 64, 1.0, 5)  # too many
+    fast[(1,)](x, 17, BLOCK=64, x=x)  # one given twice
+    assert len(kernel.slow) == 7
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    fast[(1,)](x, 17, BLOCK=64)
+    assert len(kernel.slow) == 8
+
+
+def test_nothing_kept_from_a_launch_that_returned_no_kernel(stand_ins):
+    kernel = _Kernel(returns=False)  # (tools/compile_check.py's run, Triton's interpreter)
+    fast = _launch.FastLaunch(kernel)
+    for _ in range(2):
+        fast[(1,)](torch.zeros(4), 1, BLOCK=16)
+    assert len(kernel.slow) == 2 and fast._kept == {}
+
+
+def test_kept_keys_stay_bounded_when_bundles_are_made_anew(stand_ins, monkeypatch):
+    monkeypatch.setattr(_launch, "KEPT_LIMIT", 4)
+    kernel = _Kernel()
+    fast = _launch.FastLaunch(kernel)
+    for _ in range(10):  # (an equal constexpr bundle, made for each call: a new identity, so a new key)
+        fast[(1,)](torch.zeros(4), 1, BLOCK=(tl.constexpr(16),))
+    assert len(kernel.slow) == 10 and len(fast._kept) <= 4
+
+
+def test_other_kernels_are_left_as_they_are():
+    plain = object()
+    assert _launch.fast_launch(plain) is plain
+
+
+@pytest.mark.gpu_only
+def test_gpu_kept_kernels_launch_without_triton_and_new_specializations_compile(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    swiglu = importlib.import_module("varlen.ops.swiglu")  # (the package's ``swiglu`` is the function)
+
+    slow = []
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: slow.append(self.fn.__name__) or run(self, *a, **k))
+    torch.manual_seed(0)
+    # Features 64 (16-byte aligned halves, widths a multiple of 16) and 33 (the second half misaligned: a kernel
+    # kept for aligned pointers would load it with 16-byte vectors), alternately.
+    inputs = {f: torch.randn(257, 2 * f, device="cuda", dtype=torch.bfloat16) for f in (64, 33)}
+    for round_ in range(3):
+        slow.clear()
+        for x in inputs.values():
+            gate, up = x.float().chunk(2, dim=-1)
+            torch.testing.assert_close(swiglu.swiglu_fwd_triton(x).float(), torch.nn.functional.silu(gate) * up,
+                                       atol=2e-2, rtol=2e-2)
+        torch.cuda.synchronize()
+        if round_ > 0:
+            assert slow == [], f"launches through JITFunction.run after the first round: {slow}"
+    assert len(swiglu._swiglu_fwd_kernel._kept) == 2
+
+
+@pytest.mark.gpu_only
+def test_gpu_attention_steps_after_the_first_launch_kept_kernels(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    import varlen
+
+    slow = []
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: slow.append(self.fn.__name__) or run(self, *a, **k))
+    q, k, v = (torch.randn(2, 100, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    outputs = []
+    for step in range(3):
+        slow.clear()
+        out = varlen.attention(q, k, v, causal=True)
+        out.backward(torch.ones_like(out))
+        outputs.append((out.detach(), q.grad.clone()))
+        q.grad = k.grad = v.grad = None
+        if step > 0:  # (the forward, the preprocess and the kv kernel: every launch through the kept kernels)
+            assert slow == [], f"launches through JITFunction.run after the first step: {slow}"
+    for out, dq in outputs[1:]:  # (dQ is summed by atomic adds, in any order)
+        assert torch.equal(out, outputs[0][0])
+        torch.testing.assert_close(dq, outputs[0][1], atol=1e-2, rtol=1e-2)
