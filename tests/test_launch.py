@@ -50,9 +50,10 @@ def test_key_tells_apart_what_triton_specializes():
 class _Compiled:
     """Stands in for a CompiledKernel: records launches through its launcher."""
 
-    def __init__(self):
+    def __init__(self, backend="cuda"):
         self.launches = []
         self.function, self.packed_metadata = "function", "metadata"
+        self.metadata = types.SimpleNamespace(target=types.SimpleNamespace(backend=backend))
 
     def run(self, *args):
         self.launches.append(args)
@@ -62,19 +63,20 @@ class _Kernel:
     """Stands in for a JITFunction ``(x, n, BLOCK: constexpr, scale=2.0)``: launches through Triton's path are
     recorded, each returning a new compiled kernel (or None, as a tool's stand-in for ``run`` does)."""
 
-    def __init__(self, returns=True):
+    def __init__(self, returns=True, backend="cuda"):
         def param(name, constexpr=False, default=None):
             return types.SimpleNamespace(name=name, is_constexpr=constexpr, has_default=default is not None,
                                          default=default)
         self.params = [param("x"), param("n"), param("BLOCK", constexpr=True), param("scale", default=2.0)]
         self.pre_run_hooks = []
+        self.debug = None
         self.slow = []
-        self.returns = returns
+        self.returns, self.backend = returns, backend
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.slow.append((grid, args, kwargs))
-            return _Compiled() if self.returns else None
+            return _Compiled(self.backend) if self.returns else None
         return run
 
 
@@ -102,8 +104,8 @@ def test_a_key_seen_launches_the_kept_kernel_with_every_argument_in_order(stand_
 
 
 @pytest.mark.parametrize("change", ["int class", "alignment", "dtype", "constexpr", "constexpr type", "option",
-                                    "default given"])
-def test_a_new_key_goes_through_triton(stand_ins, change):
+                                    "option type", "default given", "debug knob", "kernel debug"])
+def test_a_new_key_goes_through_triton(stand_ins, monkeypatch, change):
     kernel = _Kernel()
     fast = _launch.FastLaunch(kernel)
     x = torch.zeros(32)
@@ -114,7 +116,17 @@ def test_a_new_key_goes_through_triton(stand_ins, change):
             "constexpr": lambda: fast[(1,)](x, 17, BLOCK=128),
             "constexpr type": lambda: fast[(1,)](x, 17, BLOCK=64.0),
             "option": lambda: fast[(1,)](x, 17, BLOCK=64, num_warps=8),
-            "default given": lambda: fast[(1,)](x, 17, BLOCK=64, scale=1)}[change]
+            "option type": lambda: fast[(1,)](x, 17, BLOCK=64, num_warps=4.0),
+            "default given": lambda: fast[(1,)](x, 17, BLOCK=64, scale=1),
+            "debug knob": lambda: fast[(1,)](x, 17, BLOCK=64),
+            "kernel debug": lambda: fast[(1,)](x, 17, BLOCK=64)}[change]
+    if change == "option type":
+        fast[(1,)](x, 17, BLOCK=64, num_warps=4)
+        kernel.slow.pop()
+    if change == "debug knob":
+        monkeypatch.setattr(triton.knobs.runtime, "debug", True)
+    if change == "kernel debug":
+        kernel.debug = True
     call()
     assert len(kernel.slow) == 2
     call()  # (kept now)
@@ -135,13 +147,28 @@ def test_triton_path_where_the_kept_kernel_cant_serve(stand_ins, monkeypatch):
     fast[(1,)](x, 17, 64, 1.0, 5)  # too many
     fast[(1,)](x, 17, BLOCK=64, x=x)  # one given twice
     assert len(kernel.slow) == 7
+    fast[(1,)](x, 17, BLOCK=64)  # (kept for device 1 by its first call there: no Triton)
+    assert len(kernel.slow) == 7
+    fast[lambda meta: (1,)](x, 17, BLOCK=64)  # a grid given as a function
+    assert len(kernel.slow) == 8
+    kernel.pre_run_hooks.append(lambda *a, **k: None)
+    fast[(1,)](x, 17, BLOCK=64)
+    kernel.pre_run_hooks.clear()
+    chain = types.SimpleNamespace(calls=[])  # (a hook chain, as Triton keeps them: empty, then one hook)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", chain)
+    fast[(1,)](x, 17, BLOCK=64)
+    assert len(kernel.slow) == 9  # (the pre-run hook's call; an empty chain hooks nothing)
+    chain.calls.append(lambda *a: None)
+    fast[(1,)](x, 17, BLOCK=64)
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
     fast[(1,)](x, 17, BLOCK=64)
-    assert len(kernel.slow) == 8
+    assert len(kernel.slow) == 11
 
 
-def test_nothing_kept_from_a_launch_that_returned_no_kernel(stand_ins):
-    kernel = _Kernel(returns=False)  # (tools/compile_check.py's run, Triton's interpreter)
+@pytest.mark.parametrize("kernel", [_Kernel(returns=False), _Kernel(backend="hip")],
+                         ids=["no kernel returned", "ROCm"])
+def test_nothing_kept_from_a_launch_without_a_cuda_kernel(stand_ins, kernel):
+    # (tools/compile_check.py's run and the interpreter return none; ROCm's specialization also reads the storage size)
     fast = _launch.FastLaunch(kernel)
     for _ in range(2):
         fast[(1,)](torch.zeros(4), 1, BLOCK=16)
@@ -162,7 +189,13 @@ def test_other_kernels_are_left_as_they_are():
     assert _launch.fast_launch(plain) is plain
 
 
+MIRRORED = pytest.mark.skipif(not triton.__version__.startswith(_launch.MIRRORED_TRITON),
+                              reason=f"Triton {triton.__version__}: its launches go through JITFunction.run "
+                                     f"(varlen._launch mirrors {_launch.MIRRORED_TRITON})")
+
+
 @pytest.mark.gpu_only
+@MIRRORED
 def test_gpu_kept_kernels_launch_without_triton_and_new_specializations_compile(monkeypatch):
     from triton.runtime.jit import JITFunction
 
@@ -188,6 +221,7 @@ def test_gpu_kept_kernels_launch_without_triton_and_new_specializations_compile(
 
 
 @pytest.mark.gpu_only
+@MIRRORED
 def test_gpu_attention_steps_after_the_first_launch_kept_kernels(monkeypatch):
     from triton.runtime.jit import JITFunction
 
@@ -209,3 +243,38 @@ def test_gpu_attention_steps_after_the_first_launch_kept_kernels(monkeypatch):
     for out, dq in outputs[1:]:  # (dQ is summed by atomic adds, in any order)
         assert torch.equal(out, outputs[0][0])
         torch.testing.assert_close(dq, outputs[0][1], atol=1e-2, rtol=1e-2)
+
+
+def _triton_specialization(value):
+    """What the installed Triton's binder makes of ``value`` as a kernel's one (specialized) argument, for sm_90."""
+    import inspect
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import KernelParam, create_function_from_signature
+
+    parameter = inspect.Parameter("x", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    binder = create_function_from_signature(inspect.Signature([parameter]), [KernelParam(0, parameter, False, False)],
+                                            make_backend(GPUTarget("cuda", 90, 32)))
+    return str(binder(value)[1])
+
+
+def test_key_is_never_coarser_than_tritons_own():
+    storage = torch.zeros(64, dtype=torch.float16)
+    pair = collections.namedtuple("Pair", "a b")
+    ints = [n + d for n in (0, 2**31, 2**32, 2**63, -2**31, -2**63) for d in (-17, -16, -1, 0, 1, 15, 16)]
+    values = [*ints, True, False, 0.0, -2.5, None, storage, storage[1:], storage[8:], storage.float(),
+              torch.nn.Parameter(storage.clone()), (1, 2), (1, 16), pair(1, 2), pair(storage, 3), pair(storage[1:], 3),
+              ((1,), 2), ()]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    plane = torch.zeros(32, 64, dtype=torch.float16)
+    boxes = ((plane, [16, 16]), (plane, [16, 32]), (plane.bfloat16(), [16, 16]), (plane[:16], [16, 16]))
+    values += [TensorDescriptor.from_tensor(t, box) for t, box in boxes]
+    values = [v for v in values if not (type(v) is int and not -2**63 <= v < 2**64)]
+    keys = [_key(v) for v in values]
+    tritons = [_triton_specialization(v) for v in values]
+    for i in range(len(values)):
+        for j in range(i):
+            if keys[i] == keys[j]:
+                assert tritons[i] == tritons[j], (values[i], values[j], tritons[i], tritons[j])

@@ -5,16 +5,20 @@ tensor, integer and bundle field through ``specialize_impl``), builds a cache ke
 checks the kernel's globals before the launcher runs: on the H100 machine's host 66-77 us per launch of the
 attention forward in a tight loop, 108-156 us inside a training step, where the caches are cold (bench/NOTES.md,
 "Host time per call"). A ``FastLaunch`` keeps what Triton compiled under a key of its own, made from the
-arguments in Python (about 12-20 us for the attention kernels' 50-80 bundle fields on this machine's host), and
-launches a kept kernel through its launcher directly: 55-57 us per forward launch in the same loop.
+arguments in Python (9-18 us for the attention kernels' 40-80 bundle fields on the development machine's CPU, a
+few times that on the GPU machines' hosts), and launches a kept kernel through its launcher directly: 55-57 us per
+forward launch in the same loop.
 
-The key is never coarser than Triton's: each argument's type, each tensor's dtype and 16-byte alignment, each
-integer's value class (its width, being 1, being a multiple of 16), every constexpr's value and type (a bundle's
-identity), the launch options, the debug knob and instrumentation mode. So two calls with one key are two calls
-Triton would give one compiled kernel; a new key goes through ``JITFunction.run`` (which compiles or finds its
-kernel, and launches it) and keeps the kernel it returns. Anything else takes Triton's own path on every call: a
-hook on launches (a profiler's), a kernel under the interpreter or without Triton, a Triton version whose ``run``
-this doesn't mirror, an argument of a type the key doesn't know, another current device than the kernel's.
+The key is never coarser than Triton's on CUDA: each argument's type, each tensor's dtype and 16-byte alignment,
+each integer's value class (its width, being 1, being a multiple of 16), each top-level constexpr's value and type, a
+constexpr bundle's identity (varlen makes one object per value), the launch options with their types, the kernel's
+and the knob's debug flag and the instrumentation mode. So two calls with one key are two calls Triton would give one
+compiled kernel; a new key goes through ``JITFunction.run`` (which compiles or finds its kernel, and launches it) and
+keeps the kernel it returns. Anything else takes Triton's own path on every call: a hook on launches (a profiler's),
+a pre-run hook, a grid given as a function, a kernel under the interpreter or without Triton, a Triton version whose
+``run`` this doesn't mirror, a backend other than CUDA (ROCm specializes tensors on their storage's size too), an
+argument of a type the key doesn't know, another current device than the kernel's. Not repeated on a kept kernel:
+``run``'s check that the globals the kernel read are unchanged (varlen's kernels read module constants only).
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class FastLaunch:
         self._position = {name: i for i, name in enumerate(self._names)}
         self._runtime = tuple(i for i, p in enumerate(kernel.params) if not p.is_constexpr)
         self._constexprs = tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr)
-        self._kept = {}  # key -> (device, CompiledKernel)
+        self._kept = {}  # key -> (device, CompiledKernel, the constexprs: their identities are in the key)
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
@@ -113,7 +117,8 @@ class FastLaunch:
     def launch(self, grid, args, kwargs):
         """Launch on ``grid`` (a tuple of up to three ints); the kernel's own path where the key can't serve."""
         kernel = self.kernel
-        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook) or kernel.pre_run_hooks:
+        if (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+                or kernel.pre_run_hooks or callable(grid)):
             return kernel[grid](*args, **kwargs)
         n_args = len(args)
         if n_args > len(self._names) or any(name in kwargs for name in self._names[:n_args]):
@@ -126,8 +131,8 @@ class FastLaunch:
                 if value is _MISSING:
                     return kernel[grid](*args, **kwargs)  # (Triton's error for the missing argument)
             values.append(value)
-        key = [knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               *((name, value) for name, value in kwargs.items() if name not in self._position)]  # (launch options)
+        key = [kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+               *((name, type(value), value) for name, value in kwargs.items() if name not in self._position)]
         try:
             _extend_key(key, [values[i] for i in self._runtime])
             # Constexprs by value and type, as Triton compiles them; bundles (tuples) by identity: hashing their
@@ -147,7 +152,8 @@ class FastLaunch:
                              None, None, None, *values)
                 return compiled
         compiled = kernel[grid](*args, **kwargs)
-        if isinstance(compiled, CompiledKernel):  # (not a tool's stand-in for run, nor an interpreted launch)
+        # (Not a tool's stand-in for run, nor an interpreted launch; CUDA's specialization only, see above.)
+        if isinstance(compiled, CompiledKernel) and compiled.metadata.target.backend == "cuda":
             if len(self._kept) >= KEPT_LIMIT:  # (bundles made anew for each call would be new keys each time)
                 self._kept.clear()
             self._kept[key] = (driver.active.get_current_device(), compiled, constexprs)
