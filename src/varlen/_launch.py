@@ -47,8 +47,9 @@ class _Unkeyed(Exception):
 
 
 def _extend_key(out: list, values) -> None:
-    """Append the key of each of ``values`` (non-constexpr arguments, or a bundle's fields) to ``out``: one item per
-    leaf, of a kind no other leaf's item equals (an integer class is an int, the rest are strings, dtypes, types)."""
+    """Append the key of each of ``values`` (non-constexpr arguments, or a bundle's fields) to ``out``. A leaf's first
+    item is of a kind no other leaf's first item equals (an integer class is an int; the rest start with a string, a
+    dtype or a type), so two keys are equal only where their structures are."""
     append = out.append
     for value in values:
         kind = type(value)
@@ -62,7 +63,7 @@ def _extend_key(out: list, values) -> None:
                 append(width + (value == 1) * 2 + (value % 16 == 0))
         elif kind is torch.Tensor:
             append(value.dtype)
-            append("aligned" if value.data_ptr() % 16 == 0 else "unaligned")
+            append(value.data_ptr() % 16 == 0)
         elif value is None:
             append("none")
         elif kind is float:
@@ -71,11 +72,11 @@ def _extend_key(out: list, values) -> None:
             append("true" if value else "false")
         elif isinstance(value, tuple):  # (bundles: namedtuples of tensors, integers and constexprs)
             append(kind)
-            append(f"{len(value)} fields")
+            append(len(value))
             _extend_key(out, value)
         elif isinstance(value, torch.Tensor):  # (a subclass: a Parameter)
             append(value.dtype)
-            append("aligned" if value.data_ptr() % 16 == 0 else "unaligned")
+            append(value.data_ptr() % 16 == 0)
         elif kind.__name__ == "constexpr" or kind is str or isinstance(value, torch.dtype):
             append(kind)
             append(value)

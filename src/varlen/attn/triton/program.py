@@ -40,7 +40,8 @@ Seq = collections.namedtuple("Seq", "b q_start Lq k_start Lk")
 
 def rows(t, dense: bool) -> Rows:
     """``t`` as a ``Rows`` bundle: ``(B, S, H, X)`` dense, ``(T, H, X)`` jagged."""
-    return Rows(t, t.stride(0), t.stride(1), t.stride(2)) if dense else Rows(t, 0, t.stride(0), t.stride(1))
+    strides = t.stride()
+    return Rows(t, *strides[:3]) if dense else Rows(t, 0, *strides[:2])
 
 
 def seqs(problem, q, k, placeholder) -> dict:
