@@ -184,9 +184,21 @@ def test_kept_keys_stay_bounded_when_bundles_are_made_anew(stand_ins, monkeypatc
     assert len(kernel.slow) == 10 and len(fast._kept) <= 4
 
 
-def test_other_kernels_are_left_as_they_are():
+def test_only_jit_kernels_of_a_mirrored_triton_are_wrapped_unless_switched_off(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    def kernel(x):
+        pass
+
+    jitted = JITFunction(kernel)  # (a compiled-launch kernel, whatever the interpreter flag)
     plain = object()
     assert _launch.fast_launch(plain) is plain
+    monkeypatch.setattr(_launch, "_TRITON_VERSION", "3.5.1")
+    assert _launch.fast_launch(jitted) is jitted
+    monkeypatch.setattr(_launch, "_TRITON_VERSION", _launch.MIRRORED_TRITON[0] + "0")
+    assert isinstance(_launch.fast_launch(jitted), _launch.FastLaunch)
+    monkeypatch.setenv("VARLEN_FAST_LAUNCH", "0")
+    assert _launch.fast_launch(jitted) is jitted
 
 
 MIRRORED = pytest.mark.skipif(not triton.__version__.startswith(_launch.MIRRORED_TRITON),

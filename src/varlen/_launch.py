@@ -19,9 +19,12 @@ a pre-run hook, a grid given as a function, a kernel under the interpreter or wi
 ``run`` this doesn't mirror, a backend other than CUDA (ROCm specializes tensors on their storage's size too), an
 argument of a type the key doesn't know, another current device than the kernel's. Not repeated on a kept kernel:
 ``run``'s check that the globals the kernel read are unchanged (varlen's kernels read module constants only).
+``VARLEN_FAST_LAUNCH=0`` in the environment when varlen is imported leaves every kernel to Triton's path.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -163,7 +166,9 @@ class FastLaunch:
 
 def fast_launch(kernel):
     """``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` kernel) as a :class:`FastLaunch`; as it is where it is no
-    ``JITFunction`` (the interpreter's, or the stand-in without Triton) or Triton's version is not one mirrored."""
-    if JITFunction is None or not isinstance(kernel, JITFunction) or not _TRITON_VERSION.startswith(MIRRORED_TRITON):
+    ``JITFunction`` (the interpreter's, or the stand-in without Triton), Triton's version is not one mirrored, or
+    ``VARLEN_FAST_LAUNCH`` is ``0``."""
+    if (JITFunction is None or not isinstance(kernel, JITFunction) or not _TRITON_VERSION.startswith(MIRRORED_TRITON)
+            or os.environ.get("VARLEN_FAST_LAUNCH") == "0"):
         return kernel
     return FastLaunch(kernel)
