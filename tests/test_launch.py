@@ -7,6 +7,7 @@ Triton again, with correct results each time.
 """
 
 import collections
+import copy
 import importlib
 import types
 
@@ -163,6 +164,15 @@ def test_triton_path_where_the_kept_kernel_cant_serve(stand_ins, monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
     fast[(1,)](x, 17, BLOCK=64)
     assert len(kernel.slow) == 11
+
+
+def test_the_wrapper_passes_for_its_kernel(stand_ins):
+    kernel = _Kernel()
+    fast = _launch.FastLaunch(kernel)
+    assert fast.params is kernel.params and fast.slow is kernel.slow  # (the kernel's attributes)
+    twin = copy.copy(fast)  # (a copy starts without attributes: no endless lookup of its kernel)
+    twin[(1,)](torch.zeros(4), 1, BLOCK=16)
+    assert twin.kernel is kernel and len(kernel.slow) == 1
 
 
 @pytest.mark.parametrize("kernel", [_Kernel(returns=False), _Kernel(backend="hip")],

@@ -113,6 +113,8 @@ class FastLaunch:
         self._kept = {}  # key -> (device, CompiledKernel, the constexprs: their identities are in the key)
 
     def __getattr__(self, name):
+        if name == "kernel":  # (not set yet: an object being copied or unpickled)
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
