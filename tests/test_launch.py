@@ -23,7 +23,7 @@ tl = pytest.importorskip("triton.language")
 def _key(*values):
     out = []
     for value in values:
-        _launch._extend_key(out, [value])
+        _launch._extend_key(out.append, [value])
     return tuple(out)
 
 

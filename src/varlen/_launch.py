@@ -49,11 +49,11 @@ class _Unkeyed(Exception):
     """An argument the key can't represent: the launch takes Triton's path."""
 
 
-def _extend_key(out: list, values) -> None:
-    """Append the key of each of ``values`` (non-constexpr arguments, or a bundle's fields) to ``out``. A leaf's first
+def _extend_key(append, values) -> None:
+    """Append (``append``: a list's) the key of each of ``values`` (non-constexpr arguments, or a bundle's fields). A
+    leaf's first
     item is of a kind no other leaf's first item equals (an integer class is an int; the rest start with a string, a
     dtype or a type), so two keys are equal only where their structures are."""
-    append = out.append
     for value in values:
         kind = type(value)
         if kind is int:
@@ -76,7 +76,7 @@ def _extend_key(out: list, values) -> None:
         elif isinstance(value, tuple):  # (bundles: namedtuples of tensors, integers and constexprs)
             append(kind)
             append(len(value))
-            _extend_key(out, value)
+            _extend_key(append, value)
         elif isinstance(value, torch.Tensor):  # (a subclass: a Parameter)
             append(value.dtype)
             append(value.data_ptr() % 16 == 0)
@@ -126,25 +126,25 @@ class FastLaunch:
         if (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
                 or kernel.pre_run_hooks or callable(grid)):
             return kernel[grid](*args, **kwargs)
-        n_args = len(args)
-        if n_args > len(self._names) or any(name in kwargs for name in self._names[:n_args]):
+        n_args, names = len(args), self._names
+        if n_args > len(names) or (n_args and any(name in kwargs for name in names[:n_args])):
             return kernel[grid](*args, **kwargs)  # (Triton's error for the extra or repeated arguments)
-        values = list(args)
-        for name in self._names[n_args:]:
-            value = kwargs.get(name, _MISSING)
-            if value is _MISSING:
-                value = self._defaults.get(name, _MISSING)
-                if value is _MISSING:
-                    return kernel[grid](*args, **kwargs)  # (Triton's error for the missing argument)
-            values.append(value)
-        key = [kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-               *((name, type(value), value) for name, value in kwargs.items() if name not in self._position)]
+        get = kwargs.get
+        values = [*args, *[get(name, _MISSING) for name in names[n_args:]]]
+        options = [(name, type(value), value) for name, value in kwargs.items() if name not in self._position]
+        if n_args + len(kwargs) - len(options) < len(names):  # (parameters not given: their defaults)
+            for i in range(n_args, len(names)):
+                if values[i] is _MISSING:
+                    values[i] = self._defaults.get(names[i], _MISSING)
+                    if values[i] is _MISSING:
+                        return kernel[grid](*args, **kwargs)  # (Triton's error for the missing argument)
+        # Constexprs by value and type, as Triton compiles them; bundles (tuples) by identity: hashing their constexpr
+        # fields costs microseconds, and the kept entry holds them, so no other bundle takes their id.
+        constexprs = [values[i] for i in self._constexprs]
+        key = [kernel.debug, knobs.runtime.debug, knobs.compilation.instrumentation_mode, *options,
+               *[id(value) if isinstance(value, tuple) else (value, type(value)) for value in constexprs]]
         try:
-            _extend_key(key, [values[i] for i in self._runtime])
-            # Constexprs by value and type, as Triton compiles them; bundles (tuples) by identity: hashing their
-            # constexpr fields costs microseconds, and the kept entry holds them, so no other bundle takes their id.
-            constexprs = [values[i] for i in self._constexprs]
-            key.extend(id(value) if isinstance(value, tuple) else (value, type(value)) for value in constexprs)
+            _extend_key(key.append, [values[i] for i in self._runtime])
             key = tuple(key)
             kept = self._kept.get(key)
         except (_Unkeyed, TypeError):  # (TypeError: an unhashable option)
