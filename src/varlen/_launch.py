@@ -122,13 +122,37 @@ class FastLaunch:
 
     def launch(self, grid, args, kwargs):
         """Launch on ``grid`` (a tuple of up to three ints); the kernel's own path where the key can't serve."""
+        found = self._look_up(grid, args, kwargs)
+        if found is None:
+            return self.kernel[grid](*args, **kwargs)
+        key, values, constexprs, kept = found
+        if kept is not None:
+            device, compiled, _ = kept
+            if driver.active.get_current_device() == device:
+                n = len(grid)
+                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                             driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                             None, None, None, *values)
+                return compiled
+        compiled = self.kernel[grid](*args, **kwargs)
+        # (Not a tool's stand-in for run, nor an interpreted launch; CUDA's specialization only, see above.)
+        if isinstance(compiled, CompiledKernel) and compiled.metadata.target.backend == "cuda":
+            if len(self._kept) >= KEPT_LIMIT:  # (bundles made anew for each call would be new keys each time)
+                self._kept.clear()
+            self._kept[key] = (driver.active.get_current_device(), compiled, constexprs)
+        return compiled
+
+    def _look_up(self, grid, args, kwargs):
+        """``(key, every parameter's value in order, the constexprs' values, the kept entry or None)``, or None where
+        the call goes to Triton's path: hooks or a grid given as a function, or arguments Triton must refuse (extra,
+        repeated, missing) or the key can't hold (an unknown type, an unhashable value)."""
         kernel = self.kernel
         if (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
                 or kernel.pre_run_hooks or callable(grid)):
-            return kernel[grid](*args, **kwargs)
+            return None
         n_args, names = len(args), self._names
         if n_args > len(names) or (n_args and any(name in kwargs for name in names[:n_args])):
-            return kernel[grid](*args, **kwargs)  # (Triton's error for the extra or repeated arguments)
+            return None
         get = kwargs.get
         values = [*args, *[get(name, _MISSING) for name in names[n_args:]]]
         options = [(name, type(value), value) for name, value in kwargs.items() if name not in self._position]
@@ -137,7 +161,7 @@ class FastLaunch:
                 if values[i] is _MISSING:
                     values[i] = self._defaults.get(names[i], _MISSING)
                     if values[i] is _MISSING:
-                        return kernel[grid](*args, **kwargs)  # (Triton's error for the missing argument)
+                        return None
         # Constexprs by value and type, as Triton compiles them; bundles (tuples) by identity: hashing their constexpr
         # fields costs microseconds, and the kept entry holds them, so no other bundle takes their id.
         constexprs = [values[i] for i in self._constexprs]
@@ -147,23 +171,9 @@ class FastLaunch:
             _extend_key(key.append, [values[i] for i in self._runtime])
             key = tuple(key)
             kept = self._kept.get(key)
-        except (_Unkeyed, TypeError):  # (TypeError: an unhashable option)
-            return kernel[grid](*args, **kwargs)
-        if kept is not None:
-            device, compiled, _ = kept
-            if driver.active.get_current_device() == device:
-                n = len(grid)
-                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                             driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                             None, None, None, *values)
-                return compiled
-        compiled = kernel[grid](*args, **kwargs)
-        # (Not a tool's stand-in for run, nor an interpreted launch; CUDA's specialization only, see above.)
-        if isinstance(compiled, CompiledKernel) and compiled.metadata.target.backend == "cuda":
-            if len(self._kept) >= KEPT_LIMIT:  # (bundles made anew for each call would be new keys each time)
-                self._kept.clear()
-            self._kept[key] = (driver.active.get_current_device(), compiled, constexprs)
-        return compiled
+        except (_Unkeyed, TypeError):  # (TypeError: an unhashable value)
+            return None
+        return key, values, constexprs, kept
 
 
 def fast_launch(kernel):
