@@ -685,6 +685,23 @@ def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, d
                                        None, seed)
 
 
+@pytest.mark.parametrize("broadcast,mask,dense,expected", [
+    ((True, False, False, False), "none", True, True),  # (1, H, Sq, Sk): every sequence visits every tile
+    ((True, False, False, False), "causal", True, False),  # tiles past the band are never visited: zeros
+    ((True, False, False, False), "causal_window", True, False),
+    ((True, False, False, False), "none", False, False),  # a jagged batch's short sequences skip tiles
+    ((True, True, False, False), "none", True, False),  # (1, 1, Sq, Sk): heads add too
+    ((False, True, False, False), "none", True, False),  # (B, 1, Sq, Sk)
+])
+def test_gluon_backward_stores_the_first_sequences_bias_gradient(broadcast, mask, dense, expected):
+    # Where the first sequence's programs store every tile of a gradient broadcast over sequences, it needs no zeros
+    # (gluon_backward.stores_first; the kernel runs on an sm_90 GPU, tests/test_attention_gluon.py).
+    offsets = None if dense else torch.tensor([0, 64, 100], dtype=torch.int32)
+    problem = Problem(2, 4, 4, 64, 64, 64, 96, dense, offsets, offsets)
+    feats = features(problem, AttentionOptions(scale=0.125, **KEY_BLOCK_MASKS[mask]), torch.zeros(1), None, None)
+    assert gluon_backward.stores_first(problem, feats, broadcast) == expected
+
+
 @pytest.mark.parametrize("make,expected", [
     (lambda: torch.zeros(2, 4, 64, 96, dtype=torch.bfloat16), True),
     (lambda: torch.zeros(4, 64, 96, dtype=torch.bfloat16)[None].expand(2, 4, 64, 96), True),  # stride 0: broadcast

@@ -78,6 +78,9 @@ def _inputs(layout, dtype, heads, kv_heads, D, generator):
         return rand(2, 1000, heads, D), rand(2, 1000, kv_heads, D), rand(2, 1000, kv_heads, D)
     if layout == "dense_tiles":  # whole tiles, fewer queries than keys: the backward's descriptors made on the host
         return rand(2, 512, heads, D), rand(2, 1024, kv_heads, D), rand(2, 1024, kv_heads, D)
+    if layout == "dense_batch":  # five sequences, a partial last tile (296 = 4 x 64 + 40) and key block; keys a
+        # multiple of 8 (a bias's rows: gluon_backward.bias_aligned)
+        return rand(5, 296, heads, D), rand(5, 296, kv_heads, D), rand(5, 296, kv_heads, D)
     key_lengths = KEY_LENGTHS if layout == "cross" else LENGTHS
     return (varlen.jagged([rand(L, heads, D) for L in LENGTHS]),
             *(varlen.jagged([rand(L, kv_heads, D) for L in key_lengths]) for _ in range(2)))
@@ -534,6 +537,35 @@ def _bias(name, q, k, heads, g, masked=False, wider=0):
 def test_backward_kernels_with_bias_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias):
     # The bias's gradient too: stored (a full-shape bias) or added in float32 (broadcast over sequences).
     _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias=bias)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("layout,bias,mask,mode", [
+    ("dense", "1HQK", "none", 3), ("dense_tiles", "1HQK", "none", 3), ("dense_batch", "1HQK", "none", 3),
+    ("dense_batch", "1HQK", "causal", 2), ("jagged", "1HQK", "none", 2), ("dense_batch", "11QK", "none", 2),
+])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gluon_backward_stores_the_first_sequences_bias_gradient(monkeypatch, dtype, D, heads, kv_heads, layout,
+                                                                 bias, mask, mode):
+    # A bias broadcast over sequences only, dense, no mask: the first sequence's programs store its float32 gradient
+    # (DB 3) into memory that holds no zeros (here NaN: an element left unwritten shows), the others add once each
+    # tile's flag is up. Elsewhere zeros and adds (DB 2).
+    modes = []
+    launch_kv = gluon_backward.launch_kv
+
+    def poisoned(*args, **kwargs):
+        modes.append(kwargs["dbias_mode"])
+        if kwargs["dbias_mode"] == 3:
+            kwargs["dbias"].fill_(float("nan"))
+        return launch_kv(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_backward, "launch_kv", poisoned)
+    monkeypatch.setattr(triton_backend, "launch_backward", functools.partial(triton_backend.launch_backward,
+                                                                             gluon=True))
+    _check_backward(("gluon", modes), dtype, D, layout, heads, kv_heads, mask, bias=bias)
+    assert modes == [mode]
 
 
 OTHER_BIASES = [  # (bias, masked, bias_grad, scale, wider)

@@ -45,7 +45,11 @@ Bias: the loader brings each tile's bias (its queries x the block's keys, one bo
 stage beside Q and dO; each warpgroup reads its half transposed (``ldmatrix.trans``) into its Sᵀ product's start
 (lean) or its exponent. Its gradient, dS, is staged transposed in the warpgroup's dQ buffer (free between dQ
 reduces) and leaves by TMA: a store for a full-shape bias, a float32 reduce-add for one broadcast over sequences or
-heads (summed there; ``launch_backward`` rounds it to the bias's dtype).
+heads (summed there; ``launch_backward`` rounds it to the bias's dtype). Where every sequence visits every tile
+(dense, no mask) and the bias is broadcast over sequences only, the first sequence's programs store their tiles and
+the others add to them once each tile's flag says its store is complete (``DB`` 3, :func:`stores_first`): the
+float32 buffer then takes no zeros, and no add reads zeros back from DRAM (H100, B4 S2048 H16 D128: backward
+1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stores").
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
@@ -59,6 +63,8 @@ variant it accepts, and run the Triton kernel on the same variants.
 from __future__ import annotations
 
 import collections
+
+import torch
 
 from ..._kernel_math import LOG2E
 from ..._launch import fast_launch
@@ -120,6 +126,63 @@ if HAVE_GLUON:
         gl.thread_barrier()
         _tma_reduce_add(dq_desc, [m0, col], dq_buf)
 
+    # One element per thread of a key warpgroup (four warps) or of the loader (one): vectors through which every
+    # thread runs an instruction once, or one thread makes a single access (the other lanes masked off).
+    _WARPGROUP_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+    _WARP_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+
+    @gluon.jit
+    def _bulk_writes_done(PENDING: gl.constexpr):
+        """(A key warpgroup) Waits until at most ``PENDING`` (0 or 1) of the calling thread's latest bulk groups are
+        pending and every earlier one is complete, its writes performed (``tma.store_wait`` waits only for their
+        reads of shared memory); then fences the async proxy against the thread's later accesses."""
+        lanes = gl.arange(0, 128, layout=_WARPGROUP_LANES)
+        if PENDING == 0:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _async_after_generic():
+        """(A key warpgroup) Orders what the calling thread saw before (a tile made ready after its flag) before
+        its later bulk operations."""
+        lanes = gl.arange(0, 128, layout=_WARPGROUP_LANES)
+        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _raise_flag(flag):
+        """(The loader) ``*flag = 1`` by its first thread, a release at GPU scope: what the warp has seen (its
+        barrier waits included) is seen by whoever sees the flag."""
+        lanes = gl.arange(0, 32, layout=_WARP_LANES)
+        gl.atomic_xchg(flag + lanes * 0, gl.full([32], 1, gl.int32, _WARP_LANES), mask=lanes == 0, sem="release",
+                       scope="gpu")
+
+    @gluon.jit
+    def _wait_flag(flag):
+        """(The loader) Waits until ``*flag`` is raised (:func:`_raise_flag`), read by its first thread with
+        acquire semantics at GPU scope."""
+        lanes = gl.arange(0, 32, layout=_WARP_LANES)
+        up = 0
+        while up == 0:
+            seen = gl.atomic_add(flag + lanes * 0, gl.zeros([32], gl.int32, _WARP_LANES), mask=lanes == 0,
+                                 sem="acquire", scope="gpu")
+            up = gl.max(gl.where(lanes == 0, seen, 0), axis=0)
+
+    @gluon.jit
+    def _tile_stored(stored, c, LEAN: gl.constexpr, WG: gl.constexpr, MORE: gl.constexpr):
+        """(DB 3, the first sequence's key warpgroups) Once tile ``c``'s gradient store is complete, says so on
+        ``stored`` (a barrier per parity of ``c``, both warpgroups arriving), for the loader to raise the tile's
+        flag. ``MORE``: the warpgroup went on to tile ``c + 1``, so after the store it issued at most a dQ reduce
+        (LEAN: every tile; D64: where ``c % 2 == WG``), which may stay pending; else everything is waited."""
+        if MORE and (LEAN or c % 2 == WG):
+            _bulk_writes_done(1)
+        else:
+            _bulk_writes_done(0)
+        mbarrier.arrive(stored.index(c % 2))  # (after the partition's barrier: every thread's wait is behind it)
+
     @gluon.jit
     def _blocks_taken(items, ITEMS: gl.constexpr):
         """The program's key block count: ``items.taken``, or a constant 1 where it takes one (a loop of one
@@ -167,9 +230,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
                     lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
-                    k_row, hk, bias_b, bias_h_step, items: Items, ITEMS: gl.constexpr, VARLEN: gl.constexpr,
-                    D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                    BIAS: gl.constexpr):
+                    k_row, hk, bias_b, bias_h_step, flags, stored, storer, items: Items, ITEMS: gl.constexpr,
+                    VARLEN: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr):
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
         released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. Each stage
@@ -178,7 +241,10 @@ if HAVE_GLUON:
         path, or took registers to hide a tile ahead; bench/NOTES.md, "lse and delta through the ring".) ``q_row``,
         ``k_row``: the sequence's first rows in the descriptors; ``bias_b``, ``bias_h_step``: the bias descriptor's
         batch coordinate and its head coordinate per head (0 where the bias broadcasts); ``ITEMS``: the most key
-        blocks a program takes (:func:`_blocks_taken`)."""
+        blocks a program takes (:func:`_blocks_taken`). With ``DB`` 3 each tile has a flag in ``flags`` (key
+        blocks x heads x query tiles): the first sequence's loader (``storer``) raises it once the key
+        warpgroups' gradient stores of the tile are complete (``stored``; checked two tiles later, when the stage
+        comes back), and the other sequences' loaders load a tile only once its flag is up."""
         dtype: gl.constexpr = k_desc.dtype
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
@@ -187,6 +253,9 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar.index(item), v_smem.index(item))
         tile_bytes: gl.constexpr = (2 * BM * D + (BM * BN if BIAS else 0)) * dtype.primitive_bitwidth // 8
         count = 0
+        n_q_tiles = (max_q + BM - 1) // BM
+        flag_1 = 0  # (DB 3, the storer) the flags of the last two tiles, raised once their stores are complete
+        flag_2 = 0
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             t_lo = _item(items.t_lo, item)
@@ -195,6 +264,16 @@ if HAVE_GLUON:
                 head_row = lse_offset(b, q_start, hk * GROUP + g, H, total_q, max_q, VARLEN)  # (of lse2 and delta)
                 for j in range(_item(items.n_tiles, item)):
                     stage = count % 2
+                    if DB == 3:
+                        flag = ((n0 // BN) * H + hk * GROUP + g) * n_q_tiles + (t_lo + j * BM) // BM
+                        if storer:
+                            if count >= 2:
+                                mbarrier.wait(stored.index(stage), ((count - 2) // 2) & 1)
+                                _raise_flag(flags + flag_2)
+                            flag_2 = flag_1
+                            flag_1 = flag
+                        else:
+                            _wait_flag(flags + flag)
                     mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(ready.index(stage), tile_bytes)
                     row = q_row + t_lo + j * BM
@@ -215,12 +294,19 @@ if HAVE_GLUON:
                     gl.thread_barrier()
                     mbarrier.arrive(ready.index(stage))
                     count += 1
+        if DB == 3 and storer:  # (the storer's last two tiles)
+            if count >= 2:
+                mbarrier.wait(stored.index(count % 2), ((count - 2) // 2) & 1)
+                _raise_flag(flags + flag_2)
+            if count >= 1:
+                mbarrier.wait(stored.index((count - 1) % 2), ((count - 1) // 2) & 1)
+                _raise_flag(flags + flag_1)
 
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem, kv_bar,
                        ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
-                       b, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed, offset_lo,
-                       threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                       stored, storer, b, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
+                       offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                        DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
                        GROUP: gl.constexpr, BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        WG: gl.constexpr):
@@ -302,6 +388,8 @@ if HAVE_GLUON:
                                                 is_async=True)
                         else:
                             dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)), dpt, is_async=True)
+                        if DB == 3 and storer and count > 0:  # (the last tile's store, while these products run)
+                            _tile_stored(stored, count - 1, LEAN, WG, True)
                         st = warpgroup_mma_wait(1, deps=(st,))
                         pt = gl.exp2(st * qk_scale)
                     else:
@@ -315,6 +403,8 @@ if HAVE_GLUON:
                         dpt = warpgroup_mma(v_w, do_tile.permute((1, 0)),
                                             gl.zeros([KEYS, BM], gl.float32, layout=kq_layout), use_acc=False,
                                             is_async=True)
+                        if DB == 3 and storer and count > 0:  # (the last tile's store, while these products run)
+                            _tile_stored(stored, count - 1, LEAN, WG, True)
                         lse2 = lse2_ring.index(stage).load(q_axis)
                         if BIAS:  # (log2 units: bias log2(e) - lse2)
                             offset2 = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * LOG2E - lse2[None, :]
@@ -383,8 +473,16 @@ if HAVE_GLUON:
                         coord = [dbias_b, h * dbias_h_step, m0, n0 + WG * KEYS]
                         if DB == 1:
                             tma.async_copy_shared_to_global(dbias_desc, coord, box)
-                        else:
+                        elif DB == 2:
                             _tma_reduce_add(dbias_desc, coord, box)
+                        else:
+                            # The first sequence's program stores the tile (the buffer holds no zeros); the others add
+                            # once its flag says the store is complete.
+                            if storer:
+                                tma.async_copy_shared_to_global(dbias_desc, coord, box)
+                            else:  # (the loader made the tile ready once the store was complete)
+                                _async_after_generic()
+                                _tma_reduce_add(dbias_desc, coord, box)
                     if LEAN:
                         # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
                         # block's keys, issued before dK and dV are waited: 32 accumulator registers, where a whole
@@ -438,6 +536,8 @@ if HAVE_GLUON:
         # (A block's K and V buffer is not used again: the next block's dQ reduces wait for these stores where they
         # wait for their own staging buffer, and the program waits here before it ends.)
         tma.store_wait(0)
+        if DB == 3 and storer and count > 0:  # (the last tile's gradient store)
+            _tile_stored(stored, count - 1, LEAN, WG, False)
 
     @fast_launch
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, *BIAS_STRIDES])
@@ -445,7 +545,7 @@ if HAVE_GLUON:
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD, Bias, bias_sb, bias_sh,
                        bias_sq, bias_b_step, bias_h_step, BiasD, dBias, dbias_sb, dbias_sh, dbias_sq,
-                       dbias_b_step, dbias_h_step, dBiasD,
+                       dbias_b_step, dbias_h_step, dBiasD, Flags,
                        F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr,
@@ -469,7 +569,12 @@ if HAVE_GLUON:
         (``HOST_BIAS``: dense calls), or else one each program makes over its sequence's (1, Hb, Lq, Lk)
         (:func:`_plane`); ``bias_b_step``, ``bias_h_step``: 1 on the batch and head dims where the
         bias doesn't broadcast over them. ``DB``: its gradient, none (0), stored (1) or added in float32 (2) into
-        ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's.
+        ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's; or (3: dense calls
+        without a mask, a bias broadcast over sequences only, :func:`stores_first`) stored in float32 by the first
+        sequence's programs and added by the others', each add after the store of its tile (``Flags``: one zeroed
+        int32 per tile, raised once the store is complete), so that ``dBias`` needs no zeros and
+        no add reads them from DRAM. (Its adds wait for programs that the grid orders before theirs, the first
+        sequence's of the same key block and head, as FA3's deterministic backward relies on block order.)
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
@@ -531,6 +636,8 @@ if HAVE_GLUON:
         if F.HAS_BIAS:
             bias_desc, bias_b = _plane(BiasD, Bias, bias_sb, bias_sh, bias_sq, seq.b, bias_b_step, bias_h_step, H,
                                        seq.Lq, seq.Lk, BM, BN // 2, bias_layout, HOST_BIAS)
+        # (DB 3) The first sequence's programs store the gradient, the others add (each tile once its flag is up).
+        storer = seq.b == 0
         if DB != 0:
             dbias_desc, dbias_b = _plane(dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, seq.b, dbias_b_step,
                                          dbias_h_step, H, seq.Lq, seq.Lk, BM, BN // 2, dbias_layout, HOST_BIAS)
@@ -552,6 +659,7 @@ if HAVE_GLUON:
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (DB 3) per tile parity
         for i in gl.static_range(ITEMS):
             mbarrier.init(kv_bar.index(i), count=1)
         for i in gl.static_range(2):
@@ -559,6 +667,7 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=2)  # one arrival per key warpgroup
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
             mbarrier.init(ds_free.index(i), count=2 if LEAN else 1)  # read by each dQ computing warpgroup
+            mbarrier.init(stored.index(i), count=2)  # both warpgroups' gradient stores of a tile complete
 
         # The query tiles that see each key block; the band, if any, is applied on those outside [u_lo, u_hi).
         first = query_stages(n0_first, seq.Lq, seq.Lk, m, F, BM, BN)
@@ -571,18 +680,18 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
-                              qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
-                              F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
+                              dbias_h_step, stored, storer, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
+                              items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
+                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale,
-                              qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R,
-                              F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
+                              dbias_h_step, stored, storer, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
+                              items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
+                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
                            lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                           seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, items, ITEMS, F.VARLEN, D, H, GROUP, BM, BN,
-                           F.HAS_BIAS)),
+                           seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored, storer, items, ITEMS,
+                           F.VARLEN, D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
             mbarrier.invalidate(kv_bar.index(i))
@@ -591,6 +700,7 @@ if HAVE_GLUON:
             mbarrier.invalidate(empty.index(i))
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_free.index(i))
+            mbarrier.invalidate(stored.index(i))
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
@@ -620,6 +730,21 @@ def bias_aligned(bias) -> bool:
         return False
     return all(n == 1 or stride * bias.element_size() % 16 == 0
                for n, stride in zip(bias.shape[:-1], bias.stride()[:-1], strict=True))
+
+
+def stores_first(problem, feats, broadcast) -> bool:
+    """Whether the kernel writes a broadcast bias's float32 gradient without zeros (``DB`` 3): dense calls without
+    a band mask, whose every sequence visits every tile, with a bias broadcast over sequences and not over heads
+    (``broadcast``: which of its dims are), so that the first sequence's programs store every tile before the others
+    add to it."""
+    return (problem.dense and not (feats.HAS_R or feats.HAS_WL) and broadcast[0]
+            and not any(broadcast[1:]))
+
+
+def tile_flags(problem, device) -> torch.Tensor:
+    """The zeroed flags of ``DB`` 3: one int32 per (key block, head, query tile)."""
+    return torch.zeros(cdiv(problem.max_k, BLOCK_N) * problem.heads * cdiv(problem.max_q, BLOCK_M), device=device,
+                       dtype=torch.int32)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
@@ -708,14 +833,16 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
-              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False) -> None:
+              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False, flags=None) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
     backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
     arguments. ``bias`` (4-D, :func:`takes_bias`) and its gradient ``dbias`` (zeros, contiguous, of the bias's
-    shape; None without one), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32);
-    ``adds_across_batch``: sequences add into the same gradient (``program.heads_last``)."""
+    shape; None without one), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32;
+    3: float32, stored by the first sequence and added by the others, :func:`stores_first`: then ``dbias`` needs no
+    zeros, and ``flags`` is :func:`tile_flags`'); ``adds_across_batch``: sequences add into the same gradient
+    (``program.heads_last``)."""
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None or (bias is not None and not problem.dense):
         ensure_allocator()  # the kernel builds TMA descriptors on the device
@@ -736,7 +863,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
-        **plane_arguments(problem, dbias, "dbias", q), HOST_BIAS=problem.dense, DB=dbias_mode,
+        **plane_arguments(problem, dbias, "dbias", q), Flags=lse2 if flags is None else flags,
+        HOST_BIAS=problem.dense, DB=dbias_mode,
         num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -77,6 +77,7 @@ from .tiles import load_rows, rows_desc, store_rows
 DBias = collections.namedtuple("DBias", "ptr sb sh sq sk")
 DBiasMode = collections.namedtuple("DBiasMode", "MODE BQ BK")
 DBIAS_NONE, DBIAS_STORE, DBIAS_ATOMIC = 0, 1, 2
+GLUON_FIRST_STORES = 3  # the Gluon kernel's float32 gradient stored by the first sequence (gluon_backward.stores_first)
 
 # Dense causal calls with fewer kv programs per SM start every first key block first (program.blocks_last):
 # H100, kernel level, every measured shape gained, up to 2048 programs (15.5 per SM; +4-29% bf16, dropout, fp32;
@@ -417,7 +418,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited.
-    dbias, db_mode, bcast, dbias_buf = None, DBIAS_NONE, (False,) * 4, q
+    dbias, db_mode, bcast, dbias_buf, first_stores = None, DBIAS_NONE, (False,) * 4, q, False
     if need_dbias:
         bcast = _bias_broadcast(bias, problem)
         if not any(bcast):
@@ -431,7 +432,10 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
             dbias = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         else:
             db_mode = DBIAS_ATOMIC
-            dbias_buf = torch.zeros(bias.shape, device=q.device, dtype=torch.float32)
+            # (The Gluon kernel's first sequence stores where every sequence visits every tile: no zeros.)
+            first_stores = gluon and gluon_backward.stores_first(problem, feats, bcast)
+            dbias_buf = (torch.empty if first_stores else torch.zeros)(bias.shape, device=q.device,
+                                                                       dtype=torch.float32)
     db_args = DBias(dbias_buf, *(broadcast_strides(dbias_buf) if db_mode != DBIAS_NONE else (0,) * 4))
     # Sequences add into one gradient (either kv kernel: heads last, program.heads_last).
     adds_across_batch = db_mode == DBIAS_ATOMIC and bcast[0]
@@ -457,8 +461,10 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                  feats, common["scores"], dropout_kwargs, bias=bias,
-                                 dbias=dbias_buf if db_mode != DBIAS_NONE else None, dbias_mode=db_mode,
-                                 adds_across_batch=adds_across_batch)
+                                 dbias=dbias_buf if db_mode != DBIAS_NONE else None,
+                                 dbias_mode=GLUON_FIRST_STORES if first_stores else db_mode,
+                                 adds_across_batch=adds_across_batch,
+                                 flags=gluon_backward.tile_flags(problem, q.device) if first_stores else None)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=adds_across_batch)
