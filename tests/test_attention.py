@@ -685,19 +685,21 @@ def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, d
                                        None, seed)
 
 
-@pytest.mark.parametrize("broadcast,mask,dense,expected", [
-    ((True, False, False, False), "none", True, True),  # (1, H, Sq, Sk): every sequence visits every tile
-    ((True, False, False, False), "causal", True, False),  # tiles past the band are never visited: zeros
-    ((True, False, False, False), "causal_window", True, False),
-    ((True, False, False, False), "none", False, False),  # a jagged batch's short sequences skip tiles
-    ((True, True, False, False), "none", True, False),  # (1, 1, Sq, Sk): heads add too
-    ((False, True, False, False), "none", True, False),  # (B, 1, Sq, Sk)
+@pytest.mark.parametrize("broadcast,mask,head_dim,dense,expected", [
+    ((True, False, False, False), "none", 128, True, True),  # (1, H, Sq, Sk): every sequence visits the same tiles
+    ((True, False, False, False), "causal", 64, True, True),  # (the first sequence zeroes the tiles no query sees)
+    ((True, False, False, False), "causal_window", 64, True, True),
+    ((True, False, False, False), "causal", 128, True, False),  # (the lean kernel with a band and flags spills)
+    ((True, False, False, False), "none", 64, False, False),  # a jagged batch's short sequences skip tiles
+    ((True, True, False, False), "none", 64, True, False),  # (1, 1, Sq, Sk): heads add too
+    ((False, True, False, False), "none", 64, True, False),  # (B, 1, Sq, Sk)
 ])
-def test_gluon_backward_stores_the_first_sequences_bias_gradient(broadcast, mask, dense, expected):
-    # Where the first sequence's programs store every tile of a gradient broadcast over sequences, it needs no zeros
-    # (gluon_backward.stores_first; the kernel runs on an sm_90 GPU, tests/test_attention_gluon.py).
+def test_gluon_backward_stores_the_first_sequences_bias_gradient(broadcast, mask, head_dim, dense, expected):
+    # Where the first sequence's programs store every tile of a gradient broadcast over sequences (zeros where a mask
+    # hides one), it needs no zeros first (gluon_backward.stores_first; the kernel runs on an sm_90 GPU,
+    # tests/test_attention_gluon.py).
     offsets = None if dense else torch.tensor([0, 64, 100], dtype=torch.int32)
-    problem = Problem(2, 4, 4, 64, 64, 64, 96, dense, offsets, offsets)
+    problem = Problem(2, 4, 4, head_dim, head_dim, 64, 96, dense, offsets, offsets)
     feats = features(problem, AttentionOptions(scale=0.125, **KEY_BLOCK_MASKS[mask]), torch.zeros(1), None, None)
     assert gluon_backward.stores_first(problem, feats, broadcast) == expected
 

@@ -45,11 +45,11 @@ Bias: the loader brings each tile's bias (its queries x the block's keys, one bo
 stage beside Q and dO; each warpgroup reads its half transposed (``ldmatrix.trans``) into its Sᵀ product's start
 (lean) or its exponent. Its gradient, dS, is staged transposed in the warpgroup's dQ buffer (free between dQ
 reduces) and leaves by TMA: a store for a full-shape bias, a float32 reduce-add for one broadcast over sequences or
-heads (summed there; ``launch_backward`` rounds it to the bias's dtype). Where every sequence visits every tile
-(dense, no mask) and the bias is broadcast over sequences only, the first sequence's programs store their tiles and
-the others add to them once each tile's flag says its store is complete (``DB`` 3, :func:`stores_first`): the
-float32 buffer then takes no zeros, and no add reads zeros back from DRAM (H100, B4 S2048 H16 D128: backward
-1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stores").
+heads (summed there; ``launch_backward`` rounds it to the bias's dtype). Where every sequence visits the same tiles
+(dense) and the bias is broadcast over sequences only, the first sequence's programs store their tiles (zeros where
+a mask hides a tile) and the others add to them once each tile's flag says its store is complete (``DB`` 3,
+:func:`stores_first`): the float32 buffer then takes no zeros, and no add reads zeros back from DRAM (H100, B4 S2048
+H16 D128: backward 1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stores").
 
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
@@ -154,7 +154,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _raise_flag(flag):
-        """(The loader) ``*flag = 1`` by its first thread, a release at GPU scope: what the warp has seen (its
+        """(The loader) ``*flag = 1`` by its first thread, a release at GPU scope: what that thread has seen (its
         barrier waits included) is seen by whoever sees the flag."""
         lanes = gl.arange(0, 32, layout=_WARP_LANES)
         gl.atomic_xchg(flag + lanes * 0, gl.full([32], 1, gl.int32, _WARP_LANES), mask=lanes == 0, sem="release",
@@ -175,13 +175,40 @@ if HAVE_GLUON:
     def _tile_stored(stored, c, LEAN: gl.constexpr, WG: gl.constexpr, MORE: gl.constexpr):
         """(DB 3, the first sequence's key warpgroups) Once tile ``c``'s gradient store is complete, says so on
         ``stored`` (a barrier per parity of ``c``, both warpgroups arriving), for the loader to raise the tile's
-        flag. ``MORE``: the warpgroup went on to tile ``c + 1``, so after the store it issued at most a dQ reduce
-        (LEAN: every tile; D64: where ``c % 2 == WG``), which may stay pending; else everything is waited."""
+        flag. ``MORE``: the warpgroup went on to tile ``c + 1``, so the bulk groups after the store's are at most
+        one, a dQ reduce (LEAN: every tile; D64: where ``c % 2 == WG``), or at a key block's end its dK and dV stores
+        too (then waited as well): the latest may stay pending. Else everything is waited. The store goes out in
+        two halves, from lanes of two warps: each issuing thread waits for its own, and the barrier puts both waits
+        before the one thread's arrival (which Gluon's ``arrive`` does not sync for)."""
         if MORE and (LEAN or c % 2 == WG):
             _bulk_writes_done(1)
         else:
             _bulk_writes_done(0)
-        mbarrier.arrive(stored.index(c % 2))  # (after the partition's barrier: every thread's wait is behind it)
+        gl.thread_barrier()
+        mbarrier.arrive(stored.index(c % 2))
+
+    @gluon.jit
+    def _zero_unseen_tiles(staging_buf, dbias_desc, dbias_b, dbias_h_step, hk, n0, t_lo, n_tiles, Lq,
+                           GROUP: gl.constexpr, BM: gl.constexpr, KEYS: gl.constexpr, WG: gl.constexpr,
+                           kq_layout: gl.constexpr):
+        """(DB 3, the first sequence's key warpgroups, at a block's start) Zeros, by TMA stores from this
+        warpgroup's dQ buffer, the gradient's tiles of its keys that no query of the block's band visits (under a
+        mask: above the diagonal, past a window): no program writes them otherwise, and the buffer holds no zeros.
+        Every sequence visits the same tiles (dense), so none adds there."""
+        tma.store_wait(0)  # (the buffer's last bulk operation has read it)
+        staging_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, KEYS], gl.float32)
+        staging = staging_buf._reinterpret(gl.float32, [BM, KEYS], staging_layout)
+        staging.permute((1, 0)).store(gl.zeros([KEYS, BM], gl.float32, layout=kq_layout))
+        fence_async_shared()
+        gl.thread_barrier()
+        box = staging._reinterpret(gl.float32, [1, 1, BM, KEYS], dbias_desc.layout)
+        seen_lo = gl.minimum(t_lo, Lq)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for m0 in range(0, seen_lo, BM):
+                tma.async_copy_shared_to_global(dbias_desc, [dbias_b, h * dbias_h_step, m0, n0 + WG * KEYS], box)
+            for m0 in range(t_lo + n_tiles * BM, Lq, BM):
+                tma.async_copy_shared_to_global(dbias_desc, [dbias_b, h * dbias_h_step, m0, n0 + WG * KEYS], box)
 
     @gluon.jit
     def _blocks_taken(items, ITEMS: gl.constexpr):
@@ -305,7 +332,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem, kv_bar,
                        ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
-                       stored, storer, b, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
+                       stored, storer, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
                        offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                        DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
                        GROUP: gl.constexpr, BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
@@ -319,7 +346,9 @@ if HAVE_GLUON:
         (``count``). With ``BIAS`` the scores take the ring stage's bias tile, and with ``DB`` each tile's dS (the
         bias's gradient) goes out through ``dbias_desc``: staged (transposed: queries x keys) in this warpgroup's dQ
         buffer, then stored by TMA (1: a full-shape bias, of its dtype) or added by a TMA reduce (2: float32, a bias
-        broadcast over sequences or heads), at batch coordinate ``dbias_b`` and head ``h dbias_h_step``. (Written by
+        broadcast over sequences or heads; 3: the same, stored by the first sequence, ``storer``, which also zeroes
+        the tiles no query sees, and added by the others once the loader saw the tile's flag: ``_tile_stored``),
+        at batch coordinate ``dbias_b`` and head ``h dbias_h_step``. (Written by
         the threads themselves, read back from dSᵀ's shared tile into 16-byte stores or float32 reductions, it
         took the D128 backward to 205 TFLOP/s from 440 without a gradient, H100: the reductions held the memory
         pipe the few spilled registers reload through; bench/NOTES.md.)"""
@@ -350,6 +379,9 @@ if HAVE_GLUON:
             n_tiles = _item(items.n_tiles, item)
             u_lo = _item(items.u_lo, item)
             u_hi = _item(items.u_hi, item)
+            if DB == 3 and storer:
+                _zero_unseen_tiles(dq_smem.index(WG), dbias_desc, dbias_b, dbias_h_step, hk, n0, t_lo, n_tiles, Lq,
+                                   GROUP, BM, KEYS, WG, kq_layout)
             k_w = k_smem.index(item).slice(WG * KEYS, KEYS)
             v_w = v_smem.index(item).slice(WG * KEYS, KEYS)
             keys = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, kq_layout))
@@ -569,12 +601,12 @@ if HAVE_GLUON:
         (``HOST_BIAS``: dense calls), or else one each program makes over its sequence's (1, Hb, Lq, Lk)
         (:func:`_plane`); ``bias_b_step``, ``bias_h_step``: 1 on the batch and head dims where the
         bias doesn't broadcast over them. ``DB``: its gradient, none (0), stored (1) or added in float32 (2) into
-        ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's; or (3: dense calls
-        without a mask, a bias broadcast over sequences only, :func:`stores_first`) stored in float32 by the first
-        sequence's programs and added by the others', each add after the store of its tile (``Flags``: one zeroed
-        int32 per tile, raised once the store is complete), so that ``dBias`` needs no zeros and
-        no add reads them from DRAM. (Its adds wait for programs that the grid orders before theirs, the first
-        sequence's of the same key block and head, as FA3's deterministic backward relies on block order.)
+        ``dBias`` (of the bias's shape), its arguments ``dbias_*`` and ``dBiasD`` as the bias's; or (3: dense calls,
+        a bias broadcast over sequences only, :func:`stores_first`) stored in float32 by the first sequence's
+        programs (zeros where no query of a block sees it) and added by the others', each add after the store of
+        its tile (``Flags``: one zeroed int32 per tile, raised once the store is complete), so that ``dBias`` needs
+        no zeros and no add reads them from DRAM. (Its adds wait for programs that the grid orders before theirs,
+        the first sequence's of the same key block and head, as FA3's deterministic backward relies on block order.)
         Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
@@ -680,12 +712,12 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, stored, storer, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
+                              dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
                               items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
                               F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, stored, storer, seq.b, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
+                              dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
                               items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
                               F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
@@ -733,12 +765,14 @@ def bias_aligned(bias) -> bool:
 
 
 def stores_first(problem, feats, broadcast) -> bool:
-    """Whether the kernel writes a broadcast bias's float32 gradient without zeros (``DB`` 3): dense calls without
-    a band mask, whose every sequence visits every tile, with a bias broadcast over sequences and not over heads
-    (``broadcast``: which of its dims are), so that the first sequence's programs store every tile before the others
-    add to it."""
-    return (problem.dense and not (feats.HAS_R or feats.HAS_WL) and broadcast[0]
-            and not any(broadcast[1:]))
+    """Whether the kernel writes a broadcast bias's float32 gradient without zeros (``DB`` 3): dense calls, whose
+    sequences all visit the same tiles, with a bias broadcast over sequences and not over heads (``broadcast``:
+    which of its dims are), so that the first sequence's programs store every tile (zeros where a mask hides it)
+    before the others add to it. Under a band mask at D64 only: the lean D128 kernel with a band and the flags
+    spills 160-224 bytes where it spilled 48-96 (H200, (1,H,S,S) B4 S2048 causal: 194 -> 191-192 TFLOP/s; at D64,
+    B2 S4096 causal, 107-108 -> 127; bench/NOTES.md)."""
+    return (problem.dense and broadcast[0] and not any(broadcast[1:])
+            and not ((feats.HAS_R or feats.HAS_WL) and lean(problem.head_dim)))
 
 
 def tile_flags(problem, device) -> torch.Tensor:

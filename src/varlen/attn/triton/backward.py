@@ -432,7 +432,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
             dbias = torch.zeros(bias.shape, device=q.device, dtype=bias.dtype)
         else:
             db_mode = DBIAS_ATOMIC
-            # (The Gluon kernel's first sequence stores where every sequence visits every tile: no zeros.)
+            # (The Gluon kernel's first sequence stores every tile where sequences visit the same ones: no zeros.)
             first_stores = gluon and gluon_backward.stores_first(problem, feats, bcast)
             dbias_buf = (torch.empty if first_stores else torch.zeros)(bias.shape, device=q.device,
                                                                        dtype=torch.float32)
