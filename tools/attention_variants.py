@@ -66,6 +66,9 @@ CASES = [
       for name in ("plain", "causal", "bias_full", "bias_broadcast", "dropout", "positions")),
     # Dense GQA under a causal mask: the Gluon backward's grid in groups of kv heads (program.kv_head_groups).
     *((D, torch.bfloat16, "ieee", False, 4, "causal") for D in (64, 128)),
+    # Dense GQA with a bias broadcast over sequences: the Gluon backward's first stores (gluon_backward.stores_first),
+    # with a band at D64 (its zero tiles), and a query head loop per tile flag.
+    *((D, torch.bfloat16, "ieee", False, 4, name) for D in (64, 128) for name in ("bias_broadcast", "bias_causal")),
     *((D, torch.float32, precision, False, 1, name) for D in (64, 128) for precision in ("ieee", "tf32")
       for name in ("plain", "causal")),
     # float32 at full accuracy splits the operands into bf16 parts (configs.splits_bf16): their shared memory next
