@@ -568,9 +568,8 @@ def test_gluon_backward_stores_the_first_sequences_bias_gradient(monkeypatch, dt
         return launch_kv(*args, **kwargs)
 
     monkeypatch.setattr(gluon_backward, "launch_kv", poisoned)
-    monkeypatch.setattr(triton_backend, "launch_backward", functools.partial(triton_backend.launch_backward,
-                                                                             gluon=True))
-    _check_backward(("gluon", modes), dtype, D, layout, heads, kv_heads, mask, bias=bias)
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), dtype, D, layout, heads, kv_heads, mask, bias=bias)
     assert modes == [2 if mask != "none" and D > 64 else mode]
 
 

@@ -51,9 +51,8 @@ class _Unkeyed(Exception):
 
 def _extend_key(append, values) -> None:
     """Append (``append``: a list's) the key of each of ``values`` (non-constexpr arguments, or a bundle's fields). A
-    leaf's first
-    item is of a kind no other leaf's first item equals (an integer class is an int; the rest start with a string, a
-    dtype or a type), so two keys are equal only where their structures are."""
+    leaf's first item is of a kind no other leaf's first item equals (an integer class is an int; the rest start with
+    a string, a dtype or a type), so two keys are equal only where their structures are."""
     for value in values:
         kind = type(value)
         if kind is int:
@@ -64,7 +63,7 @@ def _extend_key(append, values) -> None:
             else:
                 width = 0 if -2**31 <= value < 2**31 else 4 if -2**63 <= value < 2**63 else 8
                 append(width + (value == 1) * 2 + (value % 16 == 0))
-        elif kind is torch.Tensor:
+        elif kind is torch.Tensor or isinstance(value, torch.Tensor):  # (a subclass too: a Parameter)
             append(value.dtype)
             append(value.data_ptr() % 16 == 0)
         elif value is None:
@@ -77,9 +76,6 @@ def _extend_key(append, values) -> None:
             append(kind)
             append(len(value))
             _extend_key(append, value)
-        elif isinstance(value, torch.Tensor):  # (a subclass: a Parameter)
-            append(value.dtype)
-            append(value.data_ptr() % 16 == 0)
         elif kind.__name__ == "constexpr" or kind is str or isinstance(value, torch.dtype):
             append(kind)
             append(value)
