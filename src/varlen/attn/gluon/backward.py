@@ -867,7 +867,7 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
-              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False, flags=None) -> None:
+              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
     backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
@@ -875,8 +875,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     arguments. ``bias`` (4-D, :func:`takes_bias`) and its gradient ``dbias`` (zeros, contiguous, of the bias's
     shape; None without one), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32;
     3: float32, stored by the first sequence and added by the others, :func:`stores_first`: then ``dbias`` needs no
-    zeros, and ``flags`` is :func:`tile_flags`'); ``adds_across_batch``: sequences add into the same gradient
-    (``program.heads_last``)."""
+    zeros, and the tiles' flags are made here, :func:`tile_flags`); ``adds_across_batch``: sequences add into the same
+    gradient (``program.heads_last``)."""
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None or (bias is not None and not problem.dense):
         ensure_allocator()  # the kernel builds TMA descriptors on the device
@@ -897,8 +897,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
         LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
-        **plane_arguments(problem, dbias, "dbias", q), Flags=lse2 if flags is None else flags,
-        HOST_BIAS=problem.dense, DB=dbias_mode,
+        **plane_arguments(problem, dbias, "dbias", q),
+        Flags=tile_flags(problem, q.device) if dbias_mode == 3 else lse2, HOST_BIAS=problem.dense, DB=dbias_mode,
         num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

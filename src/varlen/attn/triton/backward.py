@@ -417,7 +417,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
 
-    # The bias gradient: zeros first, since tiles outside the visible band are never visited.
+    # The bias gradient: zeros first, since tiles outside the visible band are never visited (except where the Gluon
+    # kernel's first sequence stores every tile: gluon_backward.stores_first).
     dbias, db_mode, bcast, dbias_buf, first_stores = None, DBIAS_NONE, (False,) * 4, q, False
     if need_dbias:
         bcast = _bias_broadcast(bias, problem)
@@ -463,8 +464,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                                  feats, common["scores"], dropout_kwargs, bias=bias,
                                  dbias=dbias_buf if db_mode != DBIAS_NONE else None,
                                  dbias_mode=GLUON_FIRST_STORES if first_stores else db_mode,
-                                 adds_across_batch=adds_across_batch,
-                                 flags=gluon_backward.tile_flags(problem, q.device) if first_stores else None)
+                                 adds_across_batch=adds_across_batch)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=adds_across_batch)
