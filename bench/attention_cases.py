@@ -3,10 +3,10 @@ each case's forward and training step through ``varlen.attention`` and cuDNN's (
 from CUDA-graph replays, so that no host time enters (``bench/attention.py``'s eager rows are host-bound at S1k on
 these machines).
 
-bf16; dense rows (B·S = 16k tokens, H·D = 2048), dense GQA rows at S2k-4k, dropout 0.1 at S2k and 8k, and jagged
-rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s documents (D64 GQA 12/4, and D128 GQA
-32/8) and 16 sequences of 256-4096 tokens. FLOPs 4·B·H·Sq·Sk·D (the real sequences' for jagged rows), halved when
-causal; the backward counts 2.5x.
+bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80 and 96 about 2048), dense GQA rows at S2k-4k,
+dropout 0.1 at S2k and 8k, and jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
+documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens. FLOPs 4·B·H·Sq·Sk·D (the real
+sequences' for jagged rows), halved when causal; the backward counts 2.5x.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Case(NamedTuple):
     peer_forward: Callable[[], None] | None  # cuDNN's (dense rows only: SDPA takes no jagged batch)
     peer_step: Callable[[], None] | None
     forward_flops: float
+    head_dim: int
 
 
 def replayed_ms(fn: Callable[[], None]) -> float:
@@ -63,7 +64,7 @@ def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0) -> Case:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV,
                                                  dropout_p=dropout_p)
         torch.autograd.grad(out, (qt, kt, vt), dout_t)
-    return Case(forward, step, cudnn_forward, cudnn_step, 4 * B * H * S * S * D * (0.5 if causal else 1))
+    return Case(forward, step, cudnn_forward, cudnn_step, 4 * B * H * S * S * D * (0.5 if causal else 1), D)
 
 
 def jagged_case(lengths, H, HKV, D, causal) -> Case:
@@ -82,7 +83,7 @@ def jagged_case(lengths, H, HKV, D, causal) -> Case:
 
     def step():
         torch.autograd.grad(varlen.attention(q, k, v, causal=causal).values, (q.values, k.values, v.values), dout)
-    return Case(forward, step, None, None, sum(4 * H * L * L * D * (0.5 if causal else 1) for L in lengths))
+    return Case(forward, step, None, None, sum(4 * H * L * L * D * (0.5 if causal else 1) for L in lengths), D)
 
 
 def long_tail(tokens: int) -> list[int]:
@@ -115,6 +116,13 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
            lambda: jagged_case(uniform, 16, 16, 64, True))
+    # Head dims the Gluon kernels compute in a larger tile (32 and 40 in 64, 80 and 96 in 128;
+    # gluon.common.tile_head_dim), H·D about 2048.
+    for D, H in ((32, 64), (40, 48), (80, 24), (96, 20)):
+        for S in (1024, 4096):
+            for causal in (False, True):
+                name = f"D{D} S{S} B{16384 // S} H{H}" + (" causal" if causal else "")
+                yield name, lambda D=D, H=H, S=S, causal=causal: dense_case(16384 // S, S, H, H, D, causal)
 
 
 def arguments() -> argparse.Namespace:

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from attention_cases import arguments, cases, finish, replayed_ms, table_row  # (bench/, the script's folder)
+from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 
 
@@ -28,15 +29,16 @@ def main():
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
              f"{datetime.date.today().isoformat()}. bf16; forward TFLOP/s, replayed from CUDA graphs, {a.rounds} "
              "rounds of each form alternated. `Triton`: the Triton kernel; `Gluon two` / `three`: the Gluon kernel "
-             "with two or three query warpgroups (three at D64 only); `selected`: what `varlen.attention` runs.\n",
+             "with two or three query warpgroups (three in tiles of 64 only); `selected`: what `varlen.attention` "
+             "runs.\n",
              "| case | Triton | Gluon two | Gluon three | selected | cuDNN | selected / cuDNN |",
              "|---|---|---|---|---|---|---|"]
     for name, make in cases():
         if a.only not in name:
             continue
         case = make()
-        d64 = name.startswith("D64") or " D64 " in name
-        taken = {form: how for form, how in forms.items() if d64 or form != "Gluon three"}
+        tile64 = gluon_common.tile_head_dim(case.head_dim) == 64  # (three query warpgroups: tiles of 64 only)
+        taken = {form: how for form, how in forms.items() if tile64 or form != "Gluon three"}
         results = {form: [] for form in taken}
         try:
             for _ in range(a.rounds):

@@ -576,6 +576,41 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
+@pytest.mark.parametrize("head_dim,tile", [
+    (64, 64), (128, 128), (40, 64), (56, 64), (72, 128), (80, 128), (96, 128), (120, 128),
+    (32, None), (24, None), (36, None), (100, None), (136, None), (256, None),
+])
+def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile):
+    # Multiples of 8 from 40 to 128, in the smallest tile (64 or 128) that holds them: the columns past the head read
+    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster). (Defined whatever the Triton; the kernels
+    # run on an sm_90 GPU.)
+    assert gluon_common.tile_head_dim(head_dim) == tile
+    problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
+    takes = gluon_common.plain_call(problem, AttentionOptions(scale=0.1), torch.bfloat16, None, None)
+    assert takes == (tile is not None)
+
+
+@pytest.mark.parametrize("head_dim,tile,warpgroups", [(40, 64, 3), (96, 128, 2), (64, 64, 3)])
+def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, tile, warpgroups):
+    # The kernel's D is the tile's, HEAD_D the tensors' (its descriptors' columns); the rules take the tile's (three
+    # query warpgroups at 64). Without a GPU: the kernel replaced by a recorder, CPU tensors (nothing computed).
+    taken = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["HEAD_D"], kwargs["WGS"]))
+
+    monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorder(), raising=False)
+    monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gluon_forward, "applies", lambda *args: True)
+    problem = Problem(4, 32, 32, head_dim, head_dim, 4096, 4096, True)
+    q, k, v = (torch.empty(4, 4096, 32, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    opts = AttentionOptions(scale=0.125)
+    config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
+    triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
+    assert taken == [(tile, head_dim, warpgroups)]
+
+
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [
     (64, False, False, False, 2048, 2048, 3), (64, False, False, False, 16384, 16384, 3),
     (64, False, False, False, 2047, 2047, 2), (64, False, False, False, 2048, 100, 3),  # (jagged: max_q counts)

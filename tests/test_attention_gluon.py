@@ -2,11 +2,12 @@
 
 Gluon doesn't run under the interpreter, so these run on the GPU only. The tests route each computation
 through the Gluon kernel and through the Triton kernel it replaces (the launchers' ``gluon=True`` / ``False``)
-and check which ran. Every variant they accept: fp16 and bf16, head dims 64
-and 128, dense and jagged (lengths 0, 1, 17 and 1000 among others; for the forward also queries and keys of
-different lengths, so that some queries see no key), GQA, no mask, causal in both alignments, windows; both
-also with dropout (against the reference given the mask ``attention_dropout_mask`` reads); the forward at D64
-also with three query warpgroups, the backward at D64 also with two key blocks per program.
+and check which ran. Every variant they accept: fp16 and bf16, head dims 64 and 128 (and 40, 80 and 96, computed
+in those tiles: ``gluon_common.tile_head_dim``), dense and jagged (lengths 0, 1, 17 and 1000 among others; for the
+forward also queries and keys of different lengths, so that some queries see no key), GQA, no mask, causal in both
+alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
+reads); the forward at D64 also with three query warpgroups, the backward at D64 also with two key blocks per
+program.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -100,7 +101,7 @@ def _values(t):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_kernels_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask):
     g = torch.Generator().manual_seed(zlib.crc32(f"fwd {dtype} {D} {layout} {heads} {mask}".encode()))
@@ -135,7 +136,7 @@ def _reference_dropout(q, k, dtype, dropout_p, draws) -> dict:
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_kernels_with_dropout_match_reference(forward_kernel, dtype, D, layout, heads, kv_heads, mask,
                                                       dropout_p, offset):
@@ -235,6 +236,76 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
     assert aligned_end == [warpgroups == 3 and mask != "none"]
 
 
+# Head dims below their tile's (gluon_common.tile_head_dim): 40 in tiles of 64, 80 and 96 in tiles of 128, read
+# through 3-D descriptors whose boxes fill the columns past the head with zeros and clip the stores there.
+PADDED_HEAD_DIMS = (40, 80, 96)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("D", PADDED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_padded_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd pad {dtype} {D} {layout} {heads} {mask}".encode()))
+    _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype)
+    assert launches, "the Gluon kernel did not run"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,warpgroups,dropout_p", [(40, 3, 0.0), (40, 2, 0.17), (96, 2, 0.17), (80, 2, 0.9)])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_forward_padded_head_dims_other_forms_match_reference(monkeypatch, D, warpgroups, dropout_p, layout):
+    # Three query warpgroups (a tile of 64) and dropout with the padded tiles.
+    _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
+    taken, _ = _forward_warpgroups(monkeypatch)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd pad {D} {warpgroups} {dropout_p} {layout}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, D, g), MASKS["causal_bottom_right"], torch.bfloat16,
+                   dropout_p, _draws(0, g))
+    assert taken == [warpgroups]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+@pytest.mark.parametrize("D", PADDED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_padded_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
+    # Descriptors made by the programs (dense, jagged) and on the host (dense_tiles); at 40, one key block per
+    # program or two as the rule takes them.
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), dtype, D, layout, heads, kv_heads, mask)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,paired,dropout_p,bias", [
+    (40, True, 0.0, None), (40, False, 0.17, None), (96, None, 0.9, None), (40, None, 0.0, "1HQK"),
+    (96, None, 0.0, "1HQK"), (96, None, 0.0, "BHQK"),
+])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, paired, dropout_p, bias, layout):
+    # Two key blocks per program (forced), dropout and biases (the first sequence's stores, dense 1HQK at 40).
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    if paired is not None:
+        monkeypatch.setattr(gluon_backward, "pairs", lambda *args: paired)
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, "causal", dropout_p, bias=bias)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
+def test_gluon_kernels_leave_other_head_dims_to_the_triton_kernels(forward_kernel, backward_kernel, D):
+    # No tile holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim).
+    q, k, v = (torch.randn(2, 200, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    varlen.attention(q, k, v, causal=True).sum().backward()
+    assert gluon_common.tile_head_dim(D) is None
+    for name, launches in (("forward", forward_kernel), ("backward", backward_kernel)):
+        assert not launches[1], f"the Gluon {name} ran at D{D}"
+
+
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
     """varlen.attention's output and lse against the float64 reference, by flash-attn's rule; with ``dropout_p``, the
     reference drops what the call draws from the generator ``draws``."""
@@ -308,7 +379,7 @@ def _grads(q, k, v, dout, fn, dtype, device, bias=None, bias_grad=True):
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask):
     _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask)
@@ -319,7 +390,7 @@ def test_backward_kernels_match_reference(backward_kernel, dtype, D, layout, hea
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_with_dropout_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask,
                                                        dropout_p, offset):
@@ -344,7 +415,7 @@ def _mask_revealing_inputs(D, dropout_p, offset, seed):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dropout_p,offset", DROPOUTS + [(0.5, 8)])
 def test_kernels_draw_the_mask_exactly(forward_kernel, backward_kernel, D, dropout_p, offset):
     # The comparisons with the reference allow an error that a few wrong keep bits of a large tile could hide in;
@@ -366,7 +437,7 @@ def _key_in_memory(monkeypatch) -> list:
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 def test_kernels_draw_the_mask_of_a_key_in_memory(forward_kernel, backward_kernel, D, monkeypatch):
     """Every keep bit, forward and backward, is the mask of the key drawn on the GPU (the mask-revealing inputs of
     the test above)."""
@@ -396,7 +467,7 @@ def test_three_query_warpgroups_draw_the_mask_of_a_key_in_memory(three_query_war
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 def test_kernels_with_dropout_threshold_one(backward_kernel, D):
     # p = 2**-8 makes the mask's threshold 1, an integer Triton specializes as a constant (in the dropout tuple
     # too): the Gluon forward and backward failed to compile it. (The forward is the Gluon one where it applies.)
@@ -408,7 +479,7 @@ def test_kernels_with_dropout_threshold_one(backward_kernel, D):
 @pytest.mark.parametrize("programs_per_sm", [0, 10**6])
 @pytest.mark.parametrize("mask", ["causal", "causal_bottom_right"])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 def test_backward_program_orders(backward_kernel, programs_per_sm, mask, layout, D, monkeypatch):
     # Dense causal programs start heaviest first when they are few (program.blocks_last): both orders, whatever
     # the GPU, for both kernels; the Gluon kernel's descriptors made by its programs (dense) or on the host
@@ -532,7 +603,7 @@ def _bias(name, q, k, heads, g, masked=False, wider=0):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_kernels_with_bias_match_reference(backward_kernel, dtype, D, layout, heads, kv_heads, mask, bias):
     # The bias's gradient too: stored (a full-shape bias) or added in float32 (broadcast over sequences).
@@ -551,7 +622,7 @@ def test_backward_kernels_with_bias_match_reference(backward_kernel, dtype, D, l
     ("jagged", "1HQK", "none", 2), ("dense_batch", "11QK", "none", 2),  # (zeros and adds)
 ])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gluon_backward_stores_the_first_sequences_bias_gradient(monkeypatch, dtype, D, heads, kv_heads, layout,
                                                                  bias, mask, mode):
@@ -587,7 +658,7 @@ OTHER_BIASES = [  # (bias, masked, bias_grad, scale, wider)
 @pytest.mark.parametrize("layout,bias,masked,bias_grad,scale,wider",
                          [(layout, *case) for layout in ("dense", "jagged") for case in OTHER_BIASES
                           if layout == "jagged" or not case[-1]])  # (a dense bias is exactly the planes)
-@pytest.mark.parametrize("D", gluon_common.HEAD_DIMS)
+@pytest.mark.parametrize("D", gluon_common.TILE_HEAD_DIMS)
 def test_backward_kernels_with_other_biases_match_reference(backward_kernel, D, layout, bias, masked, bias_grad,
                                                             scale, wider):
     _check_backward(backward_kernel, torch.bfloat16, D, layout, 4, 4, "none", bias=bias, bias_masked=masked,

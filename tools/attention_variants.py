@@ -4,7 +4,8 @@
     python tools/compile_check.py --verbose tools/attention_variants.py
     ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
-Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100);
+Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
+also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
@@ -18,6 +19,7 @@ import os
 import torch
 
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attn.triton import configs, program
@@ -78,6 +80,11 @@ CASES = [
                                   (False, 1, "deterministic"), (True, 4, "causal"), (True, 1, "positions"))),
     # ... and head dims that are no multiple of 8 (parts padded to one: parts.part_width).
     *((D, torch.float32, "ieee", False, 1, name) for D in (36, 100) for name in ("plain", "causal")),
+    # Head dims below their Gluon tile's (gluon.common.tile_head_dim): the kernels' 3-D descriptors, host and device.
+    *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (40, 96)
+      for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
+                                  (False, 1, "dropout"), (False, 1, "bias_broadcast"), (False, 4, "causal"),
+                                  (True, 4, "causal"), (True, 1, "plain"))),
     *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
       for name in ("plain", "causal")),
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
@@ -121,7 +128,8 @@ def main():
             if tma and gluon_forward.supports(problem, opts, dtype, bias, alibi, seed):
                 print(label.replace("case", "gluon forward"), flush=True)
                 launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
-                if D == 64:  # and with three query warpgroups (the rule takes them from 2048 queries)
+                # At a tile head dim of 64 also with three query warpgroups (the rule takes them from 2048 queries).
+                if gluon_common.tile_head_dim(D) == 64:
                     print(label.replace("case", "gluon forward 3wg"), flush=True)
                     rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
@@ -133,7 +141,8 @@ def main():
                 rule, groups_rule = gluon_backward.pairs, program.kv_head_groups
                 grouped = (False, True) if problem.dense and group > 1 else (False,)
                 try:
-                    for paired, groups in itertools.product((False, True) if D == 64 else (None,), grouped):
+                    pairable = gluon_common.tile_head_dim(D) == 64
+                    for paired, groups in itertools.product((False, True) if pairable else (None,), grouped):
                         program.kv_head_groups = (lambda *args: 1) if groups else groups_rule
                         if paired is not None:
                             gluon_backward.pairs = lambda *args, paired=paired: paired

@@ -51,7 +51,8 @@ a mask hides a tile) and the others add to them once each tile's flag says its s
 :func:`stores_first`): the float32 buffer then takes no zeros, and no add reads zeros back from DRAM (H100, B4 S2048
 H16 D128: backward 1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stores").
 
-Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal (either
+Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
+(``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
 planes (not with dropout), non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90 with
 Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a multiple of 8). It runs
@@ -81,8 +82,11 @@ from .common import (
     fence_async_shared,
     gl,
     gluon,
+    head_descriptor,
     ir,
+    load_head_tile,
     mbarrier,
+    store_head_tile,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -258,7 +262,8 @@ if HAVE_GLUON:
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
                     lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
                     k_row, hk, bias_b, bias_h_step, flags, stored, storer, items: Items, ITEMS: gl.constexpr,
-                    VARLEN: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                    GROUP: gl.constexpr, BM: gl.constexpr,
                     BN: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr):
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
@@ -276,8 +281,8 @@ if HAVE_GLUON:
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
-            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * D], kv_bar.index(item), k_smem.index(item))
-            tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * D], kv_bar.index(item), v_smem.index(item))
+            load_head_tile(k_desc, k_row + n0, hk, 0, kv_bar.index(item), k_smem.index(item), D, HEAD_D)
+            load_head_tile(v_desc, k_row + n0, hk, 0, kv_bar.index(item), v_smem.index(item), D, HEAD_D)
         tile_bytes: gl.constexpr = (2 * BM * D + (BM * BN if BIAS else 0)) * dtype.primitive_bitwidth // 8
         count = 0
         n_q_tiles = (max_q + BM - 1) // BM
@@ -287,7 +292,6 @@ if HAVE_GLUON:
             n0 = _item(items.n0, item)
             t_lo = _item(items.t_lo, item)
             for g in range(GROUP):
-                col = (hk * GROUP + g) * D
                 head_row = lse_offset(b, q_start, hk * GROUP + g, H, total_q, max_q, VARLEN)  # (of lse2 and delta)
                 for j in range(_item(items.n_tiles, item)):
                     stage = count % 2
@@ -304,8 +308,9 @@ if HAVE_GLUON:
                     mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(ready.index(stage), tile_bytes)
                     row = q_row + t_lo + j * BM
-                    tma.async_copy_global_to_shared(q_desc, [row, col], ready.index(stage), q_ring.index(stage))
-                    tma.async_copy_global_to_shared(do_desc, [row, col], ready.index(stage), do_ring.index(stage))
+                    load_head_tile(q_desc, row, hk * GROUP + g, 0, ready.index(stage), q_ring.index(stage), D, HEAD_D)
+                    load_head_tile(do_desc, row, hk * GROUP + g, 0, ready.index(stage), do_ring.index(stage), D,
+                                   HEAD_D)
                     if BIAS:  # (the bias's rows and columns are the sequence's own query and key positions)
                         # Each warpgroup's half of the keys in a tile of its own, as the descriptor's 4-D box (the
                         # same bytes, its two leading dims of 1).
@@ -334,9 +339,9 @@ if HAVE_GLUON:
                        ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
                        stored, storer, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
                        offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                       DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr, H: gl.constexpr,
-                       GROUP: gl.constexpr, BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
-                       WG: gl.constexpr):
+                       DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr,
+                       HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                       LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
@@ -563,8 +568,8 @@ if HAVE_GLUON:
             v_w.store(dv.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(dk_desc, [k_row + n0 + WG * KEYS, hk * D], k_w)
-            tma.async_copy_shared_to_global(dv_desc, [k_row + n0 + WG * KEYS, hk * D], v_w)
+            store_head_tile(dk_desc, k_row + n0 + WG * KEYS, hk, 0, k_smem.index(item), WG * KEYS, D, HEAD_D)
+            store_head_tile(dv_desc, k_row + n0 + WG * KEYS, hk, 0, v_smem.index(item), WG * KEYS, D, HEAD_D)
         # (A block's K and V buffer is not used again: the next block's dQ reduces wait for these stores where they
         # wait for their own staging buffer, and the program waits here before it ends.)
         tma.store_wait(0)
@@ -578,14 +583,16 @@ if HAVE_GLUON:
                        dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD, Bias, bias_sb, bias_sh,
                        bias_sq, bias_b_step, bias_h_step, BiasD, dBias, dbias_sb, dbias_sh, dbias_sq,
                        dbias_b_step, dbias_h_step, dBiasD, Flags,
-                       F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
+                       F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
+                       GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr,
                        HOST_BIAS: gl.constexpr, DB: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``),
         its blocks axis halved (rounded up) with ``PAIRS``; tensors as
         ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
-        row (stride_h = D). ``scale``: the softmax scale;
+        row (stride_h = HEAD_D, the tensors' head dim: D, the tiles', or less, ``common.head_descriptor``).
+        ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args``
         gives them (used where ``F.DROPOUT``). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
         dQ columns per product and reduce (:func:`dq_columns`).
@@ -611,7 +618,6 @@ if HAVE_GLUON:
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
-        kw_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN // 2, D], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
         # The bias's and its gradient's descriptors' boxes (one warpgroup's keys), and a bias tile in the ring.
@@ -645,20 +651,16 @@ if HAVE_GLUON:
             k_row = seq.b * max_k
         else:
             # One descriptor per tensor and sequence, over its rows x (heads x D): boxes clip at the sequence's end.
-            q_desc = tma.make_tensor_descriptor(base(Q, seq.b, seq.q_start, 0), [seq.Lq, H * D], [Q.stride_s, 1],
-                                                [BM, D], q_layout)
-            do_desc = tma.make_tensor_descriptor(base(dO, seq.b, seq.q_start, 0), [seq.Lq, H * D],
-                                                 [dO.stride_s, 1], [BM, D], q_layout)
-            dq_desc = tma.make_tensor_descriptor(base(dQ, seq.b, seq.q_start, 0), [seq.Lq, H * D],
-                                                 [dQ.stride_s, 1], [BM, DQC], dq_layout)
-            k_desc = tma.make_tensor_descriptor(base(K, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [K.stride_s, 1],
-                                                [BN, D], k_layout)
-            v_desc = tma.make_tensor_descriptor(base(V, seq.b, seq.k_start, 0), [seq.Lk, HKV * D], [V.stride_s, 1],
-                                                [BN, D], k_layout)
-            dk_desc = tma.make_tensor_descriptor(base(dK, seq.b, seq.k_start, 0), [seq.Lk, HKV * D],
-                                                 [dK.stride_s, 1], [BN // 2, D], kw_layout)
-            dv_desc = tma.make_tensor_descriptor(base(dV, seq.b, seq.k_start, 0), [seq.Lk, HKV * D],
-                                                 [dV.stride_s, 1], [BN // 2, D], kw_layout)
+            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
+            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, D, D, HEAD_D)
+            # (dQ's accumulator has heads of D columns whatever HEAD_D: triton.backward's head_block)
+            dq_desc = head_descriptor(base(dQ, seq.b, seq.q_start, 0), seq.Lq, H, dQ.stride_s, BM, DQC, D, D)
+            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D, D, HEAD_D)
+            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, D, D, HEAD_D)
+            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN // 2, D, D,
+                                      HEAD_D)
+            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN // 2, D, D,
+                                      HEAD_D)
             q_row = 0
             k_row = 0
         # The bias's and its gradient's descriptors (placeholders where there is none: a partition's argument can't
@@ -714,16 +716,16 @@ if HAVE_GLUON:
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
                               dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
                               items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
-                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 0)),
+                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, 0)),
             (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
                               kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
                               dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
                               items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
-                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, H, GROUP, BM, LEAN, DQC, 1)),
+                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, 1)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
                            lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
                            seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored, storer, items, ITEMS,
-                           F.VARLEN, D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
+                           F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
             mbarrier.invalidate(kv_bar.index(i))
@@ -737,7 +739,7 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) with dQ by atomics (not
+    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) with dQ by atomics (not
     deterministic); or the same with an additive bias (:func:`takes_bias`) and no dropout."""
     if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi):
         return False
@@ -772,7 +774,7 @@ def stores_first(problem, feats, broadcast) -> bool:
     spills 160-224 bytes where it spilled 48-96 (H200, (1,H,S,S) B4 S2048 causal: 194 -> 191-192 TFLOP/s; at D64,
     B2 S4096 causal, 107-108 -> 127; bench/NOTES.md)."""
     return (problem.dense and broadcast[0] and not any(broadcast[1:])
-            and not ((feats.HAS_R or feats.HAS_WL) and lean(problem.head_dim)))
+            and not ((feats.HAS_R or feats.HAS_WL) and lean(common.tile_head_dim(problem.head_dim))))
 
 
 def tile_flags(problem, device) -> torch.Tensor:
@@ -819,7 +821,7 @@ def host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | Non
         return None
     if not common.sequences_adjacent(q, dout, dq_acc, k, v, dk, dv):
         return None
-    D = problem.head_dim
+    D = common.tile_head_dim(problem.head_dim)
     return ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dq_columns(D)], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
             [BLOCK_N // 2, D])
 
@@ -832,20 +834,20 @@ def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
     boxes = host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv)
     if boxes is None:
         return None
-    return tuple(TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]], [t.stride(1), 1], box,
-                                  common.shared_layout(tuple(box), t.dtype))
+    tile_dim = common.tile_head_dim(problem.head_dim)
+    return tuple(common.host_head_descriptor(t, *box, tile_dim)
                  for t, box in zip((q, dout, dq_acc, k, v, dk, dv), boxes, strict=True))
 
 
-def lean(head_dim: int) -> bool:
-    """Whether the kernel takes its lean form (``LEAN``: registers are short at D128)."""
-    return head_dim > 64
+def lean(tile_dim: int) -> bool:
+    """Whether the kernel takes its lean form (``LEAN``: registers are short at a tile head dim of 128)."""
+    return tile_dim > 64
 
 
-def dq_columns(head_dim: int) -> int:
-    """dQ columns per product and per reduce (``DQC``): half the head dim in the lean form, where each warpgroup
-    computes half of every tile's dQ, else all of it."""
-    return head_dim // 2 if lean(head_dim) else head_dim
+def dq_columns(tile_dim: int) -> int:
+    """dQ columns per product and per reduce (``DQC``): half the tile head dim in the lean form, where each
+    warpgroup computes half of every tile's dQ, else all of it."""
+    return tile_dim // 2 if lean(tile_dim) else tile_dim
 
 
 def pairs(problem, feats, total_k: int, device) -> bool:
@@ -862,8 +864,8 @@ def pairs(problem, feats, total_k: int, device) -> bool:
         pairs_per_head = cdiv(cdiv(problem.max_k, BLOCK_N), 2) * batch
     else:  # (each sequence rounds its pairs up by at most one)
         pairs_per_head = cdiv(total_k, 2 * BLOCK_N) + batch
-    return (first_blocks_heaviest(feats) and not lean(problem.head_dim) and total_k <= PAIRS_MEAN_KEYS * batch
-            and pairs_per_head * kv_heads >= PAIRS_PER_SM * sm_count(device))
+    return (first_blocks_heaviest(feats) and not lean(common.tile_head_dim(problem.head_dim))
+            and total_k <= PAIRS_MEAN_KEYS * batch and pairs_per_head * kv_heads >= PAIRS_PER_SM * sm_count(device))
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
@@ -877,6 +879,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     3: float32, stored by the first sequence and added by the others, :func:`stores_first`: then ``dbias`` needs no
     zeros, and the tiles' flags are made here, :func:`tile_flags`); ``adds_across_batch``: sequences add into the same
     gradient (``program.heads_last``)."""
+    tile_dim = common.tile_head_dim(problem.head_dim)
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None or (bias is not None and not problem.dense):
         ensure_allocator()  # the kernel builds TMA descriptors on the device
@@ -894,8 +897,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
         qk_scale=scores.qk_scale, **dropout, QD=QD, dOD=dOD, dQD=dQD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats,
-        D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N,
-        LEAN=lean(problem.head_dim), DQC=dq_columns(problem.head_dim), GRID=grid_order,
+        D=tile_dim, HEAD_D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M,
+        BN=BLOCK_N, LEAN=lean(tile_dim), DQC=dq_columns(tile_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
         **plane_arguments(problem, dbias, "dbias", q),
         Flags=tile_flags(problem, q.device) if dbias_mode == 3 else lse2, HOST_BIAS=problem.dense, DB=dbias_mode,

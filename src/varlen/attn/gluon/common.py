@@ -48,8 +48,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
-           "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "HEAD_DIMS", "plain_call",
-           "hopper_layout", "sequences_adjacent", "shared_layout", "gluon_api_supported"]
+           "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
+           "tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor", "head_descriptor", "head_box",
+           "load_head_tile", "store_head_tile", "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -64,16 +65,30 @@ THREE_WG_MAX_REGS = 128
 THREE_WG_CONSUMER_REGS = 160
 
 
-HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels are written for (D = Dv)
+TILE_HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels' tiles are written for (D = Dv)
+
+
+def tile_head_dim(head_dim: int) -> int | None:
+    """The tile head dim (of :data:`TILE_HEAD_DIMS`) a Gluon kernel computes ``head_dim`` in: the smallest that
+    holds it, for multiples of 8 (a head's row a whole number of 16-byte units, as TMA needs) from 40 to 128. Below
+    the tile's, the kernels' descriptors are 3-D over (rows, heads, head_dim): their boxes read zeros past the head's
+    last column (TMA's fill), which add nothing to Q Kᵀ and make zero columns of O, dK and dV (and of dQ, whose
+    accumulator has the tile's columns), and their stores are clipped there (``head_descriptor``). None where no tile
+    holds it, or where the Triton kernels are faster: at 32, half a tile of 64, the Gluon forward ran at 0.87-0.93x
+    the Triton kernel (H200, bench/NOTES.md, "Head dims in a larger tile"), where at 40 it ran 1.18-1.33x and at 80
+    and 96 1.29-1.74x, the backward 1.2-3.1x."""
+    if head_dim % 8 or not 40 <= head_dim <= TILE_HEAD_DIMS[-1]:
+        return None
+    return next(d for d in TILE_HEAD_DIMS if head_dim <= d)
 
 
 def plain_call(problem, opts, dtype, bias, alibi) -> bool:
-    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv in
-    :data:`HEAD_DIMS`, no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed: without
+    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a
+    :func:`tile_head_dim`, no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed: without
     query positions each sequence draws its own mask, as the kernels do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
-    if problem.head_dim not in HEAD_DIMS:
+    if tile_head_dim(problem.head_dim) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False
@@ -103,3 +118,72 @@ def shared_layout(block: tuple, dtype: torch.dtype):
     for descriptors made on the host, whose layout must match the kernel's."""
     gl_dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def host_head_descriptor(t: torch.Tensor, box_rows: int, box_columns: int, tile_dim: int):
+    """A TMA descriptor made on the host over a dense ``(B, S, heads, head_dim)`` tensor's B x S rows (its sequences
+    one after another in memory), boxes of ``box_rows`` rows x ``box_columns`` of one head's columns, as
+    ``head_descriptor`` makes them on the device for a tile head dim ``tile_dim``."""
+    rows, heads, head_dim = t.shape[0] * t.shape[1], t.shape[2], t.shape[3]
+    if head_dim == tile_dim:
+        box = [box_rows, box_columns]
+        return TensorDescriptor(t, [rows, heads * head_dim], [t.stride(1), 1], box, shared_layout(tuple(box), t.dtype))
+    box = [box_rows, 1, box_columns]
+    return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], box,
+                            shared_layout(tuple(box), t.dtype))
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def head_descriptor(ptr, rows, heads, row_stride, BOX_ROWS: gl.constexpr, BOX_COLUMNS: gl.constexpr,
+                        D: gl.constexpr, HEAD_D: gl.constexpr):
+        """A TMA descriptor over a tensor's ``rows`` x ``heads`` heads of ``HEAD_D`` columns (heads packed in a row,
+        rows ``row_stride`` elements apart), boxes of ``BOX_ROWS`` rows x ``BOX_COLUMNS`` of one head's columns, for
+        tiles of head dim ``D``: over rows x (heads x D) where ``HEAD_D`` is ``D``; else 3-D over (rows, heads,
+        HEAD_D), whose boxes read zeros past a head's ``HEAD_D`` columns and store nothing there
+        (:func:`tile_head_dim`). Copies through it: ``load_head_tile``, ``store_head_tile``."""
+        dtype: gl.constexpr = ptr.dtype.element_ty
+        if HEAD_D == D:
+            return tma.make_tensor_descriptor(ptr, [rows, heads * D], [row_stride, 1], [BOX_ROWS, BOX_COLUMNS],
+                                              gl.NVMMASharedLayout.get_default_for([BOX_ROWS, BOX_COLUMNS], dtype))
+        else:
+            return tma.make_tensor_descriptor(ptr, [rows, heads, HEAD_D], [row_stride, HEAD_D, 1],
+                                              [BOX_ROWS, 1, BOX_COLUMNS],
+                                              gl.NVMMASharedLayout.get_default_for([BOX_ROWS, 1, BOX_COLUMNS], dtype))
+
+    @gluon.jit
+    def head_box(smem, desc, FIRST_ROW: gl.constexpr):
+        """Rows ``FIRST_ROW..`` (as many as ``desc``'s box has) of a 2-D shared-memory tile, as the destination or
+        source of ``desc``'s box: where that is 3-D (a middle dim of 1), the whole tile reinterpreted (the same
+        bytes), then sliced, since the rows of a slice of a wider tile need not lie together (128-byte swizzled
+        columns are stored in chunks of 64 two-byte columns, each over all the tile's rows)."""
+        ROWS: gl.constexpr = desc.block_shape[0]
+        if len(desc.block_shape) == 3:
+            smem = smem._reinterpret(smem.dtype, [smem.shape[0], 1, smem.shape[1]], desc.layout)
+        if smem.shape[0] == ROWS:
+            return smem
+        else:
+            return smem.slice(FIRST_ROW, ROWS)
+
+    @gluon.jit
+    def load_head_tile(desc, row, head, column, barrier, smem, D: gl.constexpr, HEAD_D: gl.constexpr):
+        """TMA load of the box at row ``row``, column ``column`` of head ``head`` of a ``head_descriptor`` into
+        ``smem`` (a tile of the box's rows), its bytes counted on ``barrier``."""
+        if HEAD_D == D:
+            tma.async_copy_global_to_shared(desc, [row, head * D + column], barrier, smem)
+        else:
+            tma.async_copy_global_to_shared(desc, [row, head, column], barrier, head_box(smem, desc, 0))
+
+    @gluon.jit
+    def store_head_tile(desc, row, head, column, smem, FIRST_ROW: gl.constexpr, D: gl.constexpr,
+                        HEAD_D: gl.constexpr):
+        """TMA store of rows ``FIRST_ROW..`` of ``smem`` (as many as the box has) into the box at row ``row``,
+        column ``column`` of head ``head`` of a ``head_descriptor``."""
+        if HEAD_D == D:
+            tma.async_copy_shared_to_global(desc, [row, head * D + column], head_box(smem, desc, FIRST_ROW))
+        else:
+            tma.async_copy_shared_to_global(desc, [row, head, column], head_box(smem, desc, FIRST_ROW))
+
+
+else:  # pragma: no cover - depends on the installed Triton
+    head_descriptor = head_box = load_head_tile = store_head_tile = None

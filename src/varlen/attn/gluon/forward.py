@@ -45,7 +45,8 @@ Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluo
 thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
-Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), dense or jagged, no mask, causal
+Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
+(``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout; no bias, ALiBi, softcap, prefix, documents or query
 positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
 TMA-aligned; dense sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
@@ -69,7 +70,10 @@ from .common import (
     fence_async_shared,
     gl,
     gluon,
+    head_descriptor,
+    load_head_tile,
     mbarrier,
+    store_head_tile,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -200,8 +204,8 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                    WGS: gl.constexpr, ALIGN_END: gl.constexpr):
+    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                    GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
@@ -226,8 +230,7 @@ if HAVE_GLUON:
                     mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(q_ready, WGS * half_bytes)
                     for w in gl.static_range(WGS):
-                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + 64 * w, h * D], q_ready,
-                                                        q_smem.index(w))
+                        load_head_tile(q_desc, q_row + m0 + 64 * w, h, 0, q_ready, q_smem.index(w), D, HEAD_D)
                     qi += 1
                     hk = h // GROUP
                     for j in range(n_tiles):
@@ -236,12 +239,10 @@ if HAVE_GLUON:
                         row = k_row + t_lo + j * BN
                         mbarrier.wait(k_empty.index(stage), phase)
                         mbarrier.expect(k_ready.index(stage), tile_bytes)
-                        tma.async_copy_global_to_shared(k_desc, [row, hk * D], k_ready.index(stage),
-                                                        k_ring.index(stage))
+                        load_head_tile(k_desc, row, hk, 0, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
                         mbarrier.wait(v_empty.index(stage), phase)
                         mbarrier.expect(v_ready.index(stage), tile_bytes)
-                        tma.async_copy_global_to_shared(v_desc, [row, hk * D], v_ready.index(stage),
-                                                        v_ring.index(stage))
+                        load_head_tile(v_desc, row, hk, 0, v_ready.index(stage), v_ring.index(stage), D, HEAD_D)
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
                        max_q, H, F.VARLEN, 64 * WGS)
@@ -381,8 +382,9 @@ if HAVE_GLUON:
         return o, p, m_i, l_i
 
     @gluon.jit
-    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
+    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                         BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr,
+                         WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
         tile, then the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows
         are not all in the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
@@ -509,12 +511,12 @@ if HAVE_GLUON:
                         o_w.store(o)
                         fence_async_shared()
                         gl.thread_barrier()
-                        tma.async_copy_shared_to_global(o_desc, [q_row + r0, h * D], o_w)
+                        store_head_tile(o_desc, q_row + r0, h, 0, o_w, 0, D, HEAD_D)
                     else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
                         cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-                        ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * D + cols[None, :]
-                        gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None])
+                        ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * HEAD_D + cols[None, :]
+                        gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None] & (cols < HEAD_D)[None, :])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
                     gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse,
                              mask=_in_sequence(rows, Lq, ALIGN_END))
@@ -525,13 +527,14 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
-                         F: gl.constexpr, D: gl.constexpr,
+                         F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
                          H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
                          PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
         work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
-        as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = D) and, dense,
+        as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = HEAD_D, the tensors'
+        head dim: D, the tiles', or less, ``common.head_descriptor``) and, dense,
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
         times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``)."""
@@ -550,10 +553,10 @@ if HAVE_GLUON:
         else:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
-        q_desc = tma.make_tensor_descriptor(Q.ptr, [q_rows, H * D], [Q.stride_s, 1], [64, D], q_layout)
-        o_desc = tma.make_tensor_descriptor(O.ptr, [q_rows, H * D], [O.stride_s, 1], [64, D], q_layout)
-        k_desc = tma.make_tensor_descriptor(K.ptr, [k_rows, HKV * D], [K.stride_s, 1], [BN, D], k_layout)
-        v_desc = tma.make_tensor_descriptor(V.ptr, [k_rows, HKV * D], [V.stride_s, 1], [BN, D], k_layout)
+        q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D, D, HEAD_D)
+        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D)
+        k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D, D, HEAD_D)
+        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D, D, HEAD_D)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
         o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
@@ -592,16 +595,16 @@ if HAVE_GLUON:
                      v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
                      max_k, n_items, n_blocks, mask.window_left, mask.right)
         if WGS == 3:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
-                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
+                                (_load_tiles, (load_args, F, D, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_load_tiles, (load_args, F, D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_load_tiles, (load_args, F, D, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -617,8 +620,8 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv in HEAD_DIMS, no score modifier or special mask; dropout allowed) whose scores stay raw q.k
-    (``launch.raw_scores``: a non-negative scale)."""
+    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) whose scores stay
+    raw q.k (``launch.raw_scores``: a non-negative scale)."""
     return common.plain_call(problem, opts, dtype, bias, alibi) and raw_scores(opts, bias, alibi)
 
 
@@ -639,15 +642,16 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    wgs = query_warpgroups(problem.head_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
+    tile_dim = common.tile_head_dim(problem.head_dim)
+    wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, programs),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
-        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=problem.head_dim,
-        H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
-        PINGPONG=wgs == 2 and pingpong(problem.head_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
+        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_dim,
+        HEAD_D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
+        PINGPONG=wgs == 2 and pingpong(tile_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
         # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
         ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,
         num_warps=4, maxnreg=common.MAX_REGS if wgs == 2 else common.THREE_WG_MAX_REGS,
