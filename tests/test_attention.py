@@ -27,7 +27,7 @@ from varlen.attn.triton import backward as triton_backward
 from varlen.attn.triton import configs, program
 from varlen.attn.triton import forward as triton_forward
 from varlen.attn.triton import scores as triton_scores
-from varlen.attn.triton.launch import features
+from varlen.attn.triton.launch import features, head_block
 from varlen.attn.triton.parts import part_width, split_bf16
 from varlen.attn.triton.program import longest_first
 
@@ -585,6 +585,8 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # as zeros (gluon/common.py; at 32 the Triton kernels measured faster). (Defined whatever the Triton; the kernels
     # run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
+    if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
+        assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
     takes = gluon_common.plain_call(problem, AttentionOptions(scale=0.1), torch.bfloat16, None, None)
     assert takes == (tile is not None)

@@ -21,7 +21,8 @@ blocks (``PAIRS``, below), three partitions (``gl.warp_specialize``):
   to 1.04-1.29x (H100, ``bench/NOTES.md``). The band mask is applied on the tiles that cross it only. Every
   matmul is asynchronous, waited where it is used.
 
-Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D), clip every
+Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D) (3-D where the head dim
+is less than the tile's: ``common.head_descriptor``), clip every
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
 another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
 of K and V (their P is finite, but their dQ term is dS times a zero row, and their dK/dV rows are never
@@ -281,8 +282,8 @@ if HAVE_GLUON:
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
-            load_head_tile(k_desc, k_row + n0, hk, 0, kv_bar.index(item), k_smem.index(item), D, HEAD_D)
-            load_head_tile(v_desc, k_row + n0, hk, 0, kv_bar.index(item), v_smem.index(item), D, HEAD_D)
+            load_head_tile(k_desc, k_row + n0, hk, kv_bar.index(item), k_smem.index(item), D, HEAD_D)
+            load_head_tile(v_desc, k_row + n0, hk, kv_bar.index(item), v_smem.index(item), D, HEAD_D)
         tile_bytes: gl.constexpr = (2 * BM * D + (BM * BN if BIAS else 0)) * dtype.primitive_bitwidth // 8
         count = 0
         n_q_tiles = (max_q + BM - 1) // BM
@@ -308,8 +309,8 @@ if HAVE_GLUON:
                     mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(ready.index(stage), tile_bytes)
                     row = q_row + t_lo + j * BM
-                    load_head_tile(q_desc, row, hk * GROUP + g, 0, ready.index(stage), q_ring.index(stage), D, HEAD_D)
-                    load_head_tile(do_desc, row, hk * GROUP + g, 0, ready.index(stage), do_ring.index(stage), D,
+                    load_head_tile(q_desc, row, hk * GROUP + g, ready.index(stage), q_ring.index(stage), D, HEAD_D)
+                    load_head_tile(do_desc, row, hk * GROUP + g, ready.index(stage), do_ring.index(stage), D,
                                    HEAD_D)
                     if BIAS:  # (the bias's rows and columns are the sequence's own query and key positions)
                         # Each warpgroup's half of the keys in a tile of its own, as the descriptor's 4-D box (the
@@ -568,8 +569,8 @@ if HAVE_GLUON:
             v_w.store(dv.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            store_head_tile(dk_desc, k_row + n0 + WG * KEYS, hk, 0, k_smem.index(item), WG * KEYS, D, HEAD_D)
-            store_head_tile(dv_desc, k_row + n0 + WG * KEYS, hk, 0, v_smem.index(item), WG * KEYS, D, HEAD_D)
+            store_head_tile(dk_desc, k_row + n0 + WG * KEYS, hk, k_smem.index(item), WG * KEYS, D, HEAD_D)
+            store_head_tile(dv_desc, k_row + n0 + WG * KEYS, hk, v_smem.index(item), WG * KEYS, D, HEAD_D)
         # (A block's K and V buffer is not used again: the next block's dQ reduces wait for these stores where they
         # wait for their own staging buffer, and the program waits here before it ends.)
         tma.store_wait(0)
@@ -591,7 +592,8 @@ if HAVE_GLUON:
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``),
         its blocks axis halved (rounded up) with ``PAIRS``; tensors as
         ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
-        row (stride_h = HEAD_D, the tensors' head dim: D, the tiles', or less, ``common.head_descriptor``).
+        row (stride_h = HEAD_D, the tensors' head dim: D, the tiles', or less, ``common.head_descriptor``; dQ's
+        accumulator has D columns a head, ``triton.launch.head_block``).
         ``scale``: the softmax scale;
         ``qk_scale``: it times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args``
         gives them (used where ``F.DROPOUT``). LEAN: for D128, where registers are short (see ``_key_warpgroup``); DQC:
@@ -650,7 +652,8 @@ if HAVE_GLUON:
             q_row = seq.b * max_q
             k_row = seq.b * max_k
         else:
-            # One descriptor per tensor and sequence, over its rows x (heads x D): boxes clip at the sequence's end.
+            # One descriptor per tensor and sequence, over its rows x heads (common.head_descriptor): boxes clip at
+            # the sequence's end.
             q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
             do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, D, D, HEAD_D)
             # (dQ's accumulator has heads of D columns whatever HEAD_D: triton.backward's head_block)
@@ -770,7 +773,7 @@ def stores_first(problem, feats, broadcast) -> bool:
     """Whether the kernel writes a broadcast bias's float32 gradient without zeros (``DB`` 3): dense calls, whose
     sequences all visit the same tiles, with a bias broadcast over sequences and not over heads (``broadcast``:
     which of its dims are), so that the first sequence's programs store every tile (zeros where a mask hides it)
-    before the others add to it. Under a band mask at D64 only: the lean D128 kernel with a band and the flags
+    before the others add to it. Under a band mask in tiles of 64 only: the lean D128 kernel with a band and the flags
     spills 160-224 bytes where it spilled 48-96 (H200, (1,H,S,S) B4 S2048 causal: 194 -> 191-192 TFLOP/s; at D64,
     B2 S4096 causal, 107-108 -> 127; bench/NOTES.md)."""
     return (problem.dense and broadcast[0] and not any(broadcast[1:])
@@ -851,14 +854,14 @@ def dq_columns(tile_dim: int) -> int:
 
 
 def pairs(problem, feats, total_k: int, device) -> bool:
-    """Whether each program takes two key blocks (``PAIRS``): blocks ``p`` and ``n - 1 - p`` of a sequence, whose
-    work under a causal-like mask (:func:`program.first_blocks_heaviest`) adds up to the same for every program. At
-    D64 (the lean form's shared memory has no room for a second K and V), on sequences of a mean length up to
-    ``PAIRS_MEAN_KEYS`` (``total_k``: the key rows, B x max_k if dense), where the call has ``PAIRS_PER_SM`` pairs
-    per SM or more (counted from the key rows: a jagged batch's grid is sized by its longest sequence), so that
-    halving the programs leaves every SM busy. Measured on an H100 and an H200 (bench/NOTES.md, "Two key blocks per
-    program"): jagged causal batches +3-7%, dense causal S1k and S4k 0-2.4%; dense causal S16k 0-6% lost, and
-    without a mask (blocks alike in work) 2-4% lost."""
+    """Whether each program takes two key blocks (``PAIRS``): blocks ``p`` and ``n - 1 - p`` of a sequence, whose work
+    under a causal-like mask (:func:`program.first_blocks_heaviest`) adds up to the same for every program. At D64
+    (tiles of 64: the lean form's shared memory has no room for a second K and V), on sequences of a mean length up to
+    ``PAIRS_MEAN_KEYS`` (``total_k``: the key rows, B x max_k if dense), where the call has ``PAIRS_PER_SM`` pairs per
+    SM or more (counted from the key rows: a jagged batch's grid is sized by its longest sequence), so that halving the
+    programs leaves every SM busy. Measured on an H100 and an H200 (bench/NOTES.md, "Two key blocks per program"):
+    jagged causal batches +3-7%, dense causal S1k and S4k 0-2.4%; dense causal S16k 0-6% lost, and without a mask
+    (blocks alike in work) 2-4% lost."""
     batch, kv_heads = problem.batch, problem.kv_heads
     if problem.dense:
         pairs_per_head = cdiv(cdiv(problem.max_k, BLOCK_N), 2) * batch
@@ -870,8 +873,8 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
               dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False) -> None:
-    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = D, zeroed by the Triton
-    backward's preprocess, which runs first); ``order``: the
+    """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = the tile's, D, whatever the
+    inputs': the kernel adds at ``h x D``; zeroed by the Triton backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles (their scale and log2-unit scale); ``dropout``: ``triton.scores.dropout_args``'s keyword
     arguments. ``bias`` (4-D, :func:`takes_bias`) and its gradient ``dbias`` (zeros, contiguous, of the bias's
@@ -880,6 +883,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     zeros, and the tiles' flags are made here, :func:`tile_flags`); ``adds_across_batch``: sequences add into the same
     gradient (``program.heads_last``)."""
     tile_dim = common.tile_head_dim(problem.head_dim)
+    if dq_acc.shape[-1] != tile_dim:  # (the accumulator's width is the Triton backward's head_block)
+        raise ValueError(f"dq_acc: head dim {dq_acc.shape[-1]}, the kernel adds dQ in tiles of {tile_dim} columns")
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)
     if descs is None or (bias is not None and not problem.dense):
         ensure_allocator()  # the kernel builds TMA descriptors on the device

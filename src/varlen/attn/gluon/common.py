@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor", "head_descriptor", "head_box",
+           "tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor", "head_descriptor",
            "load_head_tile", "store_head_tile", "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
@@ -97,7 +97,8 @@ def plain_call(problem, opts, dtype, bias, alibi) -> bool:
 
 def hopper_layout(head_dim: int, *tensors) -> bool:
     """Whether a Gluon kernel can take these CUDA tensors here: Gluon present, not the interpreter, an sm_90
-    GPU, each tensor's heads packed in a row (its descriptor spans rows x (heads x D)) and TMA-aligned."""
+    GPU, each tensor's heads packed in a row (its descriptor spans rows x heads: ``head_descriptor``) and
+    TMA-aligned."""
     q = tensors[0]
     if not HAVE_GLUON or interpreter_enabled() or q.device.type != "cuda":
         return False
@@ -129,7 +130,7 @@ def host_head_descriptor(t: torch.Tensor, box_rows: int, box_columns: int, tile_
         box = [box_rows, box_columns]
         return TensorDescriptor(t, [rows, heads * head_dim], [t.stride(1), 1], box, shared_layout(tuple(box), t.dtype))
     box = [box_rows, 1, box_columns]
-    return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), head_dim, 1], box,
+    return TensorDescriptor(t, [rows, heads, head_dim], [t.stride(1), t.stride(2), 1], box,
                             shared_layout(tuple(box), t.dtype))
 
 
@@ -166,24 +167,19 @@ if HAVE_GLUON:
             return smem.slice(FIRST_ROW, ROWS)
 
     @gluon.jit
-    def load_head_tile(desc, row, head, column, barrier, smem, D: gl.constexpr, HEAD_D: gl.constexpr):
-        """TMA load of the box at row ``row``, column ``column`` of head ``head`` of a ``head_descriptor`` into
-        ``smem`` (a tile of the box's rows), its bytes counted on ``barrier``."""
-        if HEAD_D == D:
-            tma.async_copy_global_to_shared(desc, [row, head * D + column], barrier, smem)
-        else:
-            tma.async_copy_global_to_shared(desc, [row, head, column], barrier, head_box(smem, desc, 0))
+    def load_head_tile(desc, row, head, barrier, smem, D: gl.constexpr, HEAD_D: gl.constexpr):
+        """TMA load of the box at row ``row`` of head ``head`` of a ``head_descriptor`` into ``smem`` (a tile of
+        the box's rows), its bytes counted on ``barrier``."""
+        coord = [row, head * D] if HEAD_D == D else [row, head, 0]
+        tma.async_copy_global_to_shared(desc, coord, barrier, head_box(smem, desc, 0))
 
     @gluon.jit
-    def store_head_tile(desc, row, head, column, smem, FIRST_ROW: gl.constexpr, D: gl.constexpr,
-                        HEAD_D: gl.constexpr):
-        """TMA store of rows ``FIRST_ROW..`` of ``smem`` (as many as the box has) into the box at row ``row``,
-        column ``column`` of head ``head`` of a ``head_descriptor``."""
-        if HEAD_D == D:
-            tma.async_copy_shared_to_global(desc, [row, head * D + column], head_box(smem, desc, FIRST_ROW))
-        else:
-            tma.async_copy_shared_to_global(desc, [row, head, column], head_box(smem, desc, FIRST_ROW))
+    def store_head_tile(desc, row, head, smem, FIRST_ROW: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):
+        """TMA store of rows ``FIRST_ROW..`` of ``smem`` (as many as the box has) into the box at row ``row`` of
+        head ``head`` of a ``head_descriptor``."""
+        coord = [row, head * D] if HEAD_D == D else [row, head, 0]
+        tma.async_copy_shared_to_global(desc, coord, head_box(smem, desc, FIRST_ROW))
 
 
 else:  # pragma: no cover - depends on the installed Triton
-    head_descriptor = head_box = load_head_tile = store_head_tile = None
+    head_descriptor = load_head_tile = store_head_tile = None

@@ -30,7 +30,8 @@ have issued their last product with this one's, and its first K and V tiles as r
 block starts under this one's last products and its output's TMA store. (With one program per block, every
 program's prologue and epilogue idled the tensor cores: 0.69-0.98x this speed at D128, ``bench/NOTES.md``.)
 
-Tiles load through one TMA descriptor per tensor over all its rows (rows x (heads x D)), made once per
+Tiles load through one TMA descriptor per tensor over all its rows (rows x (heads x D), or 3-D over (rows, heads,
+head dim) where the head dim is less than the tile's: ``common.head_descriptor``), made once per
 program. A tile past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys
 there are masked out of the scores (the last tile is always a masked one), queries there are computed and
 never stored; their P is exactly 0, so their V rows add nothing unless they hold inf or NaN (which would
@@ -85,9 +86,10 @@ from .dropout import relu_low, row_dropped_signs, row_keep_words
 BLOCK_N = 128
 
 
-def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
+def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
                      dense_pairs: int | None = None, programs: int | None = None) -> int:
-    """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries. Three at D64 without
+    """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries (``tile_dim``: the
+    tile head dim, ``common.tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
@@ -102,7 +104,7 @@ def query_warpgroups(head_dim: int, right_band: bool, left_band: bool, dropout: 
     than 128-query ones, two (GQA 32/8 B2 S4k causal: 704 items on 132 programs, 89% busy, against 1024, 97%; two /
     three 415-432 / 396-407; and calls of fewer items than programs, whose time is one item's)."""
     long_enough = (not left_band and mean_q >= 4096) if right_band else max_q >= 2048
-    if head_dim != 64 or dropout or not long_enough:
+    if tile_dim != 64 or dropout or not long_enough:
         return 2
     short_wave = dense_pairs is not None and programs and (
         _busy(max_q, 192, dense_pairs, programs) < 0.96 * _busy(max_q, 128, dense_pairs, programs))
@@ -116,14 +118,14 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
     return items / (cdiv(items, programs) * programs) if items else 1.0
 
 
-def pingpong(head_dim: int, causal_like: bool, dropout: bool) -> bool:
-    """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the
-    other's products). H100, bench/NOTES.md: +3-4% at D64 without a right band (a causal or two-sided window
-    mask), where a tile's softmax takes as long as its products; -1 to -11% under causal masks (not
-    profiled; a guess: the two warpgroups' diagonal tiles differ in work, and strict turns make one wait); at
-    D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout, whose draws make each tile's own work
-    the longer part: H200, D64 without a mask, S2k-8k, ping-pong off 175-183 TFLOP/s against 171-178 on."""
-    return head_dim == 64 and not causal_like and not dropout
+def pingpong(tile_dim: int, causal_like: bool, dropout: bool) -> bool:
+    """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the other's
+    products), in tiles of head dim ``tile_dim`` (``common.tile_head_dim``). H100, bench/NOTES.md: +3-4% at D64 without
+    a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its products; -1 to -11%
+    under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in work, and strict turns make
+    one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout, whose draws make each tile's own
+    work the longer part: H200, D64 without a mask, S2k-8k, ping-pong off 175-183 TFLOP/s against 171-178 on."""
+    return tile_dim == 64 and not causal_like and not dropout
 
 
 if HAVE_GLUON:
@@ -230,7 +232,7 @@ if HAVE_GLUON:
                     mbarrier.wait(q_empty, (qi & 1) ^ 1)  # (a fresh barrier passes)
                     mbarrier.expect(q_ready, WGS * half_bytes)
                     for w in gl.static_range(WGS):
-                        load_head_tile(q_desc, q_row + m0 + 64 * w, h, 0, q_ready, q_smem.index(w), D, HEAD_D)
+                        load_head_tile(q_desc, q_row + m0 + 64 * w, h, q_ready, q_smem.index(w), D, HEAD_D)
                     qi += 1
                     hk = h // GROUP
                     for j in range(n_tiles):
@@ -239,10 +241,10 @@ if HAVE_GLUON:
                         row = k_row + t_lo + j * BN
                         mbarrier.wait(k_empty.index(stage), phase)
                         mbarrier.expect(k_ready.index(stage), tile_bytes)
-                        load_head_tile(k_desc, row, hk, 0, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
+                        load_head_tile(k_desc, row, hk, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
                         mbarrier.wait(v_empty.index(stage), phase)
                         mbarrier.expect(v_ready.index(stage), tile_bytes)
-                        load_head_tile(v_desc, row, hk, 0, v_ready.index(stage), v_ring.index(stage), D, HEAD_D)
+                        load_head_tile(v_desc, row, hk, v_ready.index(stage), v_ring.index(stage), D, HEAD_D)
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
                        max_q, H, F.VARLEN, 64 * WGS)
@@ -511,7 +513,7 @@ if HAVE_GLUON:
                         o_w.store(o)
                         fence_async_shared()
                         gl.thread_barrier()
-                        store_head_tile(o_desc, q_row + r0, h, 0, o_w, 0, D, HEAD_D)
+                        store_head_tile(o_desc, q_row + r0, h, o_w, 0, D, HEAD_D)
                     else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
                         cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
