@@ -3,8 +3,8 @@ each case's forward and training step through ``varlen.attention`` and cuDNN's (
 from CUDA-graph replays, so that no host time enters (``bench/attention.py``'s eager rows are host-bound at S1k on
 these machines).
 
-bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80 and 96 about 2048), dense GQA rows at S2k-4k,
-dropout 0.1 at S2k and 8k, and jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
+bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80, 96 and 192 about 2048), dense GQA rows at
+S2k-4k, dropout 0.1 at S2k and 8k, and jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
 documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens. FLOPs 4·B·H·Sq·Sk·D (the real
 sequences' for jagged rows), halved when causal; the backward counts 2.5x.
 """
@@ -116,9 +116,9 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     uniform = torch.randint(256, 4097, (16,), generator=torch.Generator().manual_seed(3)).tolist()
     yield (f"jagged 16 seqs 256-4096 ({sum(uniform)} tokens) D64 H16 causal",
            lambda: jagged_case(uniform, 16, 16, 64, True))
-    # Head dims the Gluon kernels compute in a larger tile (40 in 64, 80 and 96 in 128; gluon.common.tile_head_dim), and
-    # 32, which they leave to the Triton kernels; H·D about 2048.
-    for D, H in ((32, 64), (40, 48), (80, 24), (96, 20)):
+    # Head dims the Gluon kernels compute in a larger tile (40 in 64, 80 and 96 in 128; gluon.common.tile_head_dim), 32,
+    # which they leave to the Triton kernels, and 192 and 256, past their tiles; H·D about 2048.
+    for D, H in ((32, 64), (40, 48), (80, 24), (96, 20), (192, 10), (256, 8)):
         for S in (1024, 4096):
             for causal in (False, True):
                 name = f"D{D} S{S} B{16384 // S} H{H}" + (" causal" if causal else "")
