@@ -58,6 +58,16 @@ FWD_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(128, 32, 4, 2), K(128, 64, 8, 2),
 KV_F32 = [K(32, 64, 4, 1), K(32, 64, 4, 2), K(64, 64, 4, 2), K(64, 32, 4, 2), K(32, 32, 4, 2), K(64, 64, 8, 2),
           K(32, 128, 8, 2), K(64, 128, 8, 2)]
 QK_F32 = [K(64, 32, 4, 2), K(64, 64, 4, 2), K(32, 64, 4, 2), K(128, 32, 4, 2)]
+# Head dim 256 (and 192, whose tiles are 256 wide): K and V tiles of 64 keys already take 32 KiB each, and the
+# kv kernel's dK and dV accumulators 64 KiB each, so fewer rows per tile and stage than at D128.
+FWD_256 = [K(64, 64, 4, 2), K(64, 64, 4, 1), K(64, 64, 4, 3), K(128, 64, 8, 2), K(128, 64, 8, 1), K(128, 64, 4, 2),
+           K(128, 32, 8, 2), K(128, 32, 8, 3), K(128, 32, 8, 4), K(64, 32, 4, 2), K(64, 32, 4, 3), K(64, 128, 8, 1)]
+KV_256 = [K(32, 64, 8, 1), K(32, 64, 8, 2), K(32, 64, 8, 3), K(32, 64, 4, 2), K(64, 64, 8, 1), K(16, 64, 4, 2),
+          K(16, 64, 8, 2), K(64, 32, 4, 2), K(32, 128, 8, 1)]
+KV_256_SEPARATE = [K(64, 64, 8, 2), K(64, 64, 8, 3), K(64, 64, 8, 1), K(128, 64, 8, 2), K(64, 64, 4, 2),
+                   K(32, 64, 8, 2), K(32, 64, 8, 3), K(64, 32, 4, 2)]
+QK_256 = [K(128, 32, 8, 3), K(128, 32, 8, 2), K(128, 32, 8, 4), K(128, 32, 4, 3), K(128, 16, 8, 3), K(128, 64, 8, 1),
+          K(64, 32, 4, 1), K(64, 32, 4, 3)]
 # The float32 backward with bf16 parts keeps every loaded tile's three parts in shared memory
 # (configs.splits_bf16): few query rows per tile, and two stages or more (launch_backward).
 KV_F32_SPLIT = [K(32, 64, 4, 2), K(64, 64, 4, 2), K(16, 64, 4, 2), K(16, 64, 4, 3), K(32, 64, 4, 3),
@@ -79,6 +89,9 @@ def shapes(args):
     elif args.focus == "tails":
         yield dict(D=128, causal=True, S=4096, B=4, H=16, feat=None)
         yield dict(D=64, causal=True, S=1024, B=16, H=32, feat=None)
+    elif args.focus == "head256":
+        for causal in (False, True):
+            yield dict(D=256, causal=causal, S=4096, B=4, H=8, feat=None)
     elif args.focus == "gqa_window":
         yield dict(D=128, causal=True, S=4096, B=2, H=32, Hkv=8, feat=None)
         yield dict(D=128, causal=True, S=16384, B=1, H=16, window=1023, feat=None)
@@ -109,6 +122,16 @@ def variants(args):
                 yield ("bwd", sh, BC(c, None, configs.DQ_TMA), None)
             for kv, q in ((K(64, 64, 4, 2), K(64, 64, 4, 2)), (K(64, 128, 8, 3), K(64, 64, 4, 2))):
                 yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), None)
+            continue
+        if sh["D"] == 256:
+            for c in FWD_256:
+                yield ("fwd", sh, c, True)
+            yield ("fwd", sh, K(64, 64, 4, 2), False)
+            for c in KV_256:
+                yield ("bwd", sh, BC(c, None, configs.DQ_TMA), True)
+            yield ("bwd", sh, BC(K(32, 64, 8, 1), None, configs.DQ_TMA), False)
+            for kv, q in itertools.product(KV_256_SEPARATE, QK_256):
+                yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), True)
             continue
         if sh["feat"]:
             for c in FWD_HEAVY:
@@ -182,7 +205,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32"])
+    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32", "head256"])
     ap.add_argument("--csv", help="write the rows here (see the module docstring)")
     ap.add_argument("--precision", nargs="+", default=["tf32", "tf32x3"], choices=["tf32", "tf32x3"],
                     help="--focus fp32: the float32 dot precisions to sweep")

@@ -8,6 +8,7 @@ forward also queries and keys of different lengths, so that some queries see no 
 alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
 reads); the forward in tiles of 64 also with three query warpgroups, the backward in tiles of 64 also with two key
 blocks per program.
+The Triton kernels also at head dims 192 and 256, which no Gluon tile holds, in their own tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -308,6 +309,29 @@ def test_gluon_kernels_leave_other_head_dims_to_the_triton_kernels(monkeypatch, 
     varlen.attention(q, k, v, causal=True).sum().backward()
     assert gluon_common.tile_head_dim(D) is None
     assert not forward and not backward, f"a Gluon kernel ran at D{D}"
+
+
+# Head dims past the Gluon tiles run in the Triton kernels' tiles 256 wide (configs.HEAD256_SWEEP: 128-query forward
+# blocks, 64-key blocks and a separate dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles
+# with one), D192 with its head padded in them. (mask, dropout, bias) per case.
+LARGE_HEAD_DIM_CASES = [("none", 0.0, None), ("causal", 0.0, None), ("causal_bottom_right", 0.0, None),
+                        ("window", 0.0, None), ("causal", 0.17, None), ("causal", 0.0, "1HQK"), ("none", 0.0, "BHQK")]
+
+
+@pytest.mark.parametrize("mask,dropout_p,bias", LARGE_HEAD_DIM_CASES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+@pytest.mark.parametrize("D", [192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_kernels_at_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask,
+                                                          dropout_p, bias):
+    forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"large {dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
+    if bias is None:
+        _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype, dropout_p, _draws(0, g))
+    _check_backward(("triton", backward), dtype, D, layout, heads, kv_heads, mask, dropout_p, bias=bias)
+    assert not forward, "a Gluon kernel ran"
 
 
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):

@@ -69,10 +69,24 @@ def test_heavy_tables_are_the_sweeps_best(feature):
         assert timed[chosen] >= max(timed.values()) - 1
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_head256_tables_are_the_sweeps_best(causal):
+    """The D256 forward and backward tiles (without a bias or dropout) are rows of the sweep they cite, within the rows'
+    rounding (1 TFLOP/s) of its best; the backward's with their dQ tiles (a separate dQ kernel)."""
+    rows = [r for r in _rows(configs.HEAD256_SWEEP) if r["causal"] == str(causal)]
+    assert {r["capability"] for r in rows} == {"9.0"} and {r["D"] for r in rows} == {"256"}
+    t = configs.SM90
+    for kind, chosen in (("fwd", t.forward[256]), ("bwd", configs.BackwardConfig(*t.backward[(256, causal)]))):
+        timed = {(_config(r["config"]), r["tma"]): int(r["tflops"]) for r in rows
+                 if r["kind"] == kind and r["tflops"].lstrip("-").isdigit()}
+        assert timed[(chosen, "True")] >= max(timed.values()) - 1
+
+
 def test_sources_are_named_and_other_gpus_fall_back_to_sm90():
     assert (SWEEPS / pathlib.Path(configs.FP32_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.FP32_PARTS_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.HEAVY_SWEEP).name).exists()
+    assert (SWEEPS / pathlib.Path(configs.HEAD256_SWEEP).name).exists()
     assert "untuned" in configs.UNTUNED and "NOTES.md" in configs.H200_SWEEPS
     assert configs.tables(torch.device("cpu")) is configs.SM90
 

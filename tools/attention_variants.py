@@ -5,7 +5,8 @@
     ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
-also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128);
+also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 192, in the Triton kernels' tiles of
+256);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
@@ -59,9 +60,9 @@ FEATURES = {
     "dropout_device_seed": dict(dropout=0.1, device_seed=True),  # the key in memory (captured graphs: DropoutSeed)
     "positions": dict(causal=True, positions=True, dropout=0.1),
 }
-# (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64 and 128 in bf16,
-# the layouts and GQA at the common features, float32 and D 256 at the plain and causal cases, float32 at full
-# accuracy with every feature.
+# (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64, 128 and 256 in bf16,
+# the layouts and GQA at the common features, float32 at the plain and causal cases, float32 at full accuracy with
+# every feature.
 CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
@@ -85,8 +86,12 @@ CASES = [
       for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
                                   (False, 1, "dropout"), (False, 1, "bias_broadcast"), (False, 4, "causal"),
                                   (True, 4, "causal"), (True, 1, "plain"))),
-    *((256, dtype, "ieee", False, 1, name) for dtype in (torch.bfloat16, torch.float32)
-      for name in ("plain", "causal")),
+    *((256, torch.float32, "ieee", False, 1, name) for name in ("plain", "causal")),
+    # D256 in bf16 with every feature (its tuned tiles, configs.HEAD256_SWEEP, are the largest that fit shared memory
+    # without a bias or dropout), jagged and GQA; D192 computed in tiles 256 wide.
+    *((256, torch.bfloat16, "ieee", False, 1, name) for name in FEATURES),
+    *((256, torch.bfloat16, "ieee", True, 4, name) for name in ("plain", "causal")),
+    *((192, torch.bfloat16, "ieee", False, 1, name) for name in ("plain", "causal")),
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
     *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
 ]

@@ -53,6 +53,9 @@ FP32_PARTS_SWEEP = "bench/results/sweeps/fp32_parts_h100_2026-11-25.csv"
 # The bias and dropout tiles re-swept on an H100 after the bias loads were vectorized and broadcast-bias gradients
 # moved to a heads-last grid (bench/attention_sweep.py --focus heavy, B4 S2048 H16 D128).
 HEAVY_SWEEP = "bench/results/sweeps/heavy_h100_2026-11-26.csv"
+# Head dim 256 (and 129-255, computed in tiles 256 wide) on an H100 (bench/attention_sweep.py --focus head256, B4 S4096
+# H8 D256, causal or not): the forward and the backward without a bias or dropout.
+HEAD256_SWEEP = "bench/results/sweeps/head256_h100_2026-11-27.csv"
 UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
 
 
@@ -60,10 +63,12 @@ UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed a
 class Tables:
     """The tiles of one GPU generation (compute capability), each table with its source above."""
 
-    forward: dict  # head dim bound -> forward tiles; H200_SWEEPS at D64/128 (S4096), UNTUNED at D256
+    forward: dict  # head dim bound -> forward tiles; H200_SWEEPS at D64/128 (S4096), HEAD256_SWEEP at D256
     # (head dim bound, causal) -> (kv tiles, dQ tiles, fastest dQ mode when atomics are allowed). At D=128
     # without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used (deterministic for
-    # free). H200_SWEEPS at D64/128, UNTUNED at D256.
+    # free). H200_SWEEPS at D64/128, HEAD256_SWEEP at D256: there the separate dQ kernel lets the kv kernel take
+    # 64 x 64 tiles at two stages (in-kernel dQ at its best 141-157 TFLOP/s against 199-267; the untuned 32 x 64 x 1
+    # stage tiles ran 65-116).
     backward: dict
     # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D; the "tf32x3" rows:
     # FP32_PARTS_SWEEP, same shapes), the best row without a mask (TFLOP/s full / causal in the comments); dQ
@@ -87,12 +92,13 @@ class Tables:
     # with in-kernel dQ), dropout with 64x64 forward tiles and in-kernel dQ (237 vs 197: the Philox bits are then
     # drawn once per tile, not twice). HEAVY_SWEEP (H100) kept every D128 choice: backward with a (B,H,S,S) bias
     # 218 vs 161 in-kernel, (1,H,S,S) 180 vs 142, dropout (the Triton kernel) 246 vs 233 separate. D64 and D256
-    # entries: UNTUNED (D128's choice, resized to fit).
+    # entries: UNTUNED (D128's choice, resized to fit; the D256 backward's: the smallest tiles, which the plain
+    # backward took before HEAD256_SWEEP).
     forward_bias: dict
     forward_dropout: dict
     backward_bias: dict
     backward_dropout: dict
-    q_heavy: dict  # dQ-kernel tiles that fit next to a bias or dropout: UNTUNED
+    q_heavy: dict  # dQ-kernel tiles that fit next to dropout at D64 (other head dims: the tables above): UNTUNED
     # GQA under a causal mask at D=128: the dQ kernel runs per query head, the kv kernel per kv head, so the
     # split keeps more programs busy (H200_SWEEPS, B2 Hq32 Hkv8 S4096: 322 vs 277 TFLOP/s backward). kv tiles
     # 32x64: after the bundles rewrite the 64x64 kv kernel spilled differently and ran 19% slower (H100, same
@@ -105,14 +111,14 @@ class Tables:
 
 
 SM90 = Tables(
-    forward={64: K(128, 64, 4, 3), 128: K(128, 128, 8, 3), 256: K(64, 64, 4, 2)},
+    forward={64: K(128, 64, 4, 3), 128: K(128, 128, 8, 3), 256: K(128, 64, 8, 2)},  # D256: 507 / 432
     backward={
         (64, False): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
         (64, True): (K(64, 64, 4, 3), K(64, 64, 4, 2), DQ_TMA),
         (128, False): (K(64, 64, 4, 2), K(128, 128, 8, 2), DQ_SEPARATE),
         (128, True): (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA),
-        (256, False): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
-        (256, True): (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA),
+        (256, False): (K(64, 64, 8, 2), K(128, 32, 8, 3), DQ_SEPARATE),  # 267
+        (256, True): (K(64, 64, 8, 2), K(128, 32, 8, 3), DQ_SEPARATE),  # 199
     },
     forward_float32={
         ("tf32", 64): K(128, 64, 4, 2),  # 155 / 111
@@ -137,9 +143,11 @@ SM90 = Tables(
     forward_bias={64: K(128, 64, 4, 2), 128: K(128, 64, 8, 3), 256: K(64, 32, 4, 2)},
     forward_dropout={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(64, 32, 4, 2)},
     backward_bias={64: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
-                   128: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE)},
-    backward_dropout={128: (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA)},
-    q_heavy={64: K(64, 64, 4, 2), 128: K(64, 64, 4, 2), 256: K(32, 64, 8, 1)},
+                   128: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
+                   256: (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA)},
+    backward_dropout={128: (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA),
+                      256: (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA)},
+    q_heavy={64: K(64, 64, 4, 2)},
     backward_gqa_causal_128=(K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
     backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
     short=2048,
