@@ -21,7 +21,7 @@ from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
-from varlen.attn.options import AttentionOptions, Problem
+from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton import backward as triton_backward
 from varlen.attn.triton import configs, program
@@ -576,31 +576,39 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
-@pytest.mark.parametrize("head_dim,tile", [
-    (64, 64), (128, 128), (40, 64), (56, 64), (72, 128), (80, 128), (96, 128), (120, 128),
-    (32, None), (24, None), (36, None), (100, None), (136, None), (256, None),
+@pytest.mark.parametrize("head_dim,tile,forward_tile", [
+    (64, 64, 64), (128, 128, 128), (40, 64, 64), (56, 64, 64), (72, 128, 128), (80, 128, 128), (96, 128, 128),
+    (120, 128, 128), (32, None, None), (24, None, None), (36, None, None), (100, None, None), (136, None, 256),
+    (192, None, 256), (256, None, 256), (132, None, None), (264, None, None),
 ])
-def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile):
+def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, forward_tile):
     # Multiples of 8 from 40 to 128, in the smallest tile (64 or 128) that holds them: the columns past the head read
-    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster). (Defined whatever the Triton; the kernels
-    # run on an sm_90 GPU.)
+    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the forward also from 136 to 256 in tiles
+    # of 256. (Defined whatever the Triton; the kernels run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
+    assert gluon_common.forward_tile_head_dim(head_dim) == forward_tile
     if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
         assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
-    takes = gluon_common.plain_call(problem, AttentionOptions(scale=0.1), torch.bfloat16, None, None)
-    assert takes == (tile is not None)
+    opts = AttentionOptions(scale=0.1)
+    assert gluon_common.plain_call(problem, opts, torch.bfloat16, None, None) == (tile is not None)
+    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (forward_tile is not None)
+    # (no dropout in tiles of 256: their 64-key tiles are not the dropout tile's 128)
+    dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
+    assert dropout == (forward_tile in (64, 128))
 
 
-@pytest.mark.parametrize("head_dim,tile,warpgroups", [(40, 64, 3), (96, 128, 2), (64, 64, 3)])
-def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, tile, warpgroups):
+@pytest.mark.parametrize("head_dim,tile,warpgroups,keys", [
+    (40, 64, 3, 128), (96, 128, 2, 128), (64, 64, 3, 128), (192, 256, 2, 64), (256, 256, 2, 64)])
+def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, tile, warpgroups, keys):
     # The kernel's D is the tile's, HEAD_D the tensors' (its descriptors' columns); the rules take the tile's (three
-    # query warpgroups at 64). Without a GPU: the kernel replaced by a recorder, CPU tensors (nothing computed).
+    # query warpgroups at 64), and tiles of 256 take 64 keys at a time. Without a GPU: the kernel replaced by a
+    # recorder, CPU tensors (nothing computed).
     taken = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["HEAD_D"], kwargs["WGS"]))
+            return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["HEAD_D"], kwargs["WGS"], kwargs["BN"]))
 
     monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorder(), raising=False)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 132)
@@ -610,7 +618,7 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     opts = AttentionOptions(scale=0.125)
     config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
     triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
-    assert taken == [(tile, head_dim, warpgroups)]
+    assert taken == [(tile, head_dim, warpgroups, keys)]
 
 
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [

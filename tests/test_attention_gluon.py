@@ -8,7 +8,8 @@ forward also queries and keys of different lengths, so that some queries see no 
 alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
 reads); the forward in tiles of 64 also with three query warpgroups, the backward in tiles of 64 also with two key
 blocks per program.
-The Triton kernels also at head dims 192 and 256, which no Gluon tile holds, in their own tuned tiles.
+The forward also in tiles of 256 (head dims 136-256), and the Triton kernels at head dims 192 and 256, whose backward
+no Gluon tile holds, in their own tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -301,19 +302,40 @@ def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, p
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
 def test_gluon_kernels_leave_other_head_dims_to_the_triton_kernels(monkeypatch, D):
-    # No tile holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim): with the Gluon kernels
-    # allowed, the Triton ones run.
+    # No backward tile holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
+    # takes 136 and 256 in its tiles of 256 (gluon_common.forward_tile_head_dim). With the Gluon kernels allowed, the
+    # Triton ones run where they don't.
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     q, k, v = (torch.randn(2, 200, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     varlen.attention(q, k, v, causal=True).sum().backward()
     assert gluon_common.tile_head_dim(D) is None
-    assert not forward and not backward, f"a Gluon kernel ran at D{D}"
+    assert bool(forward) == (D > 128), f"the Gluon forward ran at D{D}, or did not"
+    assert not backward, f"the Gluon backward ran at D{D}"
 
 
-# Head dims past the Gluon tiles run in the Triton kernels' tiles 256 wide (configs.HEAD256_SWEEP: 128-query forward
-# blocks, 64-key blocks and a separate dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles
-# with one), D192 with its head padded in them. (mask, dropout, bias) per case.
+# Head dims past 128: the Gluon forward's tiles of 256 (keys in tiles of 64, the output stored from registers;
+# gluon_common.forward_tile_head_dim), 136 and 192 with their heads padded in them.
+LARGE_FORWARD_HEAD_DIMS = (136, 192, 256)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("D", LARGE_FORWARD_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forward_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd large {dtype} {D} {layout} {heads} {mask}".encode()))
+    _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype)
+    assert launches, "the Gluon kernel did not run"
+
+
+# The backward past 128 runs in the Triton kernels' tiles 256 wide (configs.HEAD256_SWEEP: 64-key blocks and a
+# separate dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles with one), D192 with its head
+# padded in them; the forward with them where the Gluon forward declines (dropout, a bias). (mask, dropout, bias)
+# per case.
 LARGE_HEAD_DIM_CASES = [("none", 0.0, None), ("causal", 0.0, None), ("causal_bottom_right", 0.0, None),
                         ("window", 0.0, None), ("causal", 0.17, None), ("causal", 0.0, "1HQK"), ("none", 0.0, "BHQK")]
 
@@ -323,15 +345,14 @@ LARGE_HEAD_DIM_CASES = [("none", 0.0, None), ("causal", 0.0, None), ("causal_bot
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 @pytest.mark.parametrize("D", [192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_kernels_at_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask,
-                                                          dropout_p, bias):
+def test_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask, dropout_p, bias):
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     g = torch.Generator().manual_seed(zlib.crc32(f"large {dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     if bias is None:
         _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype, dropout_p, _draws(0, g))
     _check_backward(("triton", backward), dtype, D, layout, heads, kv_heads, mask, dropout_p, bias=bias)
-    assert not forward, "a Gluon kernel ran"
+    assert bool(forward) == (not dropout_p and bias is None), "the Gluon forward ran with dropout or a bias, or not"
 
 
 def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
@@ -356,21 +377,22 @@ def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("warpgroups", [2, 3])
+@pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (256, 2)])
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, warpgroups):
+def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, D, warpgroups):
     """The persistent schedule with few programs, each walking many work items (ring positions, the Q block
     and the output staging carried across items; items past a sequence's end, items that see no key and
-    blocks with warpgroups past the end in between), with two or three query warpgroups: as the float64
-    reference. At the sizes of the test above most programs take one item."""
+    blocks with warpgroups past the end in between), with two or three query warpgroups, and in tiles of 256
+    (64-key tiles, no output staging): as the float64 reference. At the sizes of the test above most programs take
+    one item."""
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
     taken, _ = _forward_warpgroups(monkeypatch)
-    g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs}".encode()))
-    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, 64, g), MASKS[mask], torch.bfloat16)
+    g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs} {D}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, D, g), MASKS[mask], torch.bfloat16)
     assert launches and set(taken) == {warpgroups}, "the Gluon kernel did not run with the warpgroups forced"
 
 

@@ -49,8 +49,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor", "head_descriptor",
-           "load_head_tile", "store_head_tile", "sequences_adjacent", "shared_layout", "gluon_api_supported"]
+           "tile_head_dim", "forward_tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor",
+           "head_descriptor", "load_head_tile", "store_head_tile", "sequences_adjacent", "shared_layout",
+           "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -82,13 +83,23 @@ def tile_head_dim(head_dim: int) -> int | None:
     return next(d for d in TILE_HEAD_DIMS if head_dim <= d)
 
 
-def plain_call(problem, opts, dtype, bias, alibi) -> bool:
-    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a
-    :func:`tile_head_dim`, no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed: without
-    query positions each sequence draws its own mask, as the kernels do)."""
+def forward_tile_head_dim(head_dim: int) -> int | None:
+    """The tile head dim the Gluon forward computes ``head_dim`` in: :func:`tile_head_dim`'s, and past 128 (multiples
+    of 8 up to 256) a tile of 256, in key tiles of 64 (``gluon.forward.block_keys``). The backward has no such tile:
+    its 64 x 256 float32 dK and dV accumulators alone would take 256 registers per thread of a warpgroup."""
+    if head_dim % 8 == 0 and TILE_HEAD_DIMS[-1] < head_dim <= 256:
+        return 256
+    return tile_head_dim(head_dim)
+
+
+def plain_call(problem, opts, dtype, bias, alibi, tile=tile_head_dim) -> bool:
+    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a tile head dim
+    (``tile``: :func:`tile_head_dim`, or the forward's :func:`forward_tile_head_dim`), no bias, ALiBi, softcap,
+    prefix, documents or query positions (dropout allowed: without query positions each sequence draws its own mask,
+    as the kernels do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
-    if tile_head_dim(problem.head_dim) is None:
+    if tile(problem.head_dim) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False

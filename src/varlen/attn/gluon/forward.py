@@ -46,10 +46,12 @@ Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluo
 thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
-Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
-(``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
-(either alignment) or windows, GQA, dropout; no bias, ALiBi, softcap, prefix, documents or query
-positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
+Scope (:func:`supports`): fp16/bf16, head dims 64, 128 and 256 (Dv = D), and multiples of 8 from 40 to 256 in those
+tiles (``common.forward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
+(either alignment) or windows, GQA, dropout (not in tiles of 256); no bias, ALiBi, softcap, prefix, documents or query
+positions. In tiles of 256 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
+registers), and the output leaves by stores from registers (Q and the rings take 192 KiB of shared memory, leaving no
+room for staging tiles). :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
 TMA-aligned; dense sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
 interpreter); the GPU tests cover every variant it accepts.
 """
@@ -81,9 +83,13 @@ from .common import (
 )
 from .dropout import relu_low, row_dropped_signs, row_keep_words
 
-# Keys per tile: 128 beat 64 at every measured shape (bench/NOTES.md); S, O and two P tiles fit in 240 registers.
-# (The dropout tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128 keys.)
-BLOCK_N = 128
+
+def block_keys(tile_dim: int) -> int:
+    """Keys per tile in tiles of head dim ``tile_dim``: 128 beat 64 at every measured shape up to 128
+    (bench/NOTES.md), where S, O and two P tiles fit in 240 registers. At 256 the 64 x 256 float32 O takes 128 of
+    them, so 64. (The dropout tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128
+    keys: no dropout in tiles of 256, :func:`supports`.)"""
+    return 64 if tile_dim == 256 else 128
 
 
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
@@ -505,8 +511,9 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block.)
-                    whole = (r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq
+                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. At D256 no
+                    # staging tile: every output by stores from registers.)
+                    whole = ((r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq) if D <= 128 else False
                     if whole:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
                         gl.thread_barrier()
@@ -556,12 +563,16 @@ if HAVE_GLUON:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
         q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D, D, HEAD_D)
-        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D)
         k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D, D, HEAD_D)
         v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D, D, HEAD_D)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
+        if D <= 128:
+            o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D)
+            o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
+        else:  # (at D256 Q and the rings take 192 KiB: the output leaves by stores from registers, no staging tiles)
+            o_desc = q_desc
+            o_smem = q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -622,9 +633,14 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) whose scores stay
-    raw q.k (``launch.raw_scores``: a non-negative scale)."""
-    return common.plain_call(problem, opts, dtype, bias, alibi) and raw_scores(opts, bias, alibi)
+    D = Dv with a ``common.forward_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
+    tiles of 256, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
+    non-negative scale)."""
+    if not common.plain_call(problem, opts, dtype, bias, alibi, common.forward_tile_head_dim):
+        return False
+    if seed is not None and common.forward_tile_head_dim(problem.head_dim) == 256:
+        return False
+    return raw_scores(opts, bias, alibi)
 
 
 def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
@@ -644,7 +660,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    tile_dim = common.tile_head_dim(problem.head_dim)
+    tile_dim = common.forward_tile_head_dim(problem.head_dim)
     wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
@@ -652,7 +668,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_dim,
-        HEAD_D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=BLOCK_N,
+        HEAD_D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=block_keys(tile_dim),
         PINGPONG=wgs == 2 and pingpong(tile_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
         # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
         ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,
