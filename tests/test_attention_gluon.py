@@ -242,17 +242,22 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
 # holds 8 of the head's columns), 80 and 96 in tiles of 128; read through 3-D descriptors whose boxes fill the columns
 # past the head with zeros and clip the stores there.
 PADDED_HEAD_DIMS = (40, 72, 80, 96)
+# ... and past 128, the forward's tiles of 256 (keys in tiles of 64, the output stored from registers;
+# gluon_common.forward_tile_head_dim): 256, and 136 and 192 with their heads padded in them.
+LARGE_FORWARD_HEAD_DIMS = (136, 192, 256)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-@pytest.mark.parametrize("D", PADDED_HEAD_DIMS)
+@pytest.mark.parametrize("D", PADDED_HEAD_DIMS + LARGE_FORWARD_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_forward_padded_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    g = torch.Generator().manual_seed(zlib.crc32(f"fwd pad {dtype} {D} {layout} {heads} {mask}".encode()))
+    # (past 128 with the seeds these inputs had when they ran on the GPU as a test of their own)
+    name = "fwd large" if D > 128 else "fwd pad"
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name} {dtype} {D} {layout} {heads} {mask}".encode()))
     _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype)
     assert launches, "the Gluon kernel did not run"
 
@@ -312,24 +317,6 @@ def test_gluon_kernels_leave_other_head_dims_to_the_triton_kernels(monkeypatch, 
     assert gluon_common.tile_head_dim(D) is None
     assert bool(forward) == (D > 128), f"the Gluon forward ran at D{D}, or did not"
     assert not backward, f"the Gluon backward ran at D{D}"
-
-
-# Head dims past 128: the Gluon forward's tiles of 256 (keys in tiles of 64, the output stored from registers;
-# gluon_common.forward_tile_head_dim), 136 and 192 with their heads padded in them.
-LARGE_FORWARD_HEAD_DIMS = (136, 192, 256)
-
-
-@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-@pytest.mark.parametrize("D", LARGE_FORWARD_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forward_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
-    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    g = torch.Generator().manual_seed(zlib.crc32(f"fwd large {dtype} {D} {layout} {heads} {mask}".encode()))
-    _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype)
-    assert launches, "the Gluon kernel did not run"
 
 
 # The backward past 128 runs in the Triton kernels' tiles 256 wide (configs.HEAD256_SWEEP: 64-key blocks and a
