@@ -511,8 +511,8 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. At D256 no
-                    # staging tile: every output by stores from registers.)
+                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. In tiles of 256
+                    # no staging tile: every output by stores from registers.)
                     whole = ((r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq) if D <= 128 else False
                     if whole:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
@@ -570,7 +570,7 @@ if HAVE_GLUON:
         if D <= 128:
             o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D)
             o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
-        else:  # (at D256 Q and the rings take 192 KiB: the output leaves by stores from registers, no staging tiles)
+        else:  # (in tiles of 256 Q and the rings take 192 KiB: the output leaves by stores from registers)
             o_desc = q_desc
             o_smem = q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
