@@ -5,8 +5,8 @@
     ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
-also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 192, in the Triton kernels' tiles of
-256);
+also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 192, in tiles of 256: the Gluon
+forward's and the Triton kernels');
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at

@@ -95,7 +95,7 @@ def block_keys(tile_dim: int) -> int:
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
                      dense_pairs: int | None = None, programs: int | None = None) -> int:
     """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries (``tile_dim``: the
-    tile head dim, ``common.tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
+    tile head dim, ``common.forward_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
@@ -126,11 +126,12 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
 
 def pingpong(tile_dim: int, causal_like: bool, dropout: bool) -> bool:
     """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the other's
-    products), in tiles of head dim ``tile_dim`` (``common.tile_head_dim``). H100, bench/NOTES.md: +3-4% at D64 without
-    a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its products; -1 to -11%
-    under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in work, and strict turns make
-    one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout, whose draws make each tile's own
-    work the longer part: H200, D64 without a mask, S2k-8k, ping-pong off 175-183 TFLOP/s against 171-178 on."""
+    products), in tiles of head dim ``tile_dim`` (``common.forward_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
+    D64 without a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its
+    products; -1 to -11% under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in
+    work, and strict turns make one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout,
+    whose draws make each tile's own work the longer part: H200, D64 without a mask, S2k-8k, ping-pong off 175-183
+    TFLOP/s against 171-178 on."""
     return tile_dim == 64 and not causal_like and not dropout
 
 
@@ -393,9 +394,10 @@ if HAVE_GLUON:
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
                          BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr,
                          WG: gl.constexpr):
-        """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key
-        tile, then the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows
-        are not all in the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``)."""
+        """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
+        the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
+        the sequence, and always in tiles of 256) and the lse. ``args``: what every query warpgroup takes
+        (``_attn_fwd_hopper``)."""
         (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
          item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
          scale, qk_scale, seed, offset_lo, threshold, keep_scale) = args
@@ -551,6 +553,7 @@ if HAVE_GLUON:
         # draws take query rows in pairs from an even row (gluon/dropout.py): blocks start at even rows.
         gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and not PINGPONG))
         gl.static_assert(not (ALIGN_END and F.DROPOUT))
+        gl.static_assert(not (F.DROPOUT and BN != 128))  # (the dropout tile, gluon/dropout.py, is 128 keys wide)
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
@@ -562,17 +565,16 @@ if HAVE_GLUON:
         else:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
+        # (In tiles of 256 Q and the rings take 192 KiB: the output leaves by stores from registers, with no staging
+        # tiles or descriptor. The descriptors keep their order, q, o, k, v: each takes the next slot of the device
+        # scratch, so tiles up to 128 compile as before tiles of 256 existed.)
         q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D, D, HEAD_D)
+        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D) if D <= 128 else q_desc
         k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D, D, HEAD_D)
         v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D, D, HEAD_D)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
-        if D <= 128:
-            o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D)
-            o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
-        else:  # (in tiles of 256 Q and the rings take 192 KiB: the output leaves by stores from registers)
-            o_desc = q_desc
-            o_smem = q_smem
+        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout) if D <= 128 else q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -68,7 +68,7 @@ class Tables:
     # without a causal mask the separate dQ kernel beats in-kernel reduction, so it is used (deterministic for
     # free). H200_SWEEPS at D64/128, HEAD256_SWEEP at D256: there the separate dQ kernel lets the kv kernel take
     # 64 x 64 tiles at two stages (in-kernel dQ at its best 141-157 TFLOP/s against 199-267; the untuned 32 x 64 x 1
-    # stage tiles ran 65-116).
+    # stage tiles ran 67-115).
     backward: dict
     # float32, by (dot precision, head dim bound): FP32_SWEEP (B8 S2048 H=512/D; the "tf32x3" rows:
     # FP32_PARTS_SWEEP, same shapes), the best row without a mask (TFLOP/s full / causal in the comments); dQ
