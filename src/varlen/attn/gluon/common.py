@@ -92,14 +92,14 @@ def forward_tile_head_dim(head_dim: int) -> int | None:
     return tile_head_dim(head_dim)
 
 
-def plain_call(problem, opts, dtype, bias, alibi, tile=tile_head_dim) -> bool:
+def plain_call(problem, opts, dtype, bias, alibi, forward: bool = False) -> bool:
     """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a tile head dim
-    (``tile``: :func:`tile_head_dim`, or the forward's :func:`forward_tile_head_dim`), no bias, ALiBi, softcap,
+    (:func:`tile_head_dim`, or with ``forward`` the forward's :func:`forward_tile_head_dim`), no bias, ALiBi, softcap,
     prefix, documents or query positions (dropout allowed: without query positions each sequence draws its own mask,
     as the kernels do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
-    if tile(problem.head_dim) is None:
+    if (forward_tile_head_dim if forward else tile_head_dim)(problem.head_dim) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False
