@@ -640,8 +640,8 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     non-negative scale)."""
     if not common.plain_call(problem, opts, dtype, bias, alibi, forward=True):
         return False
-    if seed is not None and common.forward_tile_head_dim(problem.head_dim) == 256:
-        return False
+    if seed is not None and block_keys(common.forward_tile_head_dim(problem.head_dim)) != 128:
+        return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
 
