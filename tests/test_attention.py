@@ -19,6 +19,7 @@ from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
@@ -576,26 +577,36 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
-@pytest.mark.parametrize("head_dim,tile,forward_tile", [
+@pytest.mark.parametrize("head_dim,tile,wide_tile", [
     (64, 64, 64), (128, 128, 128), (40, 64, 64), (56, 64, 64), (72, 128, 128), (80, 128, 128), (96, 128, 128),
     (120, 128, 128), (32, None, None), (24, None, None), (36, None, None), (100, None, None), (136, None, 256),
     (192, None, 256), (256, None, 256), (132, None, None), (264, None, None),
 ])
-def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, forward_tile):
+def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, wide_tile):
     # Multiples of 8 from 40 to 128, in the smallest tile (64 or 128) that holds them: the columns past the head read
-    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the forward also from 136 to 256 in tiles
-    # of 256. (Defined whatever the Triton; the kernels run on an sm_90 GPU.)
+    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the forward and the backward's dK and dV
+    # kernel (gluon/backward_wide.py) also from 136 to 256 in tiles of 256. (Defined whatever the Triton; the kernels
+    # run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
-    assert gluon_common.forward_tile_head_dim(head_dim) == forward_tile
+    assert gluon_common.wide_tile_head_dim(head_dim) == wide_tile
     if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
         assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
     opts = AttentionOptions(scale=0.1)
     assert gluon_common.plain_call(problem, opts, torch.bfloat16, None, None) == (tile is not None)
-    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (forward_tile is not None)
+    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (wide_tile is not None)
     # (no dropout in tiles of 256: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
-    assert dropout == (forward_tile in (64, 128))
+    assert dropout == (wide_tile in (64, 128))
+    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 256 (dK and dV
+    # stored, dQ by the Triton dQ kernel: deterministic too; no dropout).
+    deterministic = AttentionOptions(scale=0.1, deterministic=True)
+    for options, in_tiles in ((opts, tile is not None), (deterministic, False)):
+        assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
+    for options in (opts, deterministic):
+        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, None) == (wide_tile == 256)
+    assert not gluon_backward_wide.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
+    assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
 
 
 @pytest.mark.parametrize("head_dim,tile,warpgroups,keys", [
@@ -619,6 +630,42 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
     triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
     assert taken == [(tile, head_dim, warpgroups, keys)]
+
+
+@pytest.mark.parametrize("head_dim,dense,deterministic", [(192, True, False), (256, False, True), (136, True, True)])
+def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, dense, deterministic):
+    # Past 128 the Gluon kernel in tiles of 256 computes dK and dV (D the tile's, HEAD_D the tensors', 64 keys a
+    # program), and the Triton dQ kernel dQ in the config's dQ tiles, whatever dQ mode the config names; the Triton kv
+    # kernel doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing computed).
+    taken = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: taken.append(
+                (self.name, kwargs.get("D"), kwargs.get("HEAD_D"), kwargs.get("BN"), kwargs.get("num_warps")))
+
+    monkeypatch.setattr(gluon_backward_wide, "_bwd_kv_wide_hopper", Recorder("wide"), raising=False)
+    for name in ("_bwd_preprocess", "_bwd_kv_kernel", "_bwd_q_kernel"):
+        monkeypatch.setattr(triton_backward, name, Recorder(name))
+    monkeypatch.setattr(gluon_common, "hopper_layout", lambda *args: True)
+    monkeypatch.setattr(triton_backward, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_backward_wide, "ensure_allocator", lambda: None)
+    # (200 queries and keys: no whole number of tiles, so the programs make their descriptors)
+    B, S, H = 2, 200, 4
+    cu = None if dense else torch.tensor([0, 77, 200], dtype=torch.int32)
+    problem = Problem(B, H, H, head_dim, head_dim, S, S, dense, cu, cu)
+    shape = (B, S, H, head_dim) if dense else (S, H, head_dim)
+    q, k, v, out, dout = (torch.empty(shape, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.empty((B, H, S) if dense else (H, S), dtype=torch.float32)
+    opts = AttentionOptions(scale=0.125, causal=True, deterministic=deterministic)
+    config = configs.BackwardConfig(configs.K(64, 64, 8, 2), configs.K(128, 32, 8, 3), configs.DQ_TMA)
+    triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem, opts, None, config,
+                                    need_dbias=False, tma=True, gluon=True)
+    assert [t for t in taken if t[0] != "_bwd_preprocess"] == [("wide", 256, head_dim, 64, 4),
+                                                               ("_bwd_q_kernel", None, None, None, 8)]
 
 
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [

@@ -8,8 +8,9 @@ forward also queries and keys of different lengths, so that some queries see no 
 alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
 reads); the forward in tiles of 64 also with three query warpgroups, the backward in tiles of 64 also with two key
 blocks per program.
-The forward also in tiles of 256 (head dims 136-256), and the Triton kernels at head dims 192 and 256, whose backward
-no Gluon tile holds, in their own tuned tiles.
+The forward also in tiles of 256 (head dims 136-256), as the backward's dK and dV kernel past 128
+(``gluon/backward_wide.py``, beside the Triton dQ kernel), and the Triton kernels at head dims 192 and 256 in their own
+tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
 """
@@ -26,6 +27,7 @@ from utils import record_calls
 from varlen.attn import api, function
 from varlen.attn.dropout import attention_dropout_mask, dropout_keep_mask, dropout_threshold
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, Problem
@@ -243,7 +245,7 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
 # past the head with zeros and clip the stores there.
 PADDED_HEAD_DIMS = (40, 72, 80, 96)
 # ... and past 128, the forward's tiles of 256 (keys in tiles of 64, the output stored from registers;
-# gluon_common.forward_tile_head_dim): 256, and 136 and 192 with their heads padded in them.
+# gluon_common.wide_tile_head_dim): 256, and 136 and 192 with their heads padded in them.
 LARGE_FORWARD_HEAD_DIMS = (136, 192, 256)
 
 
@@ -307,22 +309,57 @@ def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, p
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
 def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
-    # No backward tile holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
-    # takes 136 and 256 in its tiles of 256 (gluon_common.forward_tile_head_dim). With the Gluon kernels allowed, the
-    # Triton ones run where they don't.
+    # No tile of 64 or 128 holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
+    # and the backward's dK and dV kernel take 136 and 256 in their tiles of 256 (gluon_common.wide_tile_head_dim).
+    # With the Gluon kernels allowed, the Triton ones run where they don't.
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    wide = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
     q, k, v = (torch.randn(2, 200, 4, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     varlen.attention(q, k, v, causal=True).sum().backward()
     assert gluon_common.tile_head_dim(D) is None
     assert bool(forward) == (D > 128), f"the Gluon forward ran at D{D}, or did not"
-    assert not backward, f"the Gluon backward ran at D{D}"
+    assert not backward, f"the Gluon backward in tiles of 64 or 128 ran at D{D}"
+    assert bool(wide) == (D > 128), f"the Gluon backward in tiles of 256 ran at D{D}, or did not"
 
 
-# The backward past 128 runs in the Triton kernels' tiles 256 wide (configs.HEAD256_SWEEP: 64-key blocks and a
-# separate dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles with one), D192 with its head
-# padded in them; the forward with them where the Gluon forward declines (dropout, a bias). (mask, dropout, bias)
-# per case.
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window", "causal_window"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
+@pytest.mark.parametrize("D", [136, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_backward_matches_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
+    # dK and dV in tiles of 256 (D136 with its head padded in them), dQ by the Triton dQ kernel; descriptors made by
+    # the programs (dense, jagged, cross: keys of other lengths, some sequences without queries or keys) and on the
+    # host (dense_tiles).
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    host_descriptors = record_calls(monkeypatch, gluon_backward_wide, "host_descriptors")
+    _check_backward(("gluon", launches), dtype, D, layout, heads, kv_heads, mask)
+    assert [d is not None for d in host_descriptors] == [layout == "dense_tiles"]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_wide_backward_is_deterministic(monkeypatch, layout):
+    # dK and dV stored, not added, and dQ from the Triton dQ kernel: deterministic mode takes the kernel, and two
+    # calls agree bit for bit.
+    launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
+    g = torch.Generator().manual_seed(zlib.crc32(f"wide deterministic {layout}".encode()))
+    q, k, v = (_to(t, "cuda", torch.bfloat16) for t in _inputs(layout, torch.bfloat16, 8, 2, 256, g))
+    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(_values(q).shape, generator=g).to("cuda", torch.bfloat16)
+    grads = [torch.autograd.grad(_values(varlen.attention(q, k, v, causal=True, deterministic=True)), leaves, dout)
+             for _ in range(2)]
+    assert len(launches) == 2, "the Gluon backward in tiles of 256 did not take deterministic calls"
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
+
+
+# The Triton kernels' backward past 128, in their tiles 256 wide (configs.HEAD256_SWEEP: 64-key blocks and a separate
+# dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles with one), D192 with its head padded in
+# them: the path of every GPU but Hopper's, and of Hopper's with a bias or dropout (here routed there in every case);
+# the forward with them where the Gluon forward declines (dropout, a bias). (mask, dropout, bias) per case.
 LARGE_HEAD_DIM_CASES = [("none", 0.0, None), ("causal", 0.0, None), ("causal_bottom_right", 0.0, None),
                         ("window", 0.0, None), ("causal", 0.17, None), ("causal", 0.0, "1HQK"), ("none", 0.0, "BHQK")]
 
@@ -334,7 +371,7 @@ LARGE_HEAD_DIM_CASES = [("none", 0.0, None), ("causal", 0.0, None), ("causal_bot
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_large_head_dims_match_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask, dropout_p, bias):
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
-    backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    backward = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", False)
     g = torch.Generator().manual_seed(zlib.crc32(f"large {dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
     if bias is None:
         _check_forward(*_inputs(layout, dtype, heads, kv_heads, D, g), MASKS[mask], dtype, dropout_p, _draws(0, g))

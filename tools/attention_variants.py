@@ -20,6 +20,7 @@ import os
 import torch
 
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
 from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
@@ -31,6 +32,8 @@ from varlen.attn.triton.forward import launch_forward
 configs.has_tma = lambda device: True
 gluon_backward.applies = (lambda problem, opts, q, k, v, dout, bias, alibi, seed:
                           gluon_backward.supports(problem, opts, q.dtype, bias, alibi, seed))
+gluon_backward_wide.applies = (lambda problem, opts, q, k, v, dout, bias, alibi, seed:
+                               gluon_backward_wide.supports(problem, opts, q.dtype, bias, alibi, seed))
 gluon_forward.applies = (lambda problem, opts, q, k, v, bias, alibi, seed:
                          gluon_forward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
@@ -139,6 +142,19 @@ def main():
                     rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                     gluon_forward.query_warpgroups = rule
+            if tma and gluon_backward_wide.supports(problem, opts, dtype, bias, alibi, seed):
+                # Past a head dim of 128: dK and dV in tiles of 256, then the Triton dQ kernel; dense calls also at
+                # lengths that are no whole number of tiles (descriptors made by each program).
+                print(label.replace("case", "gluon wide"), flush=True)
+                launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
+                                need_dbias=False, tma=tma, gluon=True)
+                if problem.dense:
+                    ragged = _problem(D, jagged, group, S=200)
+                    rq, rk, rv, rdo = _tensors(ragged, dtype)
+                    r_out, r_lse = launch_forward(rq, rk, rv, None, alibi, ragged, opts, seed, fwd, tma=tma,
+                                                  gluon=False)
+                    launch_backward(rdo, None, rq, rk, rv, r_out, r_lse, None, alibi, ragged, opts, seed, bwd,
+                                    need_dbias=False, tma=tma, gluon=True)
             if tma and gluon_backward.supports(problem, opts, dtype, bias, alibi, seed):
                 # At D64 one key block per program and two, whatever the rule takes (gluon_backward.pairs); dense
                 # GQA also in groups of one kv head (program.kv_head_groups: the rule counts SMs, 1 here, and

@@ -87,6 +87,7 @@ from .common import (
     ir,
     load_head_tile,
     mbarrier,
+    query_vector,
     store_head_tile,
     tma,
     warpgroup_mma,
@@ -227,13 +228,6 @@ if HAVE_GLUON:
         return pair[0] + item * (pair[1] - pair[0])
 
     @gluon.jit
-    def _query_vector(ptr, m0, Lq, other, BM: gl.constexpr):
-        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``), loaded by the loader (one warp)."""
-        gl.static_assert(BM % 32 == 0, "a whole number of queries per lane of the loader warp")
-        queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([BM // 32], [32], [1], [0]))
-        return gl.load(ptr + queries, mask=queries < Lq, other=other)
-
-    @gluon.jit
     def _bias_tile(ring, stage, WG: gl.constexpr, KEYS: gl.constexpr, layout: gl.constexpr):
         """This warpgroup's tile of a ring stage's bias (queries x its keys, as loaded; the ring holds two per stage),
         transposed into ``layout`` (the warpgroup's keys x queries products), in float32. Loaded as a matmul's A
@@ -322,8 +316,8 @@ if HAVE_GLUON:
                                                                         t_lo + j * BM, n0 + half * (BN // 2)],
                                                             ready.index(stage), box)
                     # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
-                    lse2_ring.index(stage).store(_query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
-                    delta_ring.index(stage).store(_query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
+                    lse2_ring.index(stage).store(query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
+                    delta_ring.index(stage).store(query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
                     gl.thread_barrier()
                     mbarrier.arrive(ready.index(stage))
                     count += 1

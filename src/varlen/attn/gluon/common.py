@@ -49,9 +49,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "forward_tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor",
-           "head_descriptor", "load_head_tile", "store_head_tile", "sequences_adjacent", "shared_layout",
-           "gluon_api_supported"]
+           "tile_head_dim", "wide_tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor",
+           "head_descriptor", "load_head_tile", "store_head_tile", "query_vector", "sequences_adjacent",
+           "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -83,23 +83,24 @@ def tile_head_dim(head_dim: int) -> int | None:
     return next(d for d in TILE_HEAD_DIMS if head_dim <= d)
 
 
-def forward_tile_head_dim(head_dim: int) -> int | None:
-    """The tile head dim the Gluon forward computes ``head_dim`` in: :func:`tile_head_dim`'s, and past 128 (multiples
-    of 8 up to 256) a tile of 256, in key tiles of 64 (``gluon.forward.block_keys``). The backward has no such tile:
-    its 64 x 256 float32 dK and dV accumulators alone would take 256 registers per thread of a warpgroup."""
+def wide_tile_head_dim(head_dim: int) -> int | None:
+    """The tile head dim of the kernels that also take tiles of 256 (the forward, ``gluon/forward.py``, and the
+    backward's dK and dV kernel, ``gluon/backward_wide.py``): :func:`tile_head_dim`'s, and past 128 (multiples of 8 up
+    to 256) a tile of 256. (``gluon/backward.py``'s kernel has no such tile: each of its warpgroups holds its keys'
+    64 x D float32 dK and dV, which at 256 would alone take 256 registers per thread.)"""
     if head_dim % 8 == 0 and TILE_HEAD_DIMS[-1] < head_dim <= 256:
         return 256
     return tile_head_dim(head_dim)
 
 
-def plain_call(problem, opts, dtype, bias, alibi, forward: bool = False) -> bool:
+def plain_call(problem, opts, dtype, bias, alibi, wide: bool = False) -> bool:
     """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a tile head dim
-    (:func:`tile_head_dim`, or with ``forward`` the forward's :func:`forward_tile_head_dim`), no bias, ALiBi, softcap,
-    prefix, documents or query positions (dropout allowed: without query positions each sequence draws its own mask,
-    as the kernels do)."""
+    (:func:`tile_head_dim`, or with ``wide`` :func:`wide_tile_head_dim`), no bias, ALiBi, softcap, prefix, documents
+    or query positions (dropout allowed: without query positions each sequence draws its own mask, as the kernels
+    do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
-    if (forward_tile_head_dim if forward else tile_head_dim)(problem.head_dim) is None:
+    if (wide_tile_head_dim if wide else tile_head_dim)(problem.head_dim) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False
@@ -191,6 +192,13 @@ if HAVE_GLUON:
         coord = [row, head * D] if HEAD_D == D else [row, head, 0]
         tma.async_copy_shared_to_global(desc, coord, head_box(smem, desc, FIRST_ROW))
 
+    @gluon.jit
+    def query_vector(ptr, m0, Lq, other, BM: gl.constexpr):
+        """``ptr[m0 + i]`` for a tile's BM queries (``other`` past ``Lq``), loaded by the loader (one warp)."""
+        gl.static_assert(BM % 32 == 0, "a whole number of queries per lane of the loader warp")
+        queries = m0 + gl.arange(0, BM, layout=gl.BlockedLayout([BM // 32], [32], [1], [0]))
+        return gl.load(ptr + queries, mask=queries < Lq, other=other)
+
 
 else:  # pragma: no cover - depends on the installed Triton
-    head_descriptor = load_head_tile = store_head_tile = None
+    head_descriptor = load_head_tile = store_head_tile = query_vector = None

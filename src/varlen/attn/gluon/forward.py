@@ -47,7 +47,7 @@ thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped 
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
 Scope (:func:`supports`): fp16/bf16, head dims 64, 128 and 256 (Dv = D), and multiples of 8 from 40 to 256 in those
-tiles (``common.forward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
+tiles (``common.wide_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout (not in tiles of 256); no bias, ALiBi, softcap, prefix, documents or query
 positions. In tiles of 256 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
 registers), and the output leaves by stores from registers (Q and the rings take 192 KiB of shared memory, leaving no
@@ -95,7 +95,7 @@ def block_keys(tile_dim: int) -> int:
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
                      dense_pairs: int | None = None, programs: int | None = None) -> int:
     """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries (``tile_dim``: the
-    tile head dim, ``common.forward_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
+    tile head dim, ``common.wide_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
@@ -126,7 +126,7 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
 
 def pingpong(tile_dim: int, causal_like: bool, dropout: bool) -> bool:
     """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the other's
-    products), in tiles of head dim ``tile_dim`` (``common.forward_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
+    products), in tiles of head dim ``tile_dim`` (``common.wide_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
     D64 without a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its
     products; -1 to -11% under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in
     work, and strict turns make one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout,
@@ -635,12 +635,12 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.forward_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
+    D = Dv with a ``common.wide_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
     tiles of 256, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
     non-negative scale)."""
-    if not common.plain_call(problem, opts, dtype, bias, alibi, forward=True):
+    if not common.plain_call(problem, opts, dtype, bias, alibi, wide=True):
         return False
-    if seed is not None and block_keys(common.forward_tile_head_dim(problem.head_dim)) != 128:
+    if seed is not None and block_keys(common.wide_tile_head_dim(problem.head_dim)) != 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
@@ -662,7 +662,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    tile_dim = common.forward_tile_head_dim(problem.head_dim)
+    tile_dim = common.wide_tile_head_dim(problem.head_dim)
     wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)

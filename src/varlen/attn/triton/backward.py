@@ -28,6 +28,7 @@ from ..._launch import fast_launch
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
+from ..gluon import backward_wide as gluon_backward_wide
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
     DATA_DEPENDENT,
@@ -391,9 +392,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     ``config`` is a ``configs.BackwardConfig``: tiles of the kv kernel, of the dQ kernel when dQ is
     computed separately (deterministic), and how dQ is reduced otherwise. ``dbias`` has the bias's
     shape and dtype (None unless ``need_dbias``). ``tma``: load tiles through TMA descriptors; None
-    decides from the device and alignment. ``gluon``: run the warp-specialized Hopper kernel
-    (``attn/gluon/backward.py``) instead of these where it applies; False: never (the tests and sweeps of these
-    kernels).
+    decides from the device and alignment. ``gluon``: run the warp-specialized Hopper kernels instead of these where
+    they apply (``attn/gluon/backward.py``; past a head dim of 128 ``attn/gluon/backward_wide.py`` for dK and dV,
+    beside the dQ kernel here); False: never (the tests and sweeps of these kernels).
     """
     B, H, dense = problem.batch, problem.heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
@@ -414,8 +415,12 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
+    # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, dK and dV
+    # in tiles of 256 (``wide``), with dQ from the dQ kernel below in its tuned tiles.
+    wide = (gluon and config.q is not None
+            and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
-    dq_mode = DQ_TMA if gluon else config.dq_mode  # (the Gluon kernel reduces dQ into the accumulator)
+    dq_mode = DQ_TMA if gluon else DQ_SEPARATE if wide else config.dq_mode
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited (except where the Gluon
     # kernel's first sequence stores every tile: gluon_backward.stores_first).
@@ -465,6 +470,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                                  dbias=dbias_buf if db_mode != DBIAS_NONE else None,
                                  dbias_mode=GLUON_FIRST_STORES if first_stores else db_mode,
                                  adds_across_batch=adds_across_batch)
+    elif wide:
+        gluon_backward_wide.launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
+                                      feats, common["scores"])
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=adds_across_batch)

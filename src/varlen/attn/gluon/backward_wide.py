@@ -1,0 +1,317 @@
+"""Hopper attention backward in Gluon past a head dim of 128: a key block's dK and dV in tiles of 256, warp-specialized.
+
+``backward.py``'s kernel gives each of its two warpgroups 64 keys and all their dK and dV columns: at a head dim of
+256 those 64 x 256 float32 accumulators alone would take 256 registers per thread. Here the two warpgroups share one
+block of 64 keys and split the work by product instead:
+
+- the **score** warpgroup computes Sᵀ = K Qᵀ (from -lse, in units of S), Pᵀ = exp2(qk_scale Sᵀ), hands Pᵀ over in
+  float32 through shared memory, and adds dV += Pᵀ dO (Pᵀ from its registers);
+- the **gradient** warpgroup computes dPᵀ = V dOᵀ (from -delta), takes Pᵀ, and adds dK += dSᵀ Q with
+  dSᵀ = Pᵀ dPᵀ (from its registers).
+
+Each holds one 64 x 256 float32 accumulator (128 registers) and does two of the four products, as many FLOPs as the
+other; only Pᵀ crosses between them, one way (``p_ready`` / ``p_free``, double-buffered). A loader warp brings K and
+V once and the (Q, dO) tiles of 64 queries of every head of the GQA group through a two-stage ring, each stage with
+its tile's lse and delta, as ``backward.py``'s does. dQ is not computed here: the shared memory (K, V, the ring and
+Pᵀ: 224 KiB) has no room for its float32 staging, and its product would need a third accumulator; the Triton dQ
+kernel (``triton/backward.py``'s ``_bwd_q_kernel``, in its tuned tiles, ``configs.HEAD256_SWEEP``) computes it
+after, which also makes the backward deterministic (dK and dV are stored, not added).
+
+Sequences and heads as in ``backward.py``: per-sequence TMA descriptors made on the device (boxes clip at the last
+row: queries past ``Lq`` get ``lse2 = +inf``, so P = 0; keys past ``Lk`` are zero rows whose dK and dV are never
+stored), or, for dense calls whose lengths are whole numbers of tiles, descriptors made once on the host. Head dims
+below 256 (136-248, multiples of 8: ``common.wide_tile_head_dim``) are read through 3-D descriptors, zeros past the
+head, and stored clipped there.
+
+Scope (:func:`supports`): fp16/bf16, head dims 136-256 (multiples of 8, Dv = D), dense or jagged, no mask, causal
+(either alignment) or windows, GQA, deterministic or not; no bias, ALiBi, softcap, dropout, prefix, documents or
+query positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
+TMA-aligned). Gluon doesn't run in the interpreter: the GPU tests cover every variant it accepts.
+"""
+
+from __future__ import annotations
+
+from ..._launch import fast_launch
+from ...tiling import cdiv
+from ..triton.launch import ensure_allocator
+from ..triton.masks import Mask, in_band, query_stages
+from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
+from . import common
+from .common import (
+    HAVE_GLUON,
+    fence_async_shared,
+    gl,
+    gluon,
+    head_descriptor,
+    load_head_tile,
+    mbarrier,
+    query_vector,
+    store_head_tile,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_N = 64   # keys per program (both warpgroups)
+BLOCK_M = 64   # queries per tile of the ring
+TILE_D = 256   # the tile head dim
+NUM_WARPS = 4  # the default partition: the score warpgroup; the gradient warpgroup and the loader are workers
+# Dense causal calls with fewer programs than this per SM start every first key block first (program.blocks_last),
+# as backward.py's kernel does (not measured at this tile).
+PROGRAMS_PER_SM = 8
+
+
+if HAVE_GLUON:
+    @gluon.jit
+    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar,
+                    ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row, k_row, hk, n0, t_lo, n_tiles,
+                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                    GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """The producer warp: the block's K and V at once, then the (Q, dO) tiles of every head of the group through
+        the two-stage ring, each stage refilled once both warpgroups released it, with the tile's lse (log2 units;
+        +inf past ``Lq``) and delta, loaded by this warp's threads. ``q_row``, ``k_row``: the sequence's first rows in
+        the descriptors."""
+        dtype: gl.constexpr = k_desc.dtype
+        mbarrier.expect(kv_bar.index(0), 2 * BN * D * dtype.primitive_bitwidth // 8)
+        load_head_tile(k_desc, k_row + n0, hk, kv_bar.index(0), k_smem, D, HEAD_D)
+        load_head_tile(v_desc, k_row + n0, hk, kv_bar.index(0), v_smem, D, HEAD_D)
+        tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
+        count = 0
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            head_row = lse_offset(b, q_start, h, H, total_q, max_q, VARLEN)  # (of lse2 and delta)
+            for j in range(n_tiles):
+                stage = count % 2
+                mbarrier.wait(empty.index(stage), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                mbarrier.expect(ready.index(stage), tile_bytes)
+                row = q_row + t_lo + j * BM
+                load_head_tile(q_desc, row, h, ready.index(stage), q_ring.index(stage), D, HEAD_D)
+                load_head_tile(do_desc, row, h, ready.index(stage), do_ring.index(stage), D, HEAD_D)
+                # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
+                lse2_ring.index(stage).store(query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
+                delta_ring.index(stage).store(query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
+                gl.thread_barrier()
+                mbarrier.arrive(ready.index(stage))
+                count += 1
+
+    @gluon.jit
+    def _score_warpgroup(k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready, p_free,
+                         dv_desc, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale,
+                         HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
+                         GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
+        and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
+        gradient warpgroup's last product has read V."""
+        dtype: gl.constexpr = k_smem.dtype
+        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, BM, 16])
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
+        q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
+        inv_qk_scale = 1.0 / qk_scale
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
+        # Zeros the compiler can't fold (backward.py's row_zeros): each row of the product's start a value of its own.
+        row_zeros = keys.to(gl.float32) * 0.0
+        dv = gl.zeros([BN, D], gl.float32, layout=kd_layout)
+        mbarrier.wait(kv_bar.index(0), 0)
+        count = 0
+        for _g in range(GROUP):
+            for j in range(n_tiles):
+                stage = count % 2
+                m0 = t_lo + j * BM
+                mbarrier.wait(ready.index(stage), (count // 2) & 1)
+                # The product starts from -lse (in units of S), so that P = exp2(qk_scale Sᵀ).
+                lse = lse2_ring.index(stage).load(q_axis) * inv_qk_scale
+                st = warpgroup_mma(k_smem, q_ring.index(stage).permute((1, 0)), row_zeros[:, None] - lse[None, :],
+                                   is_async=True)
+                st = warpgroup_mma_wait(0, deps=(st,))
+                pt = gl.exp2(st * qk_scale)
+                if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
+                    queries = m0 + gl.arange(0, BM, layout=q_axis)
+                    ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
+                    pt = gl.where(ok, pt, 0.0)
+                buf = count % 2
+                mbarrier.wait(p_free.index(buf), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
+                p_smem.index(buf).store(pt)
+                gl.thread_barrier()
+                mbarrier.arrive(p_ready.index(buf))
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_ring.index(stage), dv, is_async=True)
+                dv = warpgroup_mma_wait(0, deps=(dv,))
+                mbarrier.arrive(empty.index(stage))
+                count += 1
+        # The gradient warpgroup frees a Pᵀ buffer after its dPᵀ product, the last reader of V, is complete.
+        if count > 0:
+            mbarrier.wait(p_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+        v_smem.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        store_head_tile(dv_desc, k_row + n0, hk, v_smem, 0, D, HEAD_D)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
+                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, D: gl.constexpr, HEAD_D: gl.constexpr,
+                            GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+        """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
+        of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
+        warpgroup's last product has read K (before it made its last Pᵀ ready)."""
+        dtype: gl.constexpr = k_smem.dtype
+        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, BM, 16])
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
+        q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
+        keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
+        row_zeros = keys.to(gl.float32) * 0.0
+        dk = gl.zeros([BN, D], gl.float32, layout=kd_layout)
+        mbarrier.wait(kv_bar.index(0), 0)
+        for count in range(GROUP * n_tiles):  # (the query tiles of every head of the group, as the loader brings them)
+            stage = count % 2
+            mbarrier.wait(ready.index(stage), (count // 2) & 1)
+            # The product starts from -delta, so that dSᵀ = Pᵀ dPᵀ.
+            delta = delta_ring.index(stage).load(q_axis)
+            dpt = warpgroup_mma(v_smem, do_ring.index(stage).permute((1, 0)), row_zeros[:, None] - delta[None, :],
+                                is_async=True)
+            dpt = warpgroup_mma_wait(0, deps=(dpt,))
+            buf = count % 2
+            mbarrier.wait(p_ready.index(buf), (count // 2) & 1)
+            pt = p_smem.index(buf).load(kq_layout)
+            gl.thread_barrier()
+            mbarrier.arrive(p_free.index(buf))
+            ds = (pt * dpt).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_ring.index(stage), dk, is_async=True)
+            dk = warpgroup_mma_wait(0, deps=(dk,))
+            mbarrier.arrive(empty.index(stage))
+        k_smem.store((dk * scale).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        store_head_tile(dk_desc, k_row + n0, hk, k_smem, 0, D, HEAD_D)
+        tma.store_wait(0)
+
+    @fast_launch
+    @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
+    def _bwd_kv_wide_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
+                            total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, KD, VD, dKD,
+                            dVD, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                            HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                            GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
+        """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``); tensors
+        as ``backward._bwd_kv_hopper``'s, without dQ. ``scale``: the softmax scale; ``qk_scale``: it times log2(e).
+        HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, K, V, dK and dV made on the host
+        (:func:`host_descriptors`); otherwise (all None) each program makes its sequence's. Partitions: the default
+        one is the score warpgroup; workers: the gradient warpgroup and the one-warp loader."""
+        dtype: gl.constexpr = Q.ptr.dtype.element_ty
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float32)
+        gl.static_assert(BM == BN, "one shared layout for the query and key tiles")
+
+        bt = batch(seqs, total_q, total_k, max_q, max_k)
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID, HKV)
+        n0 = block * BN
+        if n0 >= seq.Lk:
+            return
+        if HOST_DESCS:
+            # Over all B x S rows; no tile crosses a sequence (host_descriptors).
+            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, KD, VD, dKD, dVD
+            q_row = seq.b * max_q
+            k_row = seq.b * max_k
+        else:
+            # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end.
+            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
+            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, D, D, HEAD_D)
+            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D, D, HEAD_D)
+            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, D, D, HEAD_D)
+            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, D, D, HEAD_D)
+            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, D, D, HEAD_D)
+            q_row = 0
+            k_row = 0
+
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], tile_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], tile_layout)
+        q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], tile_layout)
+        do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], tile_layout)
+        p_smem = gl.allocate_shared_memory(gl.float32, [2, BN, BM], p_layout)  # Pᵀ of a tile, double-buffered
+        vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        lse2_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
+        delta_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar.index(0), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=2)  # the tiles' bytes with one arrival; lse and delta stored
+            mbarrier.init(empty.index(i), count=2)  # one arrival per warpgroup
+            mbarrier.init(p_ready.index(i), count=1)  # the score warpgroup's Pᵀ written
+            mbarrier.init(p_free.index(i), count=1)  # the gradient warpgroup's Pᵀ read
+
+        # The query tiles that see the key block; the band, if any, is applied on those outside [u_lo, u_hi).
+        t_lo, u_lo, u_hi, t_hi = query_stages(n0, seq.Lq, seq.Lk, m, F, BM, BN)
+        n_tiles = (t_hi - t_lo + BM - 1) // BM
+        gl.warp_specialize([
+            (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
+                                p_free, dv_desc, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi,
+                                qk_scale, F.HAS_R, F.HAS_WL, D, HEAD_D, GROUP, BM, BN)),
+            (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
+                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, D, HEAD_D, GROUP, BM, BN)),
+            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
+                           kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
+                           hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN)),
+        ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
+        mbarrier.invalidate(kv_bar.index(0))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(p_ready.index(i))
+            mbarrier.invalidate(p_free.index(i))
+
+
+def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
+    """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in the tiles of 256
+    (``wide``: head dims 136-256, multiples of 8), without dropout; deterministic or not (it adds nothing)."""
+    if common.wide_tile_head_dim(problem.head_dim) != TILE_D:
+        return False
+    return seed is None and common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
+
+
+def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
+    """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor with its
+    heads packed in a row and TMA-aligned."""
+    return supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(problem.head_dim, q, k, v,
+                                                                                         dout)
+
+
+def host_descriptors(problem, q, dout, k, v, dk, dv) -> tuple | None:
+    """The kernel's TMA descriptors (q, dO, K, V, dK, dV) made once on the host over all B x S rows of each tensor,
+    where no tile crosses a sequence: dense calls whose lengths are whole numbers of tiles, each tensor's sequences
+    one after another in memory. Otherwise None (each program makes its sequence's, clipped at its end)."""
+    if not problem.dense or problem.max_q % BLOCK_M or problem.max_k % BLOCK_N:
+        return None
+    if not common.sequences_adjacent(q, dout, k, v, dk, dv):
+        return None
+    return (*(common.host_head_descriptor(t, BLOCK_M, TILE_D, TILE_D) for t in (q, dout)),
+            *(common.host_head_descriptor(t, BLOCK_N, TILE_D, TILE_D) for t in (k, v, dk, dv)))
+
+
+def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
+    """Run the kernel: dK and dV written (dQ is the Triton dQ kernel's); ``lse2``, ``delta``: the preprocess's;
+    ``order``: the sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
+    ``Scores`` bundles."""
+    descs = host_descriptors(problem, q, dout, k, v, dk, dv)
+    if descs is None:
+        ensure_allocator()  # the kernel builds TMA descriptors on the device
+    QD, dOD, KD, VD, dKD, dVD = descs or (None,) * 6
+    dense = problem.dense
+    grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM,
+                                      kv_groups=True)
+    _bwd_kv_wide_hopper[grid](
+        rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dk, dense), rows(dv, dense), lse2,
+        delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, QD=QD, dOD=dOD,
+        KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=TILE_D, HEAD_D=problem.head_dim, H=problem.heads,
+        HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, GRID=grid_order,
+        HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
+    )
+
