@@ -123,6 +123,8 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
             for causal in (False, True):
                 name = f"D{D} S{S} B{16384 // S} H{H}" + (" causal" if causal else "")
                 yield name, lambda D=D, H=H, S=S, causal=causal: dense_case(16384 // S, S, H, H, D, causal)
+    # ... and D256 with dropout (the Gluon backward in tiles of 256 draws it; the forward is the Triton kernel's).
+    yield "D256 S2048 B8 H8 dropout 0.1", lambda: dense_case(8, 2048, 8, 8, 256, False, 0.1)
 
 
 def arguments() -> argparse.Namespace:

@@ -599,13 +599,12 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
     # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 256 (dK and dV
-    # stored, dQ by the Triton dQ kernel: deterministic too; no dropout).
+    # stored, dQ by the Triton dQ kernel: deterministic too), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
     for options, in_tiles in ((opts, tile is not None), (deterministic, False)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
-    for options in (opts, deterministic):
-        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, None) == (wide_tile == 256)
-    assert not gluon_backward_wide.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
+    for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0))):
+        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (wide_tile == 256)
     assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
 
 

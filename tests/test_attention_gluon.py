@@ -340,6 +340,29 @@ def test_wide_backward_matches_reference(monkeypatch, dtype, D, layout, heads, k
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS)
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_backward_with_dropout_matches_reference(monkeypatch, dtype, layout, mask, dropout_p, offset):
+    # The score warpgroup draws the mask of each 64 x 64 tile (gluon/dropout.py's backward tile), bit for bit the one
+    # attention_dropout_mask gives; the Triton dQ kernel draws its own.
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), dtype, 256, layout, 8, 2, mask, dropout_p, offset)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dropout_p,offset", DROPOUTS + [(0.5, 8)])
+def test_wide_backward_draws_the_mask_exactly(monkeypatch, dropout_p, offset):
+    # As test_kernels_draw_the_mask_exactly, in tiles of 256: dV shows each keep bit.
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    q, k, v, dout, draws, keep = _mask_revealing_inputs(256, dropout_p, offset, seed=256 + offset)
+    (dv,) = torch.autograd.grad(varlen.attention(q, k, v, dropout_p=dropout_p, generator=draws), (v,), dout)
+    assert launches, "the Gluon backward in tiles of 256 did not run"
+    assert torch.equal(dv.float().permute(0, 2, 3, 1) > 0, keep)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 def test_wide_backward_is_deterministic(monkeypatch, layout):
     # dK and dV stored, not added, and dQ from the Triton dQ kernel: deterministic mode takes the kernel, and two

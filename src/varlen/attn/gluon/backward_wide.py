@@ -36,6 +36,7 @@ from ...tiling import cdiv
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band, query_stages
 from ..triton.program import Rows, Seqs, base, batch, key_block_grid, lse_offset, prologue, rows
+from ..triton.scores import Dropout
 from . import common
 from .common import (
     HAVE_GLUON,
@@ -51,6 +52,7 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .dropout import dropped_signs, keep_words, relu_low
 
 BLOCK_N = 64   # keys per program (both warpgroups)
 BLOCK_M = 64   # queries per tile of the ring
@@ -96,12 +98,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _score_warpgroup(k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready, p_free,
-                         dv_desc, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale,
-                         HAS_R: gl.constexpr, HAS_WL: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
+                         dv_desc, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
+                         offset_lo, threshold, keep_scale, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                         DROPOUT: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
                          GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
         """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
         and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
-        gradient warpgroup's last product has read V."""
+        gradient warpgroup's last product has read V. With ``DROPOUT`` the tile's keep bits are drawn before its
+        product is issued (``backward.py``'s draw, of its 64-key tiles) and ride in Pᵀ's sign bits (-P where
+        dropped): dV takes the kept P (``relu_low``; the keep scale at the end), and the gradient warpgroup the
+        signed Pᵀ."""
         dtype: gl.constexpr = k_smem.dtype
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, BM, 16])
@@ -116,10 +122,12 @@ if HAVE_GLUON:
         dv = gl.zeros([BN, D], gl.float32, layout=kd_layout)
         mbarrier.wait(kv_bar.index(0), 0)
         count = 0
-        for _g in range(GROUP):
+        for g in range(GROUP):
             for j in range(n_tiles):
                 stage = count % 2
                 m0 = t_lo + j * BM
+                if DROPOUT:
+                    words = keep_words(seed, offset_lo, threshold, b * H + hk * GROUP + g, m0, n0, False)
                 mbarrier.wait(ready.index(stage), (count // 2) & 1)
                 # The product starts from -lse (in units of S), so that P = exp2(qk_scale Sᵀ).
                 lse = lse2_ring.index(stage).load(q_axis) * inv_qk_scale
@@ -131,18 +139,26 @@ if HAVE_GLUON:
                     queries = m0 + gl.arange(0, BM, layout=q_axis)
                     ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                     pt = gl.where(ok, pt, 0.0)
+                if DROPOUT:
+                    pt = (pt.to(gl.uint32, bitcast=True) | dropped_signs(words, kq_layout)).to(gl.float32,
+                                                                                              bitcast=True)
+                    pv = relu_low(pt, dtype)
+                else:
+                    pv = pt.to(dtype)
                 buf = count % 2
                 mbarrier.wait(p_free.index(buf), ((count // 2) & 1) ^ 1)  # (a fresh barrier passes)
                 p_smem.index(buf).store(pt)
                 gl.thread_barrier()
                 mbarrier.arrive(p_ready.index(buf))
-                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_ring.index(stage), dv, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_ring.index(stage), dv, is_async=True)
                 dv = warpgroup_mma_wait(0, deps=(dv,))
                 mbarrier.arrive(empty.index(stage))
                 count += 1
         # The gradient warpgroup frees a Pᵀ buffer after its dPᵀ product, the last reader of V, is complete.
         if count > 0:
             mbarrier.wait(p_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
+        if DROPOUT:
+            dv = dv * keep_scale
         v_smem.store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
@@ -151,11 +167,14 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, D: gl.constexpr, HEAD_D: gl.constexpr,
-                            GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, DROPOUT: gl.constexpr,
+                            D: gl.constexpr, HEAD_D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                            BN: gl.constexpr):
         """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
         of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
-        warpgroup's last product has read K (before it made its last Pᵀ ready)."""
+        warpgroup's last product has read K (before it made its last Pᵀ ready). With ``DROPOUT`` (Pᵀ signed where
+        dropped), dSᵀ as ``backward.py`` makes it, times 2 / keep_scale: (Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale;
+        dK takes the factor back at the end."""
         dtype: gl.constexpr = k_smem.dtype
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, BM, 16])
@@ -166,25 +185,37 @@ if HAVE_GLUON:
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         row_zeros = keys.to(gl.float32) * 0.0
         dk = gl.zeros([BN, D], gl.float32, layout=kd_layout)
+        if DROPOUT:
+            twice_inv_keep = 2.0 / keep_scale
+            dk_scale = scale * keep_scale * 0.5
+        else:
+            dk_scale = scale
         mbarrier.wait(kv_bar.index(0), 0)
         for count in range(GROUP * n_tiles):  # (the query tiles of every head of the group, as the loader brings them)
             stage = count % 2
             mbarrier.wait(ready.index(stage), (count // 2) & 1)
-            # The product starts from -delta, so that dSᵀ = Pᵀ dPᵀ.
             delta = delta_ring.index(stage).load(q_axis)
-            dpt = warpgroup_mma(v_smem, do_ring.index(stage).permute((1, 0)), row_zeros[:, None] - delta[None, :],
-                                is_async=True)
+            if DROPOUT:  # (dS needs dP itself)
+                dpt = warpgroup_mma(v_smem, do_ring.index(stage).permute((1, 0)),
+                                    gl.zeros([BN, BM], gl.float32, layout=kq_layout), use_acc=False, is_async=True)
+            else:  # (the product starts from -delta, so that dSᵀ = Pᵀ dPᵀ)
+                dpt = warpgroup_mma(v_smem, do_ring.index(stage).permute((1, 0)), row_zeros[:, None] - delta[None, :],
+                                    is_async=True)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
             buf = count % 2
             mbarrier.wait(p_ready.index(buf), (count // 2) & 1)
             pt = p_smem.index(buf).load(kq_layout)
             gl.thread_barrier()
             mbarrier.arrive(p_free.index(buf))
-            ds = (pt * dpt).to(dtype)
+            if DROPOUT:
+                twice_delta = delta * twice_inv_keep
+                ds = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * twice_delta[None, :]).to(dtype)
+            else:
+                ds = (pt * dpt).to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_ring.index(stage), dk, is_async=True)
             dk = warpgroup_mma_wait(0, deps=(dk,))
             mbarrier.arrive(empty.index(stage))
-        k_smem.store((dk * scale).to(dtype))
+        k_smem.store((dk * dk_scale).to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         store_head_tile(dk_desc, k_row + n0, hk, k_smem, 0, D, HEAD_D)
@@ -193,12 +224,15 @@ if HAVE_GLUON:
     @fast_launch
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_wide_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
-                            total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, QD, dOD, KD, VD, dKD,
-                            dVD, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                            total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, dropout: Dropout,
+                            seed, offset_lo, QD, dOD, KD, VD, dKD, dVD, F: gl.constexpr, D: gl.constexpr,
+                            HEAD_D: gl.constexpr, H: gl.constexpr,
                             HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                             GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``); tensors
-        as ``backward._bwd_kv_hopper``'s, without dQ. ``scale``: the softmax scale; ``qk_scale``: it times log2(e).
+        as ``backward._bwd_kv_hopper``'s, without dQ. ``scale``: the softmax scale; ``qk_scale``: it times log2(e);
+        ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
+        ``F.DROPOUT``).
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, K, V, dK and dV made on the host
         (:func:`host_descriptors`); otherwise (all None) each program makes its sequence's. Partitions: the default
         one is the score warpgroup; workers: the gradient warpgroup and the one-warp loader."""
@@ -253,10 +287,12 @@ if HAVE_GLUON:
         n_tiles = (t_hi - t_lo + BM - 1) // BM
         gl.warp_specialize([
             (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
-                                p_free, dv_desc, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi,
-                                qk_scale, F.HAS_R, F.HAS_WL, D, HEAD_D, GROUP, BM, BN)),
+                                p_free, dv_desc, seq.b, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo,
+                                u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, F.HAS_R,
+                                F.HAS_WL, F.DROPOUT, D, HEAD_D, H, GROUP, BM, BN)),
             (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, D, HEAD_D, GROUP, BM, BN)),
+                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, F.DROPOUT, D,
+                                   HEAD_D, GROUP, BM, BN)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
                            kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
                            hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN)),
@@ -271,10 +307,10 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in the tiles of 256
-    (``wide``: head dims 136-256, multiples of 8), without dropout; deterministic or not (it adds nothing)."""
+    (``wide``: head dims 136-256, multiples of 8; dropout allowed), deterministic or not (it adds nothing)."""
     if common.wide_tile_head_dim(problem.head_dim) != TILE_D:
         return False
-    return seed is None and common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
+    return common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
@@ -296,10 +332,10 @@ def host_descriptors(problem, q, dout, k, v, dk, dv) -> tuple | None:
             *(common.host_head_descriptor(t, BLOCK_N, TILE_D, TILE_D) for t in (k, v, dk, dv)))
 
 
-def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores) -> None:
+def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores, dropout) -> None:
     """Run the kernel: dK and dV written (dQ is the Triton dQ kernel's); ``lse2``, ``delta``: the preprocess's;
     ``order``: the sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
-    ``Scores`` bundles."""
+    ``Scores`` bundles; ``dropout``: ``triton.scores.dropout_args``'s keyword arguments."""
     descs = host_descriptors(problem, q, dout, k, v, dk, dv)
     if descs is None:
         ensure_allocator()  # the kernel builds TMA descriptors on the device
@@ -309,8 +345,8 @@ def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask
                                       kv_groups=True)
     _bwd_kv_wide_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dk, dense), rows(dv, dense), lse2,
-        delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, QD=QD, dOD=dOD,
-        KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=TILE_D, HEAD_D=problem.head_dim, H=problem.heads,
+        delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, QD=QD,
+        dOD=dOD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=TILE_D, HEAD_D=problem.head_dim, H=problem.heads,
         HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )

@@ -472,7 +472,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                                  adds_across_batch=adds_across_batch)
     elif wide:
         gluon_backward_wide.launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
-                                      feats, common["scores"])
+                                      feats, common["scores"], dropout_kwargs)
     else:
         grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, kv.block_n), q.device,
                                           KV_PROGRAMS_PER_SM, adds_across_batch=adds_across_batch)
