@@ -2,10 +2,13 @@
 
     PYTHONPATH=src python3 bench/attention_sweep.py --jobs 16 [--quick] [--focus F] --csv rows.csv
     PYTHONPATH=src python3 bench/attention_sweep.py --focus fp32 --precision tf32x3 --kind bwd --csv rows.csv
+    PYTHONPATH=src python3 bench/attention_sweep.py --focus head256_dropout --csv rows.csv
 
 Every variant is first compiled in a pool of processes (filling Triton's on-disk cache in parallel),
 then timed one after another in this process. Forward and backward are timed separately; the backward
-through ``launch_backward`` alone (preprocess + kernels), in TFLOP/s with the 2.5x-forward FLOP count.
+through ``launch_backward`` alone (preprocess + kernels), in TFLOP/s with the 2.5x-forward FLOP count. The Triton
+kernels' tiles are swept, with the Gluon kernels off, except for ``--focus head256_dropout``: the dQ kernel's tiles
+beside the Gluon dK and dV kernel in tiles of 256 (``gluon/backward_wide.py``), which runs there on Hopper.
 
 ``--csv`` writes one row per variant with its provenance (GPU, compute capability, torch and Triton
 versions, date), shape, feature, config and TFLOP/s: commit it under ``bench/results/sweeps/``, where the
@@ -68,6 +71,10 @@ KV_256_SEPARATE = [K(64, 64, 8, 2), K(64, 64, 8, 3), K(64, 64, 8, 1), K(128, 64,
                    K(32, 64, 8, 2), K(32, 64, 8, 3), K(64, 32, 4, 2)]
 QK_256 = [K(128, 32, 8, 3), K(128, 32, 8, 2), K(128, 32, 8, 4), K(128, 32, 4, 3), K(128, 16, 8, 3), K(128, 64, 8, 1),
           K(64, 32, 4, 1), K(64, 32, 4, 3)]
+# ... with dropout (its draws beside the tiles): those that compile (tools/compile_check.py; 128 x 32 at 3 stages
+# overflows shared memory, kept to record it), and the smallest.
+QK_256_DROPOUT = [K(128, 32, 8, 2), K(128, 32, 8, 3), K(128, 16, 8, 3), K(128, 16, 8, 2), K(64, 64, 8, 2),
+                  K(64, 32, 8, 3), K(64, 32, 4, 2), K(32, 64, 8, 1)]
 # The float32 backward with bf16 parts keeps every loaded tile's three parts in shared memory
 # (configs.splits_bf16): few query rows per tile, and two stages or more (launch_backward).
 KV_F32_SPLIT = [K(32, 64, 4, 2), K(64, 64, 4, 2), K(16, 64, 4, 2), K(16, 64, 4, 3), K(32, 64, 4, 3),
@@ -92,6 +99,9 @@ def shapes(args):
     elif args.focus == "head256":
         for causal in (False, True):
             yield dict(D=256, causal=causal, S=4096, B=4, H=8, feat=None)
+    elif args.focus == "head256_dropout":
+        for causal in (False, True):
+            yield dict(D=256, causal=causal, S=2048, B=8, H=8, feat="dropout", gluon=True)
     elif args.focus == "gqa_window":
         yield dict(D=128, causal=True, S=4096, B=2, H=32, Hkv=8, feat=None)
         yield dict(D=128, causal=True, S=16384, B=1, H=16, window=1023, feat=None)
@@ -122,6 +132,10 @@ def variants(args):
                 yield ("bwd", sh, BC(c, None, configs.DQ_TMA), None)
             for kv, q in ((K(64, 64, 4, 2), K(64, 64, 4, 2)), (K(64, 128, 8, 3), K(64, 64, 4, 2))):
                 yield ("bwd", sh, BC(kv, q, configs.DQ_SEPARATE), None)
+            continue
+        if sh.get("gluon"):  # (the dQ kernel beside the Gluon kernel, which takes the kv kernel's place)
+            for q in QK_256_DROPOUT:
+                yield ("bwd", sh, BC(K(32, 64, 8, 1), q, configs.DQ_SEPARATE), True)
             continue
         if sh["D"] == 256:
             for c in FWD_256:
@@ -183,7 +197,7 @@ def run(variant, timing=False):
         else:
             def fn():
                 return launch_backward(do, None, q, k, v, out, lse, bias, None, prob, opts, seed, cfg,
-                                       bias is not None, tma=tma, gluon=False)
+                                       bias is not None, tma=tma, gluon=sh.get("gluon", False))
         fn()
         torch.cuda.synchronize()
         if not timing:
@@ -205,7 +219,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--focus", default="all", choices=["all", "tails", "heavy", "gqa_window", "fp32", "head256"])
+    ap.add_argument("--focus", default="all",
+                    choices=["all", "tails", "heavy", "gqa_window", "fp32", "head256", "head256_dropout"])
     ap.add_argument("--csv", help="write the rows here (see the module docstring)")
     ap.add_argument("--precision", nargs="+", default=["tf32", "tf32x3"], choices=["tf32", "tf32x3"],
                     help="--focus fp32: the float32 dot precisions to sweep")

@@ -85,11 +85,22 @@ def test_head256_tables_are_the_sweeps_best(causal):
         assert timed[(chosen, "True")] >= max(timed.values()) - 1
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_head256_dropout_dq_tiles_are_the_sweeps_best(causal):
+    """With dropout at D256, the dQ kernel's tiles are the row of the sweep they cite (dQ tiles beside the Gluon dK and
+    dV kernel) within the rows' rounding (1 TFLOP/s) of its best."""
+    rows = [r for r in _rows(configs.HEAD256_DROPOUT_SWEEP) if r["causal"] == str(causal)]
+    assert {r["capability"] for r in rows} == {"9.0"} and {(r["D"], r["feature"]) for r in rows} == {("256", "dropout")}
+    timed = {_config(r["config"]).q: int(r["tflops"]) for r in rows if r["tflops"].lstrip("-").isdigit()}
+    assert timed[configs.SM90.backward_dropout[256][1]] >= max(timed.values()) - 1
+
+
 def test_sources_are_named_and_other_gpus_fall_back_to_sm90():
     assert (SWEEPS / pathlib.Path(configs.FP32_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.FP32_PARTS_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.HEAVY_SWEEP).name).exists()
     assert (SWEEPS / pathlib.Path(configs.HEAD256_SWEEP).name).exists()
+    assert (SWEEPS / pathlib.Path(configs.HEAD256_DROPOUT_SWEEP).name).exists()
     assert "untuned" in configs.UNTUNED and "NOTES.md" in configs.H200_SWEEPS
     assert configs.tables(torch.device("cpu")) is configs.SM90
 

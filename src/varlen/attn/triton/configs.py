@@ -56,6 +56,9 @@ HEAVY_SWEEP = "bench/results/sweeps/heavy_h100_2026-11-26.csv"
 # Head dim 256 (and 129-255, computed in tiles 256 wide) on an H100 (bench/attention_sweep.py --focus head256, B4 S4096
 # H8 D256, causal or not): the forward and the backward without a bias or dropout.
 HEAD256_SWEEP = "bench/results/sweeps/head256_h100_2026-11-27.csv"
+# The dQ kernel's tiles with dropout at head dim 256, beside the Gluon dK and dV kernel in tiles of 256 (which takes
+# the kv kernel's place on Hopper; bench/attention_sweep.py --focus head256_dropout, B8 S2048 H8, causal or not).
+HEAD256_DROPOUT_SWEEP = "bench/results/sweeps/head256_dropout_h100_2026-11-27.csv"
 UNTUNED = "untuned: the smallest tiles that fit the shared memory, never timed against others"
 
 
@@ -93,7 +96,8 @@ class Tables:
     # drawn once per tile, not twice). HEAVY_SWEEP (H100) kept every D128 choice: backward with a (B,H,S,S) bias
     # 218 vs 161 in-kernel, (1,H,S,S) 180 vs 142, dropout (the Triton kernel) 246 vs 233 separate. D64 and D256
     # entries: UNTUNED (D128's choice, resized to fit; the D256 backward's: the smallest tiles, which the plain
-    # backward took before HEAD256_SWEEP).
+    # backward took before HEAD256_SWEEP), but D256's dQ tiles with dropout: HEAD256_DROPOUT_SWEEP (they run beside
+    # the Gluon kernel in tiles of 256 on Hopper, and in deterministic mode).
     forward_bias: dict
     forward_dropout: dict
     backward_bias: dict
@@ -146,7 +150,7 @@ SM90 = Tables(
                    128: (K(64, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
                    256: (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA)},
     backward_dropout={128: (K(64, 128, 8, 3, tma=False), K(64, 64, 4, 2), DQ_TMA),
-                      256: (K(32, 64, 8, 1), K(32, 64, 8, 1), DQ_TMA)},
+                      256: (K(32, 64, 8, 1), K(128, 32, 8, 2), DQ_TMA)},
     q_heavy={64: K(64, 64, 4, 2)},
     backward_gqa_causal_128=(K(32, 64, 4, 2), K(64, 64, 4, 2), DQ_SEPARATE),
     backward_short_causal_64=(K(64, 64, 4, 2, tma=False), K(64, 64, 4, 2), DQ_TMA),
