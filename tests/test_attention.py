@@ -606,6 +606,10 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0))):
         assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (wide_tile == 256)
     assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
+    # A zero scale: not where the products start from -lse / scale (the lean form at 128, the tiles of 256).
+    zero = AttentionOptions(scale=0.0)
+    assert gluon_backward.supports(problem, zero, torch.bfloat16, None, None, None) == (tile == 64)
+    assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
 
 
 @pytest.mark.parametrize("head_dim,tile,warpgroups,keys", [

@@ -737,8 +737,13 @@ if HAVE_GLUON:
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
     D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) with dQ by atomics (not
-    deterministic); or the same with an additive bias (:func:`takes_bias`) and no dropout."""
+    deterministic), in the lean form (:func:`lean`) with a nonzero scale; or the same with an additive bias
+    (:func:`takes_bias`) and no dropout."""
     if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi):
+        return False
+    # The lean form's products start from -lse in units of S (lse / scale): no zero scale there (its weights would be
+    # exp2(-inf x 0), NaN).
+    if opts.scale == 0 and lean(common.tile_head_dim(problem.head_dim)):
         return False
     return bias is None or takes_bias(problem, opts, dtype, bias, seed)
 

@@ -23,10 +23,16 @@ stored), or, for dense calls whose lengths are whole numbers of tiles, descripto
 below 256 (136-248, multiples of 8: ``common.wide_tile_head_dim``) are read through 3-D descriptors, zeros past the
 head, and stored clipped there.
 
+Dropout: the score warpgroup draws each tile's keep bits before issuing its product (``gluon/dropout.py``'s
+backward tile, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits, as ``backward.py``
+does: dV takes the kept P, and the gradient warpgroup makes dSᵀ from the signed Pᵀ without a select.
+
 Scope (:func:`supports`): fp16/bf16, head dims 136-256 (multiples of 8, Dv = D), dense or jagged, no mask, causal
-(either alignment) or windows, GQA, deterministic or not; no bias, ALiBi, softcap, dropout, prefix, documents or
+(either alignment) or windows, GQA, dropout, deterministic or not; no bias, ALiBi, softcap, prefix, documents or
 query positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
-TMA-aligned). Gluon doesn't run in the interpreter: the GPU tests cover every variant it accepts.
+TMA-aligned). It runs wherever it applies (H100 and H200: 1.5-3.2x the Triton kernels it replaces, 0.99-1.35x cuDNN;
+``bench/NOTES.md``, "The Gluon backward in tiles of 256"). Gluon doesn't run in the interpreter: the GPU tests cover
+every variant it accepts.
 """
 
 from __future__ import annotations
@@ -307,8 +313,9 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in the tiles of 256
-    (``wide``: head dims 136-256, multiples of 8; dropout allowed), deterministic or not (it adds nothing)."""
-    if common.wide_tile_head_dim(problem.head_dim) != TILE_D:
+    (``wide``: head dims 136-256, multiples of 8; dropout allowed), deterministic or not (it adds nothing), with a
+    nonzero scale (the products start from -lse in units of S, lse / scale)."""
+    if common.wide_tile_head_dim(problem.head_dim) != TILE_D or opts.scale == 0:
         return False
     return common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
 
