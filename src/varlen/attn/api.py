@@ -62,7 +62,7 @@ def attention(
         window: ``(left, right)``; query i sees key j only if ``i + shift - left <= j <= i + shift + right``.
             None or -1 leaves a side unbounded. Combines with ``causal`` by intersection.
         align: ``"top_left"`` (shift = 0) or ``"bottom_right"`` (shift = Lk - Lq), per sequence.
-        scale: multiplies ``q.k``; default ``D ** -0.5``.
+        scale: multiplies ``q.k``, nonzero; default ``D ** -0.5``.
         bias: additive score bias broadcastable to ``(B, H, Sq, Sk)``; for jagged inputs
             ``(B, H, max_Lq, max_Lk)`` (entries past a sequence's lengths are ignored). Float (gets a
             gradient of its own shape and dtype when it requires grad) or bool (True keeps).
@@ -197,8 +197,11 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
     window_left, window_right = parse_window(window)
     if scale is None:
         scale = D ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf:
-        raise ValueError(f"scale: expected a finite float, got {scale!r}")
+    elif (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf
+          or scale == 0):
+        # (A zero scale weighs every visible key alike; the kernels scale scores that masks have made -inf, which gave
+        # NaN, so it is refused rather than computed wrong.)
+        raise ValueError(f"scale: expected a nonzero finite float, got {scale!r}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
             0 <= softcap < math.inf):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
