@@ -36,7 +36,7 @@ def main():
     # kernel takes those it applies to).
     forms = {"Triton": (never, rule, never), "one block": (applies, never, wide),
              "pairs": (applies, lambda problem, *args: not gluon_backward.lean(
-                 gluon_common.backward_tile_head_dim(problem.head_dim)), wide), "selected": (applies, rule, wide)}
+                 gluon_common.tile_head_dim(problem.head_dim)), wide), "selected": (applies, rule, wide)}
     lines = ["# Backward kernels (`bench/backward_kernels.py`)\n",
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
              f"{datetime.date.today().isoformat()}. bf16; backward TFLOP/s, steps replayed from CUDA graphs "
@@ -50,7 +50,7 @@ def main():
             continue
         case = make()
         flops = 2.5 * case.forward_flops
-        tile64 = gluon_common.backward_tile_head_dim(case.head_dim) == 64
+        tile64 = gluon_common.tile_head_dim(case.head_dim) == 64
         taken = {form: how for form, how in forms.items() if tile64 or form in ("Triton", "selected")}
         results = {form: [] for form in taken}
         try:

@@ -28,7 +28,7 @@ from varlen.attn.triton import backward as triton_backward
 from varlen.attn.triton import configs, program
 from varlen.attn.triton import forward as triton_forward
 from varlen.attn.triton import scores as triton_scores
-from varlen.attn.triton.launch import features
+from varlen.attn.triton.launch import features, head_block
 from varlen.attn.triton.parts import part_width, split_bf16
 from varlen.attn.triton.program import longest_first
 
@@ -589,8 +589,8 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
     assert gluon_common.wide_tile_head_dim(head_dim) == wide_tile
-    backward_tile = 64 if head_dim == 32 else tile  # (the backward also at 32: faster than Triton's there)
-    assert gluon_common.backward_tile_head_dim(head_dim) == backward_tile
+    if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
+        assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
     opts = AttentionOptions(scale=0.1)
     assert gluon_common.plain_call(problem, opts, torch.bfloat16, None, None) == (tile is not None)
@@ -601,14 +601,14 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 256 (dK and dV
     # stored, dQ by the Triton dQ kernel: deterministic too), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
-    for options, in_tiles in ((opts, backward_tile is not None), (deterministic, False)):
+    for options, in_tiles in ((opts, tile is not None), (deterministic, False)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
     for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0))):
         assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (wide_tile == 256)
     assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
     # A zero scale: not where the products start from -lse / scale (the lean form at 128, the tiles of 256).
     zero = AttentionOptions(scale=0.0)
-    assert gluon_backward.supports(problem, zero, torch.bfloat16, None, None, None) == (backward_tile == 64)
+    assert gluon_backward.supports(problem, zero, torch.bfloat16, None, None, None) == (tile == 64)
     assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
 
 
@@ -633,32 +633,6 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
     triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
     assert taken == [(tile, head_dim, warpgroups, keys)]
-
-
-@pytest.mark.parametrize("head_dim,width", [(32, 64), (40, 64), (64, 64), (96, 128)])
-def test_gluon_backward_adds_dq_into_an_accumulator_of_its_tile(monkeypatch, head_dim, width):
-    # The Gluon kernel adds dQ at h x its tile's columns (gluon_common.backward_tile_head_dim): the accumulator has
-    # them a head, and the preprocess zeros them all (at 32 wider than the Triton kernels' 32). Without a GPU: the
-    # kernels replaced by recorders, CPU tensors (nothing computed).
-    taken = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: taken.append(("preprocess", kwargs["dQ"].ptr.shape[-1], kwargs["BLOCK_D"]))
-
-    monkeypatch.setattr(triton_backward, "_bwd_preprocess", Recorder())
-    monkeypatch.setattr(gluon_common, "hopper_layout", lambda *args: True)
-    monkeypatch.setattr(gluon_backward, "launch_kv",
-                        lambda q, k, v, dout, dq_acc, *args, **kwargs: taken.append(("kv", dq_acc.shape[-1])))
-    problem = Problem(2, 4, 4, head_dim, head_dim, 200, 200, True)
-    q, k, v, out, dout = (torch.empty(2, 200, 4, head_dim, dtype=torch.bfloat16) for _ in range(5))
-    lse = torch.empty(2, 4, 200, dtype=torch.float32)
-    config = configs.BackwardConfig(configs.K(64, 64, 4, 2), configs.K(64, 64, 4, 2), configs.DQ_TMA)
-    dq, _, _, _ = triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem,
-                                                  AttentionOptions(scale=0.125), None, config, need_dbias=False,
-                                                  tma=True, gluon=True)
-    assert taken == [("preprocess", width, width), ("kv", width)]
-    assert dq.shape == q.shape
 
 
 @pytest.mark.parametrize("head_dim,dense,deterministic", [(192, True, False), (256, False, True), (136, True, True)])

@@ -84,9 +84,8 @@ CASES = [
                                   (False, 1, "deterministic"), (True, 4, "causal"), (True, 1, "positions"))),
     # ... and head dims that are no multiple of 8 (parts padded to one: parts.part_width).
     *((D, torch.float32, "ieee", False, 1, name) for D in (36, 100) for name in ("plain", "causal")),
-    # Head dims below their Gluon tile's (gluon.common.tile_head_dim, and the backward's at 32): the kernels' 3-D
-    # descriptors, host and device.
-    *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (32, 40, 96)
+    # Head dims below their Gluon tile's (gluon.common.tile_head_dim): the kernels' 3-D descriptors, host and device.
+    *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (40, 96)
       for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
                                   (False, 1, "dropout"), (False, 1, "bias_broadcast"), (False, 4, "causal"),
                                   (True, 4, "causal"), (True, 1, "plain"))),
@@ -163,7 +162,7 @@ def main():
                 rule, groups_rule = gluon_backward.pairs, program.kv_head_groups
                 grouped = (False, True) if problem.dense and group > 1 else (False,)
                 try:
-                    pairable = gluon_common.backward_tile_head_dim(D) == 64
+                    pairable = gluon_common.tile_head_dim(D) == 64
                     for paired, groups in itertools.product((False, True) if pairable else (None,), grouped):
                         program.kv_head_groups = (lambda *args: 1) if groups else groups_rule
                         if paired is not None:

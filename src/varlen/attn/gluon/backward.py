@@ -52,8 +52,8 @@ a mask hides a tile) and the others add to them once each tile's flag says its s
 :func:`stores_first`): the float32 buffer then takes no zeros, and no add reads zeros back from DRAM (H100, B4 S2048
 H16 D128: backward 1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stores").
 
-Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and 32 and the multiples of 8 from 40 to 128 in
-those tiles (``common.backward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal (either
+Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
+(``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
 planes (not with dropout), non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90 with
 Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a multiple of 8). It runs
@@ -736,14 +736,14 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.backward_tile_head_dim``, no score modifier or special mask; dropout allowed) with dQ by
-    atomics (not deterministic), in the lean form (:func:`lean`) with a nonzero scale; or the same with an additive
-    bias (:func:`takes_bias`) and no dropout."""
-    if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi, common.backward_tile_head_dim):
+    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) with dQ by atomics (not
+    deterministic), in the lean form (:func:`lean`) with a nonzero scale; or the same with an additive bias
+    (:func:`takes_bias`) and no dropout."""
+    if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi):
         return False
     # The lean form's products start from -lse in units of S (lse / scale): no zero scale there (its weights would be
     # exp2(-inf x 0), NaN).
-    if opts.scale == 0 and lean(common.backward_tile_head_dim(problem.head_dim)):
+    if opts.scale == 0 and lean(common.tile_head_dim(problem.head_dim)):
         return False
     return bias is None or takes_bias(problem, opts, dtype, bias, seed)
 
@@ -776,7 +776,7 @@ def stores_first(problem, feats, broadcast) -> bool:
     spills 160-224 bytes where it spilled 48-96 (H200, (1,H,S,S) B4 S2048 causal: 194 -> 191-192 TFLOP/s; at D64,
     B2 S4096 causal, 107-108 -> 127; bench/NOTES.md)."""
     return (problem.dense and broadcast[0] and not any(broadcast[1:])
-            and not ((feats.HAS_R or feats.HAS_WL) and lean(common.backward_tile_head_dim(problem.head_dim))))
+            and not ((feats.HAS_R or feats.HAS_WL) and lean(common.tile_head_dim(problem.head_dim))))
 
 
 def tile_flags(problem, device) -> torch.Tensor:
@@ -823,7 +823,7 @@ def host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | Non
         return None
     if not common.sequences_adjacent(q, dout, dq_acc, k, v, dk, dv):
         return None
-    D = common.backward_tile_head_dim(problem.head_dim)
+    D = common.tile_head_dim(problem.head_dim)
     return ([BLOCK_M, D], [BLOCK_M, D], [BLOCK_M, dq_columns(D)], [BLOCK_N, D], [BLOCK_N, D], [BLOCK_N // 2, D],
             [BLOCK_N // 2, D])
 
@@ -836,7 +836,7 @@ def host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv) -> tuple | None:
     boxes = host_descriptor_boxes(problem, q, dout, dq_acc, k, v, dk, dv)
     if boxes is None:
         return None
-    tile_dim = common.backward_tile_head_dim(problem.head_dim)
+    tile_dim = common.tile_head_dim(problem.head_dim)
     return tuple(common.host_head_descriptor(t, *box, tile_dim)
                  for t, box in zip((q, dout, dq_acc, k, v, dk, dv), boxes, strict=True))
 
@@ -866,7 +866,7 @@ def pairs(problem, feats, total_k: int, device) -> bool:
         pairs_per_head = cdiv(cdiv(problem.max_k, BLOCK_N), 2) * batch
     else:  # (each sequence rounds its pairs up by at most one)
         pairs_per_head = cdiv(total_k, 2 * BLOCK_N) + batch
-    return (first_blocks_heaviest(feats) and not lean(common.backward_tile_head_dim(problem.head_dim))
+    return (first_blocks_heaviest(feats) and not lean(common.tile_head_dim(problem.head_dim))
             and total_k <= PAIRS_MEAN_KEYS * batch and pairs_per_head * kv_heads >= PAIRS_PER_SM * sm_count(device))
 
 
@@ -881,7 +881,7 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     3: float32, stored by the first sequence and added by the others, :func:`stores_first`: then ``dbias`` needs no
     zeros, and the tiles' flags are made here, :func:`tile_flags`); ``adds_across_batch``: sequences add into the same
     gradient (``program.heads_last``)."""
-    tile_dim = common.backward_tile_head_dim(problem.head_dim)
+    tile_dim = common.tile_head_dim(problem.head_dim)
     if dq_acc.shape[-1] != tile_dim:  # (the accumulator's width is the Triton backward's head_block)
         raise ValueError(f"dq_acc: head dim {dq_acc.shape[-1]}, the kernel adds dQ in tiles of {tile_dim} columns")
     descs = host_descriptors(problem, q, dout, dq_acc, k, v, dk, dv)

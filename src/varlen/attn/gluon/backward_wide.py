@@ -317,7 +317,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     nonzero scale (the products start from -lse in units of S, lse / scale)."""
     if common.wide_tile_head_dim(problem.head_dim) != TILE_D or opts.scale == 0:
         return False
-    return common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dim)
+    return common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:

@@ -49,9 +49,9 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "backward_tile_head_dim", "wide_tile_head_dim", "plain_call", "hopper_layout",
-           "host_head_descriptor", "head_descriptor", "load_head_tile", "store_head_tile", "query_vector",
-           "sequences_adjacent", "shared_layout", "gluon_api_supported"]
+           "tile_head_dim", "wide_tile_head_dim", "plain_call", "hopper_layout", "host_head_descriptor",
+           "head_descriptor", "load_head_tile", "store_head_tile", "query_vector", "sequences_adjacent",
+           "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
 # four warps) share MAX_REGS x 384 (the launch's maxnreg); the loader keeps LOADER_REGS, each consumer
@@ -83,13 +83,6 @@ def tile_head_dim(head_dim: int) -> int | None:
     return next(d for d in TILE_HEAD_DIMS if head_dim <= d)
 
 
-def backward_tile_head_dim(head_dim: int) -> int | None:
-    """The tile head dim ``gluon/backward.py``'s kernel computes ``head_dim`` in: :func:`tile_head_dim`'s, and 32 in a
-    tile of 64, where the backward (unlike the forward) measured faster in the Gluon kernel than in the Triton one
-    (H100, bench/NOTES.md, "The Gluon backward at head dim 32")."""
-    return TILE_HEAD_DIMS[0] if head_dim == 32 else tile_head_dim(head_dim)
-
-
 def wide_tile_head_dim(head_dim: int) -> int | None:
     """The tile head dim of the kernels that also take tiles of 256 (the forward, ``gluon/forward.py``, and the
     backward's dK and dV kernel, ``gluon/backward_wide.py``): :func:`tile_head_dim`'s, and past 128 (multiples of 8 up
@@ -100,14 +93,14 @@ def wide_tile_head_dim(head_dim: int) -> int | None:
     return tile_head_dim(head_dim)
 
 
-def plain_call(problem, opts, dtype, bias, alibi, tile_rule=tile_head_dim) -> bool:
+def plain_call(problem, opts, dtype, bias, alibi, wide: bool = False) -> bool:
     """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a tile head dim
-    (by the kernel's ``tile_rule``: :func:`tile_head_dim`, :func:`backward_tile_head_dim` or
-    :func:`wide_tile_head_dim`), no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed:
-    without query positions each sequence draws its own mask, as the kernels do)."""
+    (:func:`tile_head_dim`, or with ``wide`` :func:`wide_tile_head_dim`), no bias, ALiBi, softcap, prefix, documents
+    or query positions (dropout allowed: without query positions each sequence draws its own mask, as the kernels
+    do)."""
     if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
         return False
-    if tile_rule(problem.head_dim) is None:
+    if (wide_tile_head_dim if wide else tile_head_dim)(problem.head_dim) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False

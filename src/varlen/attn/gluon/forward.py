@@ -638,7 +638,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     D = Dv with a ``common.wide_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
     tiles of 256, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
     non-negative scale)."""
-    if not common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dim):
+    if not common.plain_call(problem, opts, dtype, bias, alibi, wide=True):
         return False
     if seed is not None and block_keys(common.wide_tile_head_dim(problem.head_dim)) != 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)

@@ -29,7 +29,6 @@ from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
 from ..gluon import backward_wide as gluon_backward_wide
-from ..gluon import common as gluon_common
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
     DATA_DEPENDENT,
@@ -422,7 +421,6 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
             and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else DQ_SEPARATE if wide else config.dq_mode
-    dq_width = gluon_common.backward_tile_head_dim(problem.head_dim) if gluon else head_block(problem.head_dim)
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited (except where the Gluon
     # kernel's first sequence stores every tile: gluon_backward.stores_first).
@@ -454,9 +452,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         dq = torch.empty_like(q)
         dq_acc = dq  # not touched by the kv kernel
     else:
-        # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds (the Gluon kernel's:
-        # its tile's, which can be wider); zeroed by the preprocess.
-        dq_acc = torch.empty((*q.shape[:-1], dq_width), device=q.device, dtype=torch.float32)
+        # fp32 accumulator, head dim padded to BLOCK_D so TMA's 16-byte alignment always holds; zeroed by the
+        # preprocess.
+        dq_acc = torch.empty((*q.shape[:-1], head_block(problem.head_dim)), device=q.device, dtype=torch.float32)
         if dq_mode == DQ_TMA:
             ensure_allocator()  # the kernel builds the dQ descriptors on the device
     pre_block = 64
@@ -464,7 +462,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         O=rows(out, dense), dO=rows(dout, dense), dQ=rows(dq_acc, dense), dLSE=lse if dlse is None else dlse,
         LSE=lse, DELTA=delta, LSE2=lse2, **seq_args, F=feats, HAS_DLSE=dlse is not None,
         ZERO_DQ=dq_mode != DQ_SEPARATE, DV=problem.head_dim_v, BLOCK_M=pre_block,
-        BLOCK_DV=head_block(problem.head_dim_v), BLOCK_D=dq_width,
+        BLOCK_DV=head_block(problem.head_dim_v), BLOCK_D=head_block(problem.head_dim),
     )
     if gluon:
         gluon_backward.launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
