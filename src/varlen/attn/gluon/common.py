@@ -76,7 +76,7 @@ def tile_head_dim(head_dim: int) -> int | None:
     last column (TMA's fill), which add nothing to Q Kᵀ and make zero columns of O, dK and dV (and of dQ, whose
     accumulator has the tile's columns), and their stores are clipped there (``head_descriptor``). None where no tile
     holds it, or where the Triton kernels are faster: at 32, half a tile of 64, the Gluon forward ran at 0.87-0.93x
-    the Triton kernel (H200, bench/NOTES.md, "Head dims in a larger tile") and the backward at 0.78-0.99x (H100,
+    the Triton kernel (H200, bench/NOTES.md, "Head dims in a larger tile") and the backward at 0.77-1.00x (H100,
     "The Gluon backward at head dim 32"), where at 40 the forward ran 1.18-1.33x and at 80 and 96 1.29-1.74x, the
     backward 1.2-3.2x."""
     if head_dim % 8 or not 40 <= head_dim <= TILE_HEAD_DIMS[-1]:
