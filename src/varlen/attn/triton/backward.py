@@ -416,7 +416,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                   **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
     # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, dK and dV
-    # in tiles of 256 (``wide``), with dQ from the dQ kernel below in its tuned tiles.
+    # in tiles of 256 (``wide``), with dQ from the dQ kernel below in the config's dQ tiles (every bf16/fp16 entry of
+    # the tables at 256 has them).
     wide = (gluon and config.q is not None
             and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
