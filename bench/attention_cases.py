@@ -125,6 +125,10 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
                 yield name, lambda D=D, H=H, S=S, causal=causal: dense_case(16384 // S, S, H, H, D, causal)
     # ... and D256 with dropout (the Gluon backward in tiles of 256 draws it; the forward is the Triton kernel's).
     yield "D256 S2048 B8 H8 dropout 0.1", lambda: dense_case(8, 2048, 8, 8, 256, False, 0.1)
+    # ... and D256 GQA 16/4, dense and on the long-tailed documents above (the Gluon kernels' tiles of 256).
+    yield "D256 GQA 16/4 S4096 B2 causal", lambda: dense_case(2, 4096, 16, 4, 256, True)
+    yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) D256 GQA 16/4 causal",
+           lambda: jagged_case(tail, 16, 4, 256, True))
 
 
 def arguments() -> argparse.Namespace:
