@@ -327,12 +327,12 @@ def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window", "causal_window"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
-@pytest.mark.parametrize("D", [136, 256])
+@pytest.mark.parametrize("D", [136, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wide_backward_matches_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
-    # dK and dV in tiles of 256 (D136 with its head padded in them), dQ by the Triton dQ kernel; descriptors made by
-    # the programs (dense, jagged, cross: keys of other lengths, some sequences without queries or keys) and on the
-    # host (dense_tiles).
+    # dK and dV in tiles of 256 (D136 and D192 with their heads padded in them), dQ by the Triton dQ kernel;
+    # descriptors made by the programs (dense, jagged, cross: keys of other lengths, some sequences without queries or
+    # keys) and on the host (dense_tiles).
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     host_descriptors = record_calls(monkeypatch, gluon_backward_wide, "host_descriptors")
     _check_backward(("gluon", launches), dtype, D, layout, heads, kv_heads, mask)
