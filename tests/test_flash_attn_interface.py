@@ -485,6 +485,11 @@ ERRORS = [  # (id, call, exception, message)
     ("return_attn_probs", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8),
                                                   return_attn_probs=1),
      TypeError, "return_attn_probs: expected a bool"),
+    ("softmax_scale zero", lambda: flash_attn_func(_t(1, 5, 2, 8), _t(1, 5, 2, 8), _t(1, 5, 2, 8), softmax_scale=0.0),
+     ValueError, "softmax_scale: expected None or a nonzero finite float, got 0.0"),
+    ("softmax_scale nan", lambda: flash_attn_varlen_func(_t(8, 2, 8), _t(8, 2, 8), _t(8, 2, 8), CU, CU, 5, 5,
+                                                         softmax_scale=float("nan")),
+     ValueError, "softmax_scale: expected None or a nonzero finite float, got nan"),
 ]
 
 

@@ -58,7 +58,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         is_causal: top-left causal mask (query i sees keys ``j <= i``, per sequence for nested inputs).
             Must not be combined with ``attn_mask``.
         scale: keyword-only; multiplies the scores; default ``1 / sqrt(E)``. A float or, as in torch, a
-            0-dim float or integer tensor (read on the host, like ``dropout_p``).
+            0-dim float or integer tensor (read on the host, like ``dropout_p``); nonzero (torch takes 0, which
+            weighs every visible key alike; varlen refuses it).
         enable_gqa: keyword-only; let query have ``Hq`` heads, a multiple of key/value's ``H``, query
             head h using key/value head ``h // (Hq // H)``. Without it ``H`` must equal ``Hq`` (or be 1,
             broadcast).
@@ -118,8 +119,8 @@ def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[
     dropout_p = check_probability("dropout_p", _host_number("dropout_p", dropout_p))
     scale = None if scale is None else _host_number("scale", scale)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale: expected None or a finite float, got {scale!r}")
+                              or not math.isfinite(scale) or scale == 0):
+        raise ValueError(f"scale: expected None or a nonzero finite float, got {scale!r}")
     if attn_mask is not None:
         check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool:
