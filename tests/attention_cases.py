@@ -372,6 +372,9 @@ def _feature_cases(shapes) -> list[AttnCase]:
         AttnCase(*jagged, 4, 2, 16, 24, causal=True, window=(6, None), dropout_p=0.5),
         AttnCase(*cross, 8, 2, 64, 64, align="bottom_right", dropout_p=0.1, grad_lse=True),
         AttnCase(*dense_cross, 4, 2, 32, 32, scale=0.3, strided=True),
+        # negative scales (the fused CPU kernel masks causal scores before scaling them: the chunked path's)
+        AttnCase(*dense, 4, 2, 32, 32, causal=True, scale=-0.4),
+        AttnCase(*jagged, 4, 2, 32, 32, causal=True, scale=-0.2, grad_lse=True),
         AttnCase(*cross, 4, 2, 32, 16, causal=True, strided=True),
         AttnCase(*jagged, 2, 2, 32, 32, window=(2, 2), deterministic=True, bias="1HQK"),
         AttnCase(*dense, 4, 2, 32, 32, causal=True, deterministic=True, bias="11Q1", grad_lse=True),

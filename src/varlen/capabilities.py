@@ -57,6 +57,7 @@ FEATURES: dict[str, tuple[str, Callable[[Call], bool]]] = {
     "documents": ("documents (document_ids)", lambda c: c.opts.documents is not None),
     "query_offset": ("query positions (query_offset)", lambda c: c.opts.query_offset is not None),
     "deterministic": ("deterministic mode", lambda c: c.opts.deterministic),
+    "negative_scale": ("a negative scale", lambda c: c.opts.scale < 0),
 }
 ALL_FEATURES = frozenset(FEATURES)
 

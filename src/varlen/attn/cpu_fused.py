@@ -12,7 +12,8 @@ to wait for, so the host reads the offsets and loops over buckets freely. A plan
 offsets tensor and reused by every layer's forward and backward of that batch.
 
 What the kernel can't do (dropout, ALiBi, softcap, windows, prefixes, documents, Dv != D, bottom-right
-causal masks between different lengths, a bias on a jagged batch, a bias or lse that needs a gradient)
+causal masks between different lengths, a bias on a jagged batch, a bias or lse that needs a gradient, a negative
+scale: it masks causal scores with -inf before scaling them, so a negative scale made them +inf and the output NaN)
 stays with the chunked PyTorch path: :func:`unsupported_reasons` says why, per call.
 """
 
@@ -43,7 +44,7 @@ MAX_RUNS = 64
 # What the kernel can't take stays with the chunked path (see the module docstring).
 CAPABILITIES = Capabilities("cpu_fused", FLOAT_DTYPES, ("cpu",), features=ALL_FEATURES - {
     "empty", "value_dim", "dropout", "alibi", "softcap", "window", "prefix", "documents", "jagged_bias",
-    "unequal_bottom_right", "query_offset"})
+    "unequal_bottom_right", "query_offset", "negative_scale"})
 
 
 def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions) -> list[str]:
