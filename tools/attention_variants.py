@@ -6,12 +6,13 @@
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
 also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 192, in tiles of 256: the Gluon
-forward's and the Triton kernels');
+forward's, the Gluon dK and dV kernel's and the Triton kernels');
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
 D64 the forward also with three query warpgroups, "gluon forward 3wg ...", and the backward with one key block
-per program and with two, "gluon one block ..." and "gluon pairs ..."). Outputs stay unwritten (nothing is run).
+per program and with two, "gluon one block ..." and "gluon pairs ..."; past 128 the backward's dK and dV kernel in
+tiles of 256, "gluon wide ..."). Outputs stay unwritten (nothing is run).
 """
 
 import itertools
