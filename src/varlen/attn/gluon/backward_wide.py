@@ -107,7 +107,8 @@ if HAVE_GLUON:
                          dv_desc, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
                          offset_lo, threshold, keep_scale, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                          DROPOUT: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
-                         GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+                         GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, kq_layout: gl.constexpr,
+                         kd_layout: gl.constexpr, a_layout: gl.constexpr):
         """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
         and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
         gradient warpgroup's last product has read V. With ``DROPOUT`` the tile's keep bits are drawn before its
@@ -115,11 +116,6 @@ if HAVE_GLUON:
         dropped): dV takes the kept P (``relu_low``; the keep scale at the end), and the gradient warpgroup the
         signed Pᵀ."""
         dtype: gl.constexpr = k_smem.dtype
-        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, BM, 16])
-        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, D, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         inv_qk_scale = 1.0 / qk_scale
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
@@ -175,18 +171,14 @@ if HAVE_GLUON:
     def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
                             p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, DROPOUT: gl.constexpr,
                             D: gl.constexpr, HEAD_D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                            BN: gl.constexpr):
+                            BN: gl.constexpr, kq_layout: gl.constexpr, kd_layout: gl.constexpr,
+                            a_layout: gl.constexpr):
         """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
         of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
         warpgroup's last product has read K (before it made its last Pᵀ ready). With ``DROPOUT`` (Pᵀ signed where
         dropped), dSᵀ as ``backward.py`` makes it, times 2 / keep_scale: (Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale;
         dK takes the factor back at the end."""
         dtype: gl.constexpr = k_smem.dtype
-        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, BM, 16])
-        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                instr_shape=[16, D, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         row_zeros = keys.to(gl.float32) * 0.0
@@ -245,6 +237,13 @@ if HAVE_GLUON:
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float32)
+        # Both warpgroups' products: keys x queries (Sᵀ, Pᵀ, dPᵀ, dSᵀ) and keys x head dims (dV, dK), and the register
+        # A operand (Pᵀ, dSᵀ) of the latter.
+        kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BM, 16])
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
         gl.static_assert(BM == BN, "one shared layout for the query and key tiles")
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -295,10 +294,10 @@ if HAVE_GLUON:
             (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
                                 p_free, dv_desc, seq.b, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo,
                                 u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, F.HAS_R,
-                                F.HAS_WL, F.DROPOUT, D, HEAD_D, H, GROUP, BM, BN)),
+                                F.HAS_WL, F.DROPOUT, D, HEAD_D, H, GROUP, BM, BN, kq_layout, kd_layout, a_layout)),
             (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
                                    p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, F.DROPOUT, D,
-                                   HEAD_D, GROUP, BM, BN)),
+                                   HEAD_D, GROUP, BM, BN, kq_layout, kd_layout, a_layout)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
                            kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
                            hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN)),
