@@ -37,7 +37,7 @@ def main():
         if a.only not in name:
             continue
         case = make()
-        tile = gluon_common.wide_tile_head_dim(case.head_dim)  # (three query warpgroups: tiles of 64 only; no
+        tile = gluon_common.forward_tile_head_dim(case.head_dim)  # (three query warpgroups: tiles of 64 only; no
         # Gluon form where no tile takes the head dim)
         taken = {form: how for form, how in forms.items()
                  if form in ("Triton", "selected") or tile == 64 or (tile and form == "Gluon two")}

@@ -577,25 +577,28 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
-@pytest.mark.parametrize("head_dim,tile,wide_tile", [
-    (64, 64, 64), (128, 128, 128), (40, 64, 64), (56, 64, 64), (72, 128, 128), (80, 128, 128), (96, 128, 128),
-    (120, 128, 128), (32, None, None), (24, None, None), (36, None, None), (100, None, None), (136, None, 256),
-    (192, None, 256), (256, None, 256), (132, None, None), (264, None, None),
+@pytest.mark.parametrize("head_dim,tile,wide_tile,forward_tile", [
+    (64, 64, 64, 64), (128, 128, 128, 128), (40, 64, 64, 64), (56, 64, 64, 64), (72, 128, 128, 128),
+    (80, 128, 128, 128), (96, 128, 128, 128), (120, 128, 128, 128), (32, None, None, None), (24, None, None, None),
+    (36, None, None, None), (100, None, None, None), (136, None, 256, 192), (184, None, 256, 192),
+    (192, None, 256, 192), (200, None, 256, 256), (256, None, 256, 256), (132, None, None, None),
+    (196, None, None, None), (264, None, None, None),
 ])
-def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, wide_tile):
+def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, wide_tile, forward_tile):
     # Multiples of 8 from 40 to 128, in the smallest tile (64 or 128) that holds them: the columns past the head read
-    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the forward and the backward's dK and dV
-    # kernel (gluon/backward_wide.py) also from 136 to 256 in tiles of 256. (Defined whatever the Triton; the kernels
-    # run on an sm_90 GPU.)
+    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the backward's dK and dV kernel
+    # (gluon/backward_wide.py) also from 136 to 256 in tiles of 256, the forward in tiles of 192 (128 + 64 columns)
+    # to 192 and of 256 past it. (Defined whatever the Triton; the kernels run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
     assert gluon_common.wide_tile_head_dim(head_dim) == wide_tile
+    assert gluon_common.forward_tile_head_dim(head_dim) == forward_tile
     if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
         assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
     opts = AttentionOptions(scale=0.1)
     assert gluon_common.plain_call(problem, opts, torch.bfloat16, None, None) == (tile is not None)
     assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (wide_tile is not None)
-    # (no dropout in tiles of 256: their 64-key tiles are not the dropout tile's 128)
+    # (no dropout in tiles past 128: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
     # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 256 (dK and dV

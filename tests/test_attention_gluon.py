@@ -244,9 +244,10 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
 # holds 8 of the head's columns), 80 and 96 in tiles of 128; read through 3-D descriptors whose boxes fill the columns
 # past the head with zeros and clip the stores there.
 PADDED_HEAD_DIMS = (40, 72, 80, 96)
-# ... and past 128, the forward's tiles of 256 (keys in tiles of 64, the output stored from registers;
-# gluon_common.wide_tile_head_dim): 256, and 136 and 192 with their heads padded in them.
-LARGE_FORWARD_HEAD_DIMS = (136, 192, 256)
+# ... and past 128, the forward's tiles of 192 (parts of 128 and 64 columns) and 256 (keys in tiles of 64, the output
+# stored from registers; gluon_common.forward_tile_head_dim): 192 and 256, and 136 and 200 with their heads padded in
+# them (136's second part all zeros read past the head).
+LARGE_FORWARD_HEAD_DIMS = (136, 192, 200, 256)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -310,7 +311,8 @@ def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, p
 @pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
 def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
     # No tile of 64 or 128 holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
-    # and the backward's dK and dV kernel take 136 and 256 in their tiles of 256 (gluon_common.wide_tile_head_dim).
+    # takes 136 and 256 in its tiles of 192 and 256 (gluon_common.forward_tile_head_dim), the backward's dK and dV
+    # kernel in its tiles of 256 (gluon_common.wide_tile_head_dim).
     # With the Gluon kernels allowed, the Triton ones run where they don't.
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
@@ -425,14 +427,14 @@ def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (256, 2)])
+@pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (192, 2), (256, 2)])
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
 def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, D, warpgroups):
     """The persistent schedule with few programs, each walking many work items (ring positions, the Q block
     and the output staging carried across items; items past a sequence's end, items that see no key and
-    blocks with warpgroups past the end in between), with two or three query warpgroups, and in tiles of 256
+    blocks with warpgroups past the end in between), with two or three query warpgroups, and in tiles of 192 and 256
     (64-key tiles, no output staging): as the float64 reference. At the sizes of the test above most programs take
     one item."""
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)

@@ -5,8 +5,8 @@
     ATTENTION_VARIANTS="D256 float32" python tools/compile_check.py tools/attention_variants.py  # a subset
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
-also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 192, in tiles of 256: the Gluon
-forward's, the Gluon dK and dV kernel's and the Triton kernels');
+also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 160 and 192, in the Gluon forward's
+tiles of 192 and the Gluon dK and dV kernel's of 256, beside the Triton kernels);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
@@ -92,10 +92,13 @@ CASES = [
                                   (True, 4, "causal"), (True, 1, "plain"))),
     *((256, torch.float32, "ieee", False, 1, name) for name in ("plain", "causal")),
     # D256 in bf16 with every feature (its tuned tiles, configs.HEAD256_SWEEP, are the largest that fit shared memory
-    # without a bias or dropout), jagged and GQA; D192 computed in tiles 256 wide.
+    # without a bias or dropout), jagged and GQA; D192 and D160 in the forward's tiles of 192 (parts of 128 and 64
+    # columns; D160's through 3-D descriptors) and the backward's of 256.
     *((256, torch.bfloat16, "ieee", False, 1, name) for name in FEATURES),
     *((256, torch.bfloat16, "ieee", True, 4, name) for name in ("plain", "causal")),
-    *((192, torch.bfloat16, "ieee", False, 1, name) for name in ("plain", "causal")),
+    *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (160, 192)
+      for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
+                                  (True, 4, "causal"))),
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
     *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
 ]

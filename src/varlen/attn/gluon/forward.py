@@ -46,13 +46,15 @@ Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluo
 thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
-Scope (:func:`supports`): fp16/bf16, head dims 64, 128 and 256 (Dv = D), and multiples of 8 from 40 to 256 in those
-tiles (``common.wide_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
-(either alignment) or windows, GQA, dropout (not in tiles of 256); no bias, ALiBi, softcap, prefix, documents or query
-positions. In tiles of 256 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
-registers), and the output leaves by stores from registers (Q and the rings take 192 KiB of shared memory, leaving no
-room for staging tiles). :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
-TMA-aligned; dense sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
+Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256 (Dv = D), and multiples of 8 from 40 to 256 in
+those tiles (``common.forward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
+(either alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or
+query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
+registers), and the output leaves by stores from registers (at 256 Q and the rings take 192 KiB of shared memory,
+leaving no room for staging tiles). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have
+power-of-two shapes): two boxes per tile of Q, K and V, two products for each of S and O, two accumulators.
+:func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; dense
+sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
 interpreter); the GPU tests cover every variant it accepts.
 """
 
@@ -87,15 +89,16 @@ from .dropout import relu_low, row_dropped_signs, row_keep_words
 def block_keys(tile_dim: int) -> int:
     """Keys per tile in tiles of head dim ``tile_dim``: 128 beat 64 at every measured shape up to 128
     (bench/NOTES.md), where S, O and two P tiles fit in 240 registers. At 256 the 64 x 256 float32 O takes 128 of
-    them, so 64. (The dropout tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128
-    keys: no dropout in tiles of 256, :func:`supports`.)"""
-    return 64 if tile_dim == 256 else 128
+    them, so 64, and at 192 too (a K and V ring of 128-key tiles would take 192 KiB of shared memory). (The dropout
+    tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128 keys: no dropout in tiles past
+    128, :func:`supports`.)"""
+    return 64 if tile_dim > 128 else 128
 
 
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
                      dense_pairs: int | None = None, programs: int | None = None) -> int:
     """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries (``tile_dim``: the
-    tile head dim, ``common.wide_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
+    tile head dim, ``common.forward_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
@@ -126,7 +129,7 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
 
 def pingpong(tile_dim: int, causal_like: bool, dropout: bool) -> bool:
     """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the other's
-    products), in tiles of head dim ``tile_dim`` (``common.wide_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
+    products), in tiles of head dim ``tile_dim`` (``common.forward_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
     D64 without a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its
     products; -1 to -11% under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in
     work, and strict turns make one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout,
@@ -213,14 +216,16 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
                     GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
-        products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``)."""
+        products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``; in a tile of 192, ``HI`` = 64, the
+        last 64 columns through their own descriptors into their own tiles)."""
         (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item,
-         item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R) = args
+         item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
+         q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi) = args
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
         tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
@@ -240,6 +245,8 @@ if HAVE_GLUON:
                     mbarrier.expect(q_ready, WGS * half_bytes)
                     for w in gl.static_range(WGS):
                         load_head_tile(q_desc, q_row + m0 + 64 * w, h, q_ready, q_smem.index(w), D, HEAD_D)
+                        if HI > 0:
+                            load_head_tile(q_desc_hi, q_row + m0 + 64 * w, h, q_ready, q_hi.index(w), D, HEAD_D, D - HI)
                     qi += 1
                     hk = h // GROUP
                     for j in range(n_tiles):
@@ -249,9 +256,15 @@ if HAVE_GLUON:
                         mbarrier.wait(k_empty.index(stage), phase)
                         mbarrier.expect(k_ready.index(stage), tile_bytes)
                         load_head_tile(k_desc, row, hk, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
+                        if HI > 0:
+                            load_head_tile(k_desc_hi, row, hk, k_ready.index(stage), k_hi.index(stage), D, HEAD_D,
+                                           D - HI)
                         mbarrier.wait(v_empty.index(stage), phase)
                         mbarrier.expect(v_ready.index(stage), tile_bytes)
                         load_head_tile(v_desc, row, hk, v_ready.index(stage), v_ring.index(stage), D, HEAD_D)
+                        if HI > 0:
+                            load_head_tile(v_desc_hi, row, hk, v_ready.index(stage), v_hi.index(stage), D, HEAD_D,
+                                           D - HI)
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
                        max_q, H, F.VARLEN, 64 * WGS)
@@ -391,25 +404,41 @@ if HAVE_GLUON:
         return o, p, m_i, l_i
 
     @gluon.jit
-    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
-                         BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr,
-                         WG: gl.constexpr):
+    def _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN: gl.constexpr, HI: gl.constexpr, s_layout: gl.constexpr):
+        """S = Q Kᵀ with ring slot ``stage``'s keys, issued: in a tile of 192 (``HI`` = 64) a second product into the
+        same accumulator, over the last 64 columns."""
+        s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)), gl.zeros([64, BN], gl.float32, layout=s_layout),
+                          use_acc=False, is_async=True)
+        if HI > 0:
+            s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
+                         H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr,
+                         ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
         the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
-        the sequence, and always in tiles of 256) and the lse. ``args``: what every query warpgroup takes
-        (``_attn_fwd_hopper``)."""
+        the sequence, and always in tiles past 128) and the lse. ``args``: what every query warpgroup takes
+        (``_attn_fwd_hopper``). In a tile of 192 (``HI`` = 64) the output's last 64 columns are an accumulator of their
+        own (``o_hi``), and each product with Q, K or V a pair (:func:`_issue_scores`)."""
         (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
          item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
-         scale, qk_scale, seed, offset_lo, threshold, keep_scale) = args
+         scale, qk_scale, seed, offset_lo, threshold, keep_scale, q_hi, k_hi, v_hi) = args
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
+                                                           instr_shape=[16, D - HI, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        # (The second part's layouts: in tiles of 192 only, where HI is 64.)
+        oh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HI if HI > 0 else D, 16])
+        row_oh: gl.constexpr = gl.SliceLayout(1, oh_layout)
         q_w = q_smem.index(WG)
+        q_hw = q_hi.index(WG)
         o_w = o_smem.index(WG)
         kv = 0  # key tiles consumed so far (ring position)
         qi = 0  # Q blocks consumed so far
@@ -435,7 +464,8 @@ if HAVE_GLUON:
                     rows = r0 + gl.arange(0, 64, layout=row_s)
                     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([64], gl.float32, layout=row_s)
-                    o = gl.zeros([64, D], gl.float32, layout=o_layout)
+                    o = gl.zeros([64, D - HI], gl.float32, layout=o_layout)
+                    o_hi = gl.zeros([64, HI], gl.float32, layout=oh_layout) if HI > 0 else 0
                     if passing:
                         kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
                                                 n_tiles, WG, PINGPONG)
@@ -450,9 +480,7 @@ if HAVE_GLUON:
                             stage = kv % 2
                             mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
                             _take_turn(turn, n, WG, PINGPONG)
-                            s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
-                                              gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
-                                              is_async=True)
+                            s = _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN, HI, s_layout)
                             _pass_turn(turn, WG, PINGPONG)
                             n += 1
                             s = warpgroup_mma_wait(0, deps=(s,))
@@ -474,13 +502,13 @@ if HAVE_GLUON:
                                 mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
                                 mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
                                 _take_turn(turn, n, WG, PINGPONG)
-                                s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
-                                                  gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
-                                                  is_async=True)
+                                s = _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN, HI, s_layout)
                                 o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
+                                if HI > 0:
+                                    o_hi = warpgroup_mma(p, v_hi.index(prev), o_hi, is_async=True)
                                 _pass_turn(turn, WG, PINGPONG)
                                 n += 1
-                                s = warpgroup_mma_wait(1, deps=(s,))
+                                s = warpgroup_mma_wait(2 if HI > 0 else 1, deps=(s,))  # (O's products in flight)
                                 mbarrier.arrive(k_empty.index(stage))
                                 if j == n_own - 1:
                                     mbarrier.arrive(q_empty)
@@ -490,17 +518,27 @@ if HAVE_GLUON:
                                 if F.DROPOUT:
                                     p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
                                                    s_layout, dtype)
-                                o, p = warpgroup_mma_wait(0, deps=(o, p))
+                                if HI > 0:
+                                    o, o_hi, p = warpgroup_mma_wait(0, deps=(o, o_hi, p))
+                                else:
+                                    o, p = warpgroup_mma_wait(0, deps=(o, p))
                                 mbarrier.arrive(v_empty.index(prev))
                                 o = o * gl.convert_layout(alpha, row_o)[:, None]
+                                if HI > 0:
+                                    o_hi = o_hi * gl.convert_layout(alpha, row_oh)[:, None]
                                 p = gl.convert_layout(p_next.to(dtype), p_layout)
                         last = kv + n_own - 1
                         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
                         _take_turn(turn, n, WG, PINGPONG)
                         o = warpgroup_mma(p, v_ring.index(last % 2), o, is_async=True)
+                        if HI > 0:
+                            o_hi = warpgroup_mma(p, v_hi.index(last % 2), o_hi, is_async=True)
                         _pass_turn(turn, WG, PINGPONG)
                         n += 1
-                        o = warpgroup_mma_wait(0, deps=(o,))
+                        if HI > 0:
+                            o, o_hi = warpgroup_mma_wait(0, deps=(o, o_hi))
+                        else:
+                            o = warpgroup_mma_wait(0, deps=(o,))
                         mbarrier.arrive(v_empty.index(last % 2))
                         if WGS == 3:
                             _release_tiles(k_ready, k_empty, v_ready, v_empty, kv + n_own, n_tiles - n_own)
@@ -513,7 +551,7 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. In tiles of 256
+                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. In tiles past 128
                     # no staging tile: every output by stores from registers.)
                     whole = ((r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq) if D <= 128 else False
                     if whole:
@@ -525,9 +563,17 @@ if HAVE_GLUON:
                         store_head_tile(o_desc, q_row + r0, h, o_w, 0, D, HEAD_D)
                     else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
-                        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+                        cols = gl.arange(0, D - HI, layout=gl.SliceLayout(0, o_layout))
                         ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * HEAD_D + cols[None, :]
                         gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None] & (cols < HEAD_D)[None, :])
+                        if HI > 0:  # (no dropout in tiles past 128: their key tiles are 64)
+                            out_hi = (o_hi / gl.convert_layout(l_safe, row_oh)[:, None]).to(dtype)
+                            rows_h = r0 + gl.arange(0, 64, layout=row_oh)
+                            cols_h = D - HI + gl.arange(0, HI, layout=gl.SliceLayout(0, oh_layout))
+                            ptrs_h = (O + (q_row + rows_h).to(gl.int64)[:, None] * o_stride + h * HEAD_D +
+                                      cols_h[None, :])
+                            gl.store(ptrs_h, out_hi,
+                                     mask=_in_sequence(rows_h, Lq, ALIGN_END)[:, None] & (cols_h < HEAD_D)[None, :])
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
                     gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse,
                              mask=_in_sequence(rows, Lq, ALIGN_END))
@@ -555,8 +601,10 @@ if HAVE_GLUON:
         gl.static_assert(not (ALIGN_END and F.DROPOUT))
         gl.static_assert(not (F.DROPOUT and BN != 128))  # (the dropout tile, gluon/dropout.py, is 128 keys wide)
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
-        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D], dtype)
-        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
+        # A tile of 192 is two parts, 128 and HI = 64 columns: tiles, boxes and accumulators of their own.
+        HI: gl.constexpr = 64 if D == 192 else 0
+        q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D - HI], dtype)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D - HI], dtype)
         # One descriptor per tensor over all its rows (clipped only at the buffer's end: a tile past a
         # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring).
         if F.VARLEN:
@@ -566,17 +614,29 @@ if HAVE_GLUON:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
         # (In tiles of 256 Q and the rings take 192 KiB: the output leaves by stores from registers, with no staging
-        # tiles or descriptor. The descriptors keep their order, q, o, k, v: each takes the next slot of the device
-        # scratch, so tiles up to 128 compile as before tiles of 256 existed.)
-        q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D, D, HEAD_D)
+        # tiles or descriptor, as in tiles of 192. The descriptors keep their order, q, o, k, v, then the second
+        # parts': each takes the next slot of the device scratch, so tiles up to 128 compile as before wider ones
+        # existed.)
+        q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
         o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D) if D <= 128 else q_desc
-        k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D, D, HEAD_D)
-        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D, D, HEAD_D)
+        k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
+        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D - HI, D, HEAD_D)
 
-        q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
         o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout) if D <= 128 else q_smem
-        k_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [2, BN, D], k_layout)
+        k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
+        v_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
+        # The second parts (the first parts stand in for them where HI is 0, unused).
+        if HI > 0:
+            q_desc_hi = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, HI, D, HEAD_D)
+            k_desc_hi = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, HI, D, HEAD_D)
+            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HI, D, HEAD_D)
+            hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HI], dtype)
+            q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
+            k_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
+            v_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
+        else:
+            q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi = q_desc, k_desc, v_desc, q_smem, k_ring, v_ring
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -605,21 +665,22 @@ if HAVE_GLUON:
         wg_args = (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item,
                    item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k,
                    max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, seed, offset_lo,
-                   dropout.threshold, dropout.keep_scale)
+                   dropout.threshold, dropout.keep_scale, q_hi, k_hi, v_hi)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
-                     max_k, n_items, n_blocks, mask.window_left, mask.right)
+                     max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
+                     k_hi, v_hi)
         if WGS == 3:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
-                                (_load_tiles, (load_args, F, D, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
+                                (_load_tiles, (load_args, F, D, HI, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_load_tiles, (load_args, F, D, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
+                                (_load_tiles, (load_args, F, D, HI, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -635,12 +696,12 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.wide_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
-    tiles of 256, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
+    D = Dv with a ``common.forward_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
+    tiles past 128, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
     non-negative scale)."""
     if not common.plain_call(problem, opts, dtype, bias, alibi, wide=True):
         return False
-    if seed is not None and block_keys(common.wide_tile_head_dim(problem.head_dim)) != 128:
+    if seed is not None and block_keys(common.forward_tile_head_dim(problem.head_dim)) != 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
@@ -662,7 +723,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    tile_dim = common.wide_tile_head_dim(problem.head_dim)
+    tile_dim = common.forward_tile_head_dim(problem.head_dim)
     wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
