@@ -197,10 +197,11 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc, coord, barrier, head_box(smem, desc, 0))
 
     @gluon.jit
-    def store_head_tile(desc, row, head, smem, FIRST_ROW: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr):
+    def store_head_tile(desc, row, head, smem, FIRST_ROW: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
+                        COLUMN: gl.constexpr = 0):
         """TMA store of rows ``FIRST_ROW..`` of ``smem`` (as many as the box has) into the box at row ``row`` of
-        head ``head`` of a ``head_descriptor``."""
-        coord = [row, head * D] if HEAD_D == D else [row, head, 0]
+        head ``head`` of a ``head_descriptor`` (``COLUMN``: as :func:`load_head_tile`'s)."""
+        coord = [row, head * D + COLUMN] if HEAD_D == D else [row, head, COLUMN]
         tma.async_copy_shared_to_global(desc, coord, head_box(smem, desc, FIRST_ROW))
 
     @gluon.jit

@@ -50,9 +50,12 @@ Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256 (Dv = D), an
 those tiles (``common.forward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or
 query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
-registers), and the output leaves by stores from registers (at 256 Q and the rings take 192 KiB of shared memory,
-leaving no room for staging tiles). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have
-power-of-two shapes): two boxes per tile of Q, K and V, two products for each of S and O, two accumulators.
+registers). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have power-of-two shapes): two boxes
+per tile of Q, K and V, two products for each of S and O, two accumulators. The output leaves through staging tiles by
+TMA stores, as at 128: at 192 tiles of its own, at 256 each warpgroup's part of Q (Q and the rings take 192 KiB of
+shared memory, leaving no room for more), which Q's next block then waits for. From registers (64 or 128 four-byte
+stores per thread) it had cost 4-16% of the time without a mask and 11-29% under causal masks (bench/NOTES.md, "The
+forward past 128").
 :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; dense
 sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
 interpreter); the GPU tests cover every variant it accepts.
@@ -404,27 +407,18 @@ if HAVE_GLUON:
         return o, p, m_i, l_i
 
     @gluon.jit
-    def _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN: gl.constexpr, HI: gl.constexpr, s_layout: gl.constexpr):
-        """S = Q Kᵀ with ring slot ``stage``'s keys, issued: in a tile of 192 (``HI`` = 64) a second product into the
-        same accumulator, over the last 64 columns."""
-        s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)), gl.zeros([64, BN], gl.float32, layout=s_layout),
-                          use_acc=False, is_async=True)
-        if HI > 0:
-            s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
-        return s
-
-    @gluon.jit
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
                          H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr,
                          ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
         the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
-        the sequence, and always in tiles past 128) and the lse. ``args``: what every query warpgroup takes
-        (``_attn_fwd_hopper``). In a tile of 192 (``HI`` = 64) the output's last 64 columns are an accumulator of their
-        own (``o_hi``), and each product with Q, K or V a pair (:func:`_issue_scores`)."""
+        the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``). In a tile of 192
+        (``HI`` = 64) the output's last 64 columns are an accumulator of their own (``o_hi``), and each product with
+        Q, K or V a pair. (The pairs are written out at each product: through a helper, the inlined call's debug
+        ranges moved ptxas's schedule of the other tiles' kernels.)"""
         (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
          item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
-         scale, qk_scale, seed, offset_lo, threshold, keep_scale, q_hi, k_hi, v_hi) = args
+         scale, qk_scale, seed, offset_lo, threshold, keep_scale, q_hi, k_hi, v_hi, o_desc_hi, o_hi_smem) = args
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
@@ -439,6 +433,10 @@ if HAVE_GLUON:
         row_oh: gl.constexpr = gl.SliceLayout(1, oh_layout)
         q_w = q_smem.index(WG)
         q_hw = q_hi.index(WG)
+        o_hw = o_hi_smem.index(WG)
+        # In tiles of 256 the output is staged in this warpgroup's part of Q (no room for a tile of its own): Q is
+        # released once the output's store has read it, not after the block's last S = Q Kᵀ.
+        O_IN_Q: gl.constexpr = D == 256
         o_w = o_smem.index(WG)
         kv = 0  # key tiles consumed so far (ring position)
         qi = 0  # Q blocks consumed so far
@@ -480,12 +478,16 @@ if HAVE_GLUON:
                             stage = kv % 2
                             mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
                             _take_turn(turn, n, WG, PINGPONG)
-                            s = _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN, HI, s_layout)
+                            s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                              gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
+                                              is_async=True)
+                            if HI > 0:
+                                s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
                             _pass_turn(turn, WG, PINGPONG)
                             n += 1
                             s = warpgroup_mma_wait(0, deps=(s,))
                             mbarrier.arrive(k_empty.index(stage))
-                            if n_own == 1:
+                            if not O_IN_Q and n_own == 1:
                                 mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
                             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                                qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
@@ -502,7 +504,11 @@ if HAVE_GLUON:
                                 mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
                                 mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
                                 _take_turn(turn, n, WG, PINGPONG)
-                                s = _issue_scores(q_w, q_hw, k_ring, k_hi, stage, BN, HI, s_layout)
+                                s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                                  gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
+                                                  is_async=True)
+                                if HI > 0:
+                                    s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
                                 o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
                                 if HI > 0:
                                     o_hi = warpgroup_mma(p, v_hi.index(prev), o_hi, is_async=True)
@@ -510,7 +516,7 @@ if HAVE_GLUON:
                                 n += 1
                                 s = warpgroup_mma_wait(2 if HI > 0 else 1, deps=(s,))  # (O's products in flight)
                                 mbarrier.arrive(k_empty.index(stage))
-                                if j == n_own - 1:
+                                if not O_IN_Q and j == n_own - 1:
                                     mbarrier.arrive(q_empty)
                                 p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi,
                                                                         Lk, shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL,
@@ -551,29 +557,40 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. In tiles past 128
-                    # no staging tile: every output by stores from registers.)
-                    whole = ((r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq) if D <= 128 else False
+                    if HI > 0:  # (no dropout in tiles past 128: their key tiles are 64)
+                        out_hi = (o_hi / gl.convert_layout(l_safe, row_oh)[:, None]).to(dtype)
+                    # (With ALIGN_END, rows before 0 are no queries either: a partial first block. Staged in Q, only
+                    # a block that loaded Q: the loader may be filling it otherwise.)
+                    whole = (r0 + 64 <= Lq) & (r0 >= 0) if ALIGN_END else r0 + 64 <= Lq
+                    if O_IN_Q:
+                        whole = whole & (n_tiles > 0)
                     if whole:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
                         gl.thread_barrier()
                         o_w.store(o)
+                        if HI > 0:
+                            o_hw.store(out_hi)
                         fence_async_shared()
                         gl.thread_barrier()
                         store_head_tile(o_desc, q_row + r0, h, o_w, 0, D, HEAD_D)
+                        if HI > 0:
+                            store_head_tile(o_desc_hi, q_row + r0, h, o_hw, 0, D, HEAD_D, D - HI)
                     else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
                         cols = gl.arange(0, D - HI, layout=gl.SliceLayout(0, o_layout))
                         ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * HEAD_D + cols[None, :]
                         gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None] & (cols < HEAD_D)[None, :])
-                        if HI > 0:  # (no dropout in tiles past 128: their key tiles are 64)
-                            out_hi = (o_hi / gl.convert_layout(l_safe, row_oh)[:, None]).to(dtype)
+                        if HI > 0:
                             rows_h = r0 + gl.arange(0, 64, layout=row_oh)
                             cols_h = D - HI + gl.arange(0, HI, layout=gl.SliceLayout(0, oh_layout))
                             ptrs_h = (O + (q_row + rows_h).to(gl.int64)[:, None] * o_stride + h * HEAD_D +
                                       cols_h[None, :])
                             gl.store(ptrs_h, out_hi,
                                      mask=_in_sequence(rows_h, Lq, ALIGN_END)[:, None] & (cols_h < HEAD_D)[None, :])
+                    if O_IN_Q and n_tiles > 0:
+                        if whole:
+                            tma.store_wait(0)  # the store has read the output: Q's part may load
+                        mbarrier.arrive(q_empty)
                     lse = gl.where(seen, m_i * scale + gl.log2(l_safe) * LN2, float("-inf"))
                     gl.store(LSE + lse_offset(b, q_row, h, H, total_q, max_q, F.VARLEN) + rows, lse,
                              mask=_in_sequence(rows, Lq, ALIGN_END))
@@ -613,17 +630,16 @@ if HAVE_GLUON:
         else:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
-        # (In tiles of 256 Q and the rings take 192 KiB: the output leaves by stores from registers, with no staging
-        # tiles or descriptor, as in tiles of 192. The descriptors keep their order, q, o, k, v, then the second
-        # parts': each takes the next slot of the device scratch, so tiles up to 128 compile as before wider ones
-        # existed.)
+        # (In tiles of 256 Q and the rings take 192 KiB: the output is staged in each warpgroup's part of Q,
+        # _query_warpgroup's O_IN_Q. The descriptors keep their order, q, o, k, v, then the second parts': each takes
+        # the next slot of the device scratch, so tiles up to 128 compile as before wider ones existed.)
         q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
-        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D, D, HEAD_D) if D <= 128 else q_desc
+        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D - HI, D, HEAD_D)
         k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
         v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D - HI, D, HEAD_D)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D], q_layout) if D <= 128 else q_smem
+        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout) if D < 256 else q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         # The second parts (the first parts stand in for them where HI is 0, unused).
@@ -635,8 +651,11 @@ if HAVE_GLUON:
             q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
             k_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
             v_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
+            o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HI, D, HEAD_D)
+            o_hi_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
         else:
             q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi = q_desc, k_desc, v_desc, q_smem, k_ring, v_ring
+            o_desc_hi, o_hi_smem = o_desc, o_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -665,7 +684,7 @@ if HAVE_GLUON:
         wg_args = (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item,
                    item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k,
                    max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, seed, offset_lo,
-                   dropout.threshold, dropout.keep_scale, q_hi, k_hi, v_hi)
+                   dropout.threshold, dropout.keep_scale, q_hi, k_hi, v_hi, o_desc_hi, o_hi_smem)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
                      max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
