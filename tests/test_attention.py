@@ -616,11 +616,12 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
 
 
 @pytest.mark.parametrize("head_dim,tile,warpgroups,keys", [
-    (40, 64, 3, 128), (96, 128, 2, 128), (64, 64, 3, 128), (192, 256, 2, 64), (256, 256, 2, 64)])
+    (40, 64, 3, 128), (96, 128, 2, 128), (64, 64, 3, 128), (136, 192, 2, 64), (192, 192, 2, 64), (200, 256, 2, 64),
+    (256, 256, 2, 64)])
 def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, tile, warpgroups, keys):
     # The kernel's D is the tile's, HEAD_D the tensors' (its descriptors' columns); the rules take the tile's (three
-    # query warpgroups at 64), and tiles of 256 take 64 keys at a time. Without a GPU: the kernel replaced by a
-    # recorder, CPU tensors (nothing computed).
+    # query warpgroups at 64), and tiles past 128 (192 and 256) take 64 keys at a time. Without a GPU: the kernel
+    # replaced by a recorder, CPU tensors (nothing computed).
     taken = []
 
     class Recorder:
