@@ -53,8 +53,8 @@ query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_ke
 registers). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have power-of-two shapes): two boxes
 per tile of Q, K and V, two products for each of S and O, two accumulators. The output leaves through staging tiles by
 TMA stores, as at 128: at 192 tiles of its own, at 256 each warpgroup's part of Q (Q and the rings take 192 KiB of
-shared memory, leaving no room for more), which Q's next block then waits for. From registers (64 or 128 four-byte
-stores per thread) it had cost 4-16% of the time without a mask and 11-29% under causal masks (bench/NOTES.md, "The
+shared memory, leaving no room for more), which Q's next block then waits for. From registers (48 or 64 four-byte
+stores per thread) it had cost 4-14% of the time without a mask and 10-23% under causal masks (bench/NOTES.md, "The
 forward past 128").
 :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; dense
 sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
