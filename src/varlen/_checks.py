@@ -6,6 +6,7 @@ these helpers (or raises ValueError/TypeError itself), never with ``assert``.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import os
@@ -127,6 +128,18 @@ def check_real(name: str, value) -> float:
     """A real number (not a bool), returned as a float; TypeError naming the argument otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_scale(name: str, value, *, allow_none: bool = False) -> float | None:
+    """A softmax scale: a real number, finite and nonzero, returned as a float (None passes where ``allow_none``).
+    Zero is refused: it weighs every visible key alike, and the kernels scale scores that masks have made -inf, which
+    gave NaN; varlen refuses it rather than compute it wrong."""
+    if value is None and allow_none:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value == 0):
+        raise ValueError(f"{name}: expected {'None or ' if allow_none else ''}a nonzero finite float, got {value!r}")
     return float(value)
 
 

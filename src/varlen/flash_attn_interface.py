@@ -40,7 +40,6 @@ is always done on the CPU: ``cu_seqlens`` start at 0, never decrease and end at 
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -49,6 +48,7 @@ from ._checks import (
     INDEX_DTYPES,
     accumulate_dtype,
     check_dtype,
+    check_scale,
     check_tensor,
     host_int,
     is_integer_dtype,
@@ -142,9 +142,7 @@ def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, ali
         raise TypeError(f"return_attn_probs: expected a bool, got {type(return_attn_probs).__name__}")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a float (<= 0 disables it), got {softcap!r}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale) or softmax_scale == 0):
-        raise ValueError(f"softmax_scale: expected None or a nonzero finite float, got {softmax_scale!r}")
+    softmax_scale = check_scale("softmax_scale", softmax_scale, allow_none=True)
     window, softcap = _window(window_size), max(float(softcap), 0.0)
     # The call's keep mask, read before the call draws it (reading doesn't advance the generator).
     keep = None

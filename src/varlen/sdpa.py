@@ -8,7 +8,6 @@ the inputs are viewed as varlen's ``(B, S, H, D)`` layout by a transpose, withou
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
@@ -18,6 +17,7 @@ from ._checks import (
     check_probability,
     check_same_device,
     check_same_dtype,
+    check_scale,
     check_tensor,
     is_integer_dtype,
 )
@@ -117,10 +117,7 @@ def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
     dropout_p = check_probability("dropout_p", _host_number("dropout_p", dropout_p))
-    scale = None if scale is None else _host_number("scale", scale)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale) or scale == 0):
-        raise ValueError(f"scale: expected None or a nonzero finite float, got {scale!r}")
+    scale = check_scale("scale", None if scale is None else _host_number("scale", scale), allow_none=True)
     if attn_mask is not None:
         check_tensor("attn_mask", attn_mask)
         if attn_mask.dtype != torch.bool:

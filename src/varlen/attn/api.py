@@ -17,6 +17,7 @@ from .._checks import (
     check_probability,
     check_same_device,
     check_same_dtype,
+    check_scale,
     check_tensor,
     checks_metadata,
 )
@@ -195,13 +196,7 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
         raise ValueError(f"query_offset: replaces align (query i of sequence b at key position query_offset[b] + "
                          f"i); got align={align!r} too: leave align at 'top_left'")
     window_left, window_right = parse_window(window)
-    if scale is None:
-        scale = D ** -0.5
-    elif (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not -math.inf < scale < math.inf
-          or scale == 0):
-        # (A zero scale weighs every visible key alike; the kernels scale scores that masks have made -inf, which gave
-        # NaN, so it is refused rather than computed wrong.)
-        raise ValueError(f"scale: expected a nonzero finite float, got {scale!r}")
+    scale = D ** -0.5 if scale is None else check_scale("scale", scale)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (
             0 <= softcap < math.inf):
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")

@@ -85,10 +85,11 @@ def tile_head_dim(head_dim: int) -> int | None:
 
 
 def wide_tile_head_dim(head_dim: int) -> int | None:
-    """The tile head dim of the kernels that also take tiles of 256 (the forward, ``gluon/forward.py``, and the
-    backward's dK and dV kernel, ``gluon/backward_wide.py``): :func:`tile_head_dim`'s, and past 128 (multiples of 8 up
-    to 256) a tile of 256. (``gluon/backward.py``'s kernel has no such tile: each of its warpgroups holds its keys'
-    64 x D float32 dK and dV, which at 256 would alone take 256 registers per thread.)"""
+    """The tile head dim of the backward's dK and dV kernel, which also takes tiles of 256 (``gluon/backward_wide.py``):
+    :func:`tile_head_dim`'s, and past 128 (multiples of 8 up to 256) a tile of 256. The forward's rule,
+    :func:`forward_tile_head_dim`, takes the same head dims. (``gluon/backward.py``'s kernel has no such tile: each of
+    its warpgroups holds its keys' 64 x D float32 dK and dV, which at 256 would alone take 256 registers per
+    thread.)"""
     if head_dim % 8 == 0 and TILE_HEAD_DIMS[-1] < head_dim <= 256:
         return 256
     return tile_head_dim(head_dim)
