@@ -4,9 +4,10 @@ from CUDA-graph replays, so that no host time enters (``bench/attention.py``'s e
 these machines).
 
 bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80, 96 and 192 about 2048), dense GQA rows at
-S2k-4k, dropout 0.1 at S2k and 8k, and jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
-documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens. FLOPs 4·B·H·Sq·Sk·D (the real
-sequences' for jagged rows), halved when causal; the backward counts 2.5x.
+S2k-4k, dropout 0.1 at S2k and 8k, jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
+documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens, and multi-head latent attention's
+head dims (q and k 192, v 128: DeepSeek-V2 and V3), dense and on the long-tailed documents. FLOPs 2·B·H·Sq·Sk·(D + Dv)
+(4·B·H·Sq·Sk·D where Dv = D; the real sequences' for jagged rows), halved when causal; the backward counts 2.5x.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Case(NamedTuple):
     peer_step: Callable[[], None] | None
     forward_flops: float
     head_dim: int
+    head_dim_v: int
 
 
 def replayed_ms(fn: Callable[[], None]) -> float:
@@ -40,10 +42,12 @@ def replayed_ms(fn: Callable[[], None]) -> float:
     return do_bench(captured(fn), warmup=50, rep=300, return_mode="median")
 
 
-def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0) -> Case:
+def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0, DV=None) -> Case:
+    DV = D if DV is None else DV
     q = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    dout = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, S, HKV, DV, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(B, S, H, DV, device=DEV, dtype=torch.bfloat16)
 
     def forward():
         with torch.no_grad():
@@ -64,18 +68,26 @@ def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0) -> Case:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=H != HKV,
                                                  dropout_p=dropout_p)
         torch.autograd.grad(out, (qt, kt, vt), dout_t)
-    return Case(forward, step, cudnn_forward, cudnn_step, 4 * B * H * S * S * D * (0.5 if causal else 1), D)
+    peer_forward, peer_step = cudnn_forward, cudnn_step
+    if DV != D:  # (where cuDNN's SDPA declines a value head dim other than the query's, no peer)
+        try:
+            cudnn_step()
+        except RuntimeError as e:
+            print(f"cuDNN declines D{D} Dv{DV}: {str(e).splitlines()[0][:200]}", flush=True)
+            peer_forward = peer_step = None
+    return Case(forward, step, peer_forward, peer_step, 2 * B * H * S * S * (D + DV) * (0.5 if causal else 1), D, DV)
 
 
-def jagged_case(lengths, H, HKV, D, causal) -> Case:
+def jagged_case(lengths, H, HKV, D, causal, DV=None) -> Case:
+    DV = D if DV is None else DV
     total = sum(lengths)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEV, dtype=torch.int32)
 
-    def jagged(heads):
-        values = torch.randn(total, heads, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    def jagged(heads, dim):
+        values = torch.randn(total, heads, dim, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         return varlen.JaggedTensor(values, offsets, max(lengths))
-    q, k, v = jagged(H), jagged(HKV), jagged(HKV)
-    dout = torch.randn(total, H, D, device=DEV, dtype=torch.bfloat16)
+    q, k, v = jagged(H, D), jagged(HKV, D), jagged(HKV, DV)
+    dout = torch.randn(total, H, DV, device=DEV, dtype=torch.bfloat16)
 
     def forward():
         with torch.no_grad():
@@ -83,7 +95,8 @@ def jagged_case(lengths, H, HKV, D, causal) -> Case:
 
     def step():
         torch.autograd.grad(varlen.attention(q, k, v, causal=causal).values, (q.values, k.values, v.values), dout)
-    return Case(forward, step, None, None, sum(4 * H * L * L * D * (0.5 if causal else 1) for L in lengths), D)
+    return Case(forward, step, None, None, sum(2 * H * L * L * (D + DV) * (0.5 if causal else 1) for L in lengths), D,
+                DV)
 
 
 def long_tail(tokens: int) -> list[int]:
@@ -129,6 +142,14 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
     yield "D256 GQA 16/4 S4096 B2 causal", lambda: dense_case(2, 4096, 16, 4, 256, True)
     yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) D256 GQA 16/4 causal",
            lambda: jagged_case(tail, 16, 4, 256, True))
+    # Multi-head latent attention's head dims (q and k 192, v 128; its heads are not grouped), dense and on the
+    # long-tailed documents.
+    for S in (1024, 4096):
+        for causal in (False, True):
+            name = f"MLA D192/128 S{S} B{16384 // S} H16" + (" causal" if causal else "")
+            yield name, lambda S=S, causal=causal: dense_case(16384 // S, S, 16, 16, 192, causal, DV=128)
+    yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) MLA D192/128 H16 causal",
+           lambda: jagged_case(tail, 16, 16, 192, True, DV=128))
 
 
 def arguments() -> argparse.Namespace:

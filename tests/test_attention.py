@@ -615,35 +615,71 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
 
 
-@pytest.mark.parametrize("head_dim,tile,warpgroups,keys", [
-    (40, 64, 3, 128), (96, 128, 2, 128), (64, 64, 3, 128), (136, 192, 2, 64), (192, 192, 2, 64), (200, 256, 2, 64),
-    (256, 256, 2, 64)])
-def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, tile, warpgroups, keys):
-    # The kernel's D is the tile's, HEAD_D the tensors' (its descriptors' columns); the rules take the tile's (three
-    # query warpgroups at 64), and tiles past 128 (192 and 256) take 64 keys at a time. Without a GPU: the kernel
-    # replaced by a recorder, CPU tensors (nothing computed).
+@pytest.mark.parametrize("head_dim,head_dim_v,forward_tiles,wide_tiles", [
+    (192, 128, (192, 128), (256, 128)), (256, 128, (256, 128), (256, 128)), (136, 96, (192, 128), (256, 128)),
+    (200, 40, (256, 64), (256, 64)), (128, 64, (128, 64), (128, 64)), (64, 128, (64, 128), (64, 128)),
+    (96, 80, (128, 128), (128, 128)), (192, 192, (192, 192), (256, 256)),
+    (192, 256, None, None), (128, 192, None, None), (192, 184, None, None), (192, 32, None, None),
+    (32, 64, None, None), (192, 100, None, None),
+])
+def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, head_dim_v, forward_tiles, wide_tiles):
+    # Dv other than D (multi-head latent attention's 192 / 128 first): the forward in Q's and K's tile and a tile of 64
+    # or 128 for V and O (gluon/common.py: forward_tile_head_dims); the backward's dK and dV kernel past 128 in tiles of
+    # 256 and V's own (wide_tile_head_dims); past 128 no value tile but D's, where Dv = D. The backward's kernel in
+    # tiles of 64 and 128 takes D = Dv only, and the forward no dropout where either tile passes 128 (64-key tiles).
+    assert gluon_common.forward_tile_head_dims(head_dim, head_dim_v) == forward_tiles
+    assert gluon_common.wide_tile_head_dims(head_dim, head_dim_v) == wide_tiles
+    problem = Problem(1, 2, 2, head_dim, head_dim_v, 16, 16, True)
+    opts = AttentionOptions(scale=0.1)
+    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (forward_tiles is not None)
+    dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
+    assert dropout == (forward_tiles is not None and max(forward_tiles) <= 128)
+    wide = wide_tiles is not None and wide_tiles[0] == 256
+    for options in (opts, AttentionOptions(scale=0.1, deterministic=True)):
+        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, None) == wide
+    assert gluon_backward.supports(problem, opts, torch.bfloat16, None, None, None) == (
+        head_dim == head_dim_v and gluon_common.tile_head_dim(head_dim) is not None)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v,tiles,warpgroups,keys", [
+    (40, 40, (64, 64), 3, 128), (96, 96, (128, 128), 2, 128), (64, 64, (64, 64), 3, 128),
+    (136, 136, (192, 192), 2, 64), (192, 192, (192, 192), 2, 64), (200, 200, (256, 256), 2, 64),
+    (256, 256, (256, 256), 2, 64), (192, 128, (192, 128), 2, 64), (64, 128, (64, 128), 2, 128),
+    (128, 40, (128, 64), 2, 128)])
+def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, tiles, warpgroups,
+                                                               keys):
+    # The kernel's D and DV are the tiles', HEAD_D and HEAD_DV the tensors' (its descriptors' columns); the rules take
+    # the larger tile's (three query warpgroups at 64), and tiles past 128 (192 and 256) take 64 keys at a time.
+    # Without a GPU: the kernel replaced by a recorder, CPU tensors (nothing computed).
     taken = []
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["HEAD_D"], kwargs["WGS"], kwargs["BN"]))
+            return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["DV"], kwargs["HEAD_D"],
+                                                         kwargs["HEAD_DV"], kwargs["WGS"], kwargs["BN"]))
 
     monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorder(), raising=False)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 132)
     monkeypatch.setattr(gluon_forward, "applies", lambda *args: True)
-    problem = Problem(4, 32, 32, head_dim, head_dim, 4096, 4096, True)
-    q, k, v = (torch.empty(4, 4096, 32, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    problem = Problem(4, 32, 32, head_dim, head_dim_v, 4096, 4096, True)
+    q, k = (torch.empty(4, 4096, 32, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.empty(4, 4096, 32, head_dim_v, dtype=torch.bfloat16)
     opts = AttentionOptions(scale=0.125)
     config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
-    triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
-    assert taken == [(tile, head_dim, warpgroups, keys)]
+    out, _ = triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
+    assert taken == [(*tiles, head_dim, head_dim_v, warpgroups, keys)]
+    assert out.shape == (4, 4096, 32, head_dim_v)
 
 
-@pytest.mark.parametrize("head_dim,dense,deterministic", [(192, True, False), (256, False, True), (136, True, True)])
-def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, dense, deterministic):
-    # Past 128 the Gluon kernel in tiles of 256 computes dK and dV (D the tile's, HEAD_D the tensors', 64 keys a
-    # program), and the Triton dQ kernel dQ in the config's dQ tiles, whatever dQ mode the config names; the Triton kv
-    # kernel doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing computed).
+@pytest.mark.parametrize("head_dim,head_dim_v,dense,deterministic", [
+    (192, 192, True, False), (256, 256, False, True), (136, 136, True, True), (192, 128, True, False),
+    (200, 96, False, False)])
+def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, dense,
+                                                                     deterministic):
+    # Past 128 the Gluon kernel in tiles of 256 computes dK and dV (D and DV the tiles', HEAD_D and HEAD_DV the
+    # tensors', 64 keys a program), and the Triton dQ kernel dQ in the config's dQ tiles, whatever dQ mode the config
+    # names; the Triton kv kernel doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing
+    # computed).
     taken = []
 
     class Recorder:
@@ -652,7 +688,8 @@ def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: taken.append(
-                (self.name, kwargs.get("D"), kwargs.get("HEAD_D"), kwargs.get("BN"), kwargs.get("num_warps")))
+                (self.name, kwargs.get("D"), kwargs.get("HEAD_D"), kwargs.get("DV"), kwargs.get("HEAD_DV"),
+                 kwargs.get("BN"), kwargs.get("num_warps")))
 
     monkeypatch.setattr(gluon_backward_wide, "_bwd_kv_wide_hopper", Recorder("wide"), raising=False)
     for name in ("_bwd_preprocess", "_bwd_kv_kernel", "_bwd_q_kernel"):
@@ -663,16 +700,18 @@ def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch
     # (200 queries and keys: no whole number of tiles, so the programs make their descriptors)
     B, S, H = 2, 200, 4
     cu = None if dense else torch.tensor([0, 77, 200], dtype=torch.int32)
-    problem = Problem(B, H, H, head_dim, head_dim, S, S, dense, cu, cu)
-    shape = (B, S, H, head_dim) if dense else (S, H, head_dim)
-    q, k, v, out, dout = (torch.empty(shape, dtype=torch.bfloat16) for _ in range(5))
+    problem = Problem(B, H, H, head_dim, head_dim_v, S, S, dense, cu, cu)
+    shape = (B, S, H) if dense else (S, H)
+    q, k = (torch.empty(*shape, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    v, out, dout = (torch.empty(*shape, head_dim_v, dtype=torch.bfloat16) for _ in range(3))
     lse = torch.empty((B, H, S) if dense else (H, S), dtype=torch.float32)
     opts = AttentionOptions(scale=0.125, causal=True, deterministic=deterministic)
     config = configs.BackwardConfig(configs.K(64, 64, 8, 2), configs.K(128, 32, 8, 3), configs.DQ_TMA)
     triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem, opts, None, config,
                                     need_dbias=False, tma=True, gluon=True)
-    assert [t for t in taken if t[0] != "_bwd_preprocess"] == [("wide", 256, head_dim, 64, 4),
-                                                               ("_bwd_q_kernel", None, None, None, 8)]
+    tile_dv = 256 if head_dim_v == head_dim else 128
+    assert [t for t in taken if t[0] != "_bwd_preprocess"] == [("wide", 256, head_dim, tile_dv, head_dim_v, 64, 4),
+                                                               ("_bwd_q_kernel", None, None, None, None, None, 8)]
 
 
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [

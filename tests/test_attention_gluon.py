@@ -8,8 +8,9 @@ forward also queries and keys of different lengths, so that some queries see no 
 alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
 reads); the forward in tiles of 64 also with three query warpgroups, the backward in tiles of 64 also with two key
 blocks per program.
-The forward also in tiles of 256 (head dims 136-256), as the backward's dK and dV kernel past 128
-(``gluon/backward_wide.py``, beside the Triton dQ kernel), and the Triton kernels at head dims 192 and 256 in their own
+The forward also in tiles of 192 and 256 (head dims 136-256), the backward's dK and dV kernel past 128 in tiles of 256
+(``gluon/backward_wide.py``, beside the Triton dQ kernel), both also with value head dims other than the query's
+(multi-head latent attention's 192 / 128 among them), and the Triton kernels at head dims 192 and 256 in their own
 tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
 precision (plus a float32 rounding floor).
@@ -75,20 +76,23 @@ def forward_kernel(request, monkeypatch):
     return request.param, _route(monkeypatch, gluon_forward, "launch", "launch_forward", request.param == "gluon")
 
 
-def _inputs(layout, dtype, heads, kv_heads, D, generator):
+def _inputs(layout, dtype, heads, kv_heads, D, generator, DV=None):
+    """q, k and v (v of head dim ``DV``, by default ``D``) in ``layout``."""
+    DV = D if DV is None else DV
+
     def rand(*shape):
         return torch.randn(*shape, generator=generator, dtype=torch.float32).to(dtype)
 
     if layout == "dense":
-        return rand(2, 1000, heads, D), rand(2, 1000, kv_heads, D), rand(2, 1000, kv_heads, D)
+        return rand(2, 1000, heads, D), rand(2, 1000, kv_heads, D), rand(2, 1000, kv_heads, DV)
     if layout == "dense_tiles":  # whole tiles, fewer queries than keys: the backward's descriptors made on the host
-        return rand(2, 512, heads, D), rand(2, 1024, kv_heads, D), rand(2, 1024, kv_heads, D)
+        return rand(2, 512, heads, D), rand(2, 1024, kv_heads, D), rand(2, 1024, kv_heads, DV)
     if layout == "dense_batch":  # five sequences, a partial last tile (296 = 4 x 64 + 40) and key block; keys a
         # multiple of 8 (a bias's rows: gluon_backward.bias_aligned)
-        return rand(5, 296, heads, D), rand(5, 296, kv_heads, D), rand(5, 296, kv_heads, D)
+        return rand(5, 296, heads, D), rand(5, 296, kv_heads, D), rand(5, 296, kv_heads, DV)
     key_lengths = KEY_LENGTHS if layout == "cross" else LENGTHS
     return (varlen.jagged([rand(L, heads, D) for L in LENGTHS]),
-            *(varlen.jagged([rand(L, kv_heads, D) for L in key_lengths]) for _ in range(2)))
+            *(varlen.jagged([rand(L, kv_heads, dim) for L in key_lengths]) for dim in (D, DV)))
 
 
 def _to(t, device, dtype):
@@ -381,6 +385,73 @@ def test_wide_backward_is_deterministic(monkeypatch, layout):
         assert torch.equal(first, second)
 
 
+# Value head dims other than the query's (gluon_common.forward_tile_head_dims and wide_tile_head_dims): multi-head
+# latent attention's 192 / 128 (DeepSeek-V2 and V3), 256 / 128, heads below their tiles (136 / 96 and 200 / 40,
+# through 3-D descriptors), and tiles of 128 and 64 either way round (the forward only: the backward's tiles of 64 and
+# 128 take D = Dv alone).
+VALUE_HEAD_DIMS = [(192, 128), (256, 128), (136, 96), (200, 40), (128, 64), (64, 128)]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+@pytest.mark.parametrize("D,DV", VALUE_HEAD_DIMS)
+def test_forward_value_head_dims_match_reference(monkeypatch, D, DV, layout, mask):
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd dv {D} {DV} {layout} {mask}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, D, g, DV), MASKS[mask], torch.bfloat16)
+    assert launches, "the Gluon kernel did not run"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,DV,dropout_p,mask", [(192, 128, 0.0, "none"), (192, 128, 0.0, "causal"),
+                                                 (128, 64, 0.17, "causal_bottom_right"), (64, 128, 0.9, "none")])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_forward_value_head_dims_in_fp16_and_with_dropout_match_reference(monkeypatch, D, DV, dropout_p, mask, layout):
+    # fp16 without GQA, and dropout where both tiles are at most 128 (128-key tiles: gluon_forward.block_keys).
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"fwd dv fp16 {D} {DV} {dropout_p} {layout} {mask}".encode()))
+    _check_forward(*_inputs(layout, torch.float16, 4, 4, D, g, DV), MASKS[mask], torch.float16, dropout_p,
+                   _draws(0, g))
+    assert launches, "the Gluon kernel did not run"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
+@pytest.mark.parametrize("D,DV", [dims for dims in VALUE_HEAD_DIMS if dims[0] > 128])
+def test_wide_backward_value_head_dims_match_reference(monkeypatch, D, DV, layout, mask):
+    # dK in tiles of 256, dV in V's own tile (descriptors made by the programs and on the host), dQ by the Triton dQ
+    # kernel.
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    host_descriptors = record_calls(monkeypatch, gluon_backward_wide, "host_descriptors")
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, DV=DV)
+    assert [d is not None for d in host_descriptors] == [layout == "dense_tiles"]
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype,dropout_p,offset", [(torch.float16, 0.0, 0), (torch.bfloat16, *DROPOUTS[1])])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_wide_backward_value_head_dims_in_fp16_and_with_dropout_match_reference(monkeypatch, dtype, dropout_p, offset,
+                                                                               layout):
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), dtype, 192, layout, 4, 4, "causal", dropout_p, offset, DV=128)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+def test_wide_backward_value_head_dims_are_deterministic(monkeypatch):
+    launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
+    g = torch.Generator().manual_seed(zlib.crc32(b"wide deterministic dv"))
+    q, k, v = (_to(t, "cuda", torch.bfloat16) for t in _inputs("jagged", torch.bfloat16, 8, 2, 192, g, 128))
+    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(*_values(q).shape[:-1], 128, generator=g).to("cuda", torch.bfloat16)
+    grads = [torch.autograd.grad(_values(varlen.attention(q, k, v, causal=True, deterministic=True)), leaves, dout)
+             for _ in range(2)]
+    assert len(launches) == 2, "the Gluon backward in tiles of 256 did not take deterministic calls"
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
+
+
 # The Triton kernels' backward past 128, in their tiles 256 wide (configs.HEAD256_SWEEP: 64-key blocks and a separate
 # dQ kernel of 128-query blocks without a bias or dropout; the smallest tiles with one), D192 with its head padded in
 # them: the path of every GPU but Hopper's, and of Hopper's with a bias or dropout (here routed there in every case);
@@ -427,22 +498,23 @@ def _check_forward(q, k, v, opts, dtype, dropout_p=0.0, draws=None):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (192, 2), (256, 2)])
+@pytest.mark.parametrize("D,DV,warpgroups", [(64, 64, 2), (64, 64, 3), (192, 192, 2), (256, 256, 2), (192, 128, 2)])
 @pytest.mark.parametrize("programs", [1, 5])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
-def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, D, warpgroups):
+def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, D, DV, warpgroups):
     """The persistent schedule with few programs, each walking many work items (ring positions, the Q block
     and the output staging carried across items; items past a sequence's end, items that see no key and
     blocks with warpgroups past the end in between), with two or three query warpgroups, and in tiles of 192 and 256
-    (64-key tiles, no output staging): as the float64 reference. At the sizes of the test above most programs take
-    one item."""
+    (64-key tiles; at 256 the output staged in Q), also with V and O in tiles of 128 beside Q's and K's of 192: as the
+    float64 reference. At the sizes of the test above most programs take one item."""
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: programs)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: warpgroups)
     taken, _ = _forward_warpgroups(monkeypatch)
-    g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs} {D}".encode()))
-    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, D, g), MASKS[mask], torch.bfloat16)
+    dims = f"{D}" if DV == D else f"{D} {DV}"
+    g = torch.Generator().manual_seed(zlib.crc32(f"persistent {layout} {mask} {programs} {dims}".encode()))
+    _check_forward(*_inputs(layout, torch.bfloat16, 8, 2, D, g, DV), MASKS[mask], torch.bfloat16)
     assert launches and set(taken) == {warpgroups}, "the Gluon kernel did not run with the warpgroups forced"
 
 
@@ -782,11 +854,12 @@ def test_gluon_backward_leaves_other_biases_to_the_triton_kernel(monkeypatch, ke
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0, bias=None,
-                    bias_masked=False, bias_grad=True, scale=None, bias_wider=0):
-    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {D} {layout} {heads} {mask} {dropout_p}".encode()))
-    q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g)
+                    bias_masked=False, bias_grad=True, scale=None, bias_wider=0, DV=None):
+    dims = f"{D}" if DV is None else f"{D} {DV}"
+    g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {dims} {layout} {heads} {mask} {dropout_p}".encode()))
+    q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g, DV)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
-    dout = torch.randn(rows, generator=g)
+    dout = torch.randn(*rows[:-1], D if DV is None else DV, generator=g)
     opts = dict(MASKS[mask], scale=scale)
     draws = _draws(offset, g)
     bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked, bias_wider)

@@ -6,7 +6,8 @@
 
 Covers bf16 and float32 (both dot precisions) at head dims 64, 128 and 256 (float32 "ieee" also at 36 and 100, bf16
 also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 160 and 192, in the Gluon forward's
-tiles of 192 and the Gluon dK and dV kernel's of 256, beside the Triton kernels);
+tiles of 192 and the Gluon dK and dV kernel's of 256, beside the Triton kernels; and value head dims other than the
+query's, "D192v128" for multi-head latent attention's heads among them);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
@@ -39,16 +40,18 @@ gluon_forward.applies = (lambda problem, opts, q, k, v, bias, alibi, seed:
                          gluon_forward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
 
-def _problem(D, jagged, group, S=256):
+def _problem(D, DV, jagged, group, S=256):
     B, H = 2, 4
     cu = torch.tensor([0, 100, 256], dtype=torch.int32) if jagged else None
-    return Problem(B, H, H // group, D, D, S, S, not jagged, cu, cu)
+    return Problem(B, H, H // group, D, DV, S, S, not jagged, cu, cu)
 
 
 def _tensors(problem, dtype):
     shape = (problem.cu_q[-1].item(),) if not problem.dense else (problem.batch, problem.max_q)
-    q, do = (torch.empty(*shape, problem.heads, problem.head_dim, dtype=dtype) for _ in range(2))
-    k, v = (torch.empty(*shape, problem.kv_heads, problem.head_dim, dtype=dtype) for _ in range(2))
+    q = torch.empty(*shape, problem.heads, problem.head_dim, dtype=dtype)
+    do = torch.empty(*shape, problem.heads, problem.head_dim_v, dtype=dtype)
+    k = torch.empty(*shape, problem.kv_heads, problem.head_dim, dtype=dtype)
+    v = torch.empty(*shape, problem.kv_heads, problem.head_dim_v, dtype=dtype)
     return q, k, v, do
 
 
@@ -64,7 +67,8 @@ FEATURES = {
     "dropout_device_seed": dict(dropout=0.1, device_seed=True),  # the key in memory (captured graphs: DropoutSeed)
     "positions": dict(causal=True, positions=True, dropout=0.1),
 }
-# (head dim, dtype, float32 dot precision, jagged, GQA group, features): every feature at D 64, 128 and 256 in bf16,
+# (head dim, or the query's and the value's, dtype, float32 dot precision, jagged, GQA group, features): every feature
+# at D 64, 128 and 256 in bf16,
 # the layouts and GQA at the common features, float32 at the plain and causal cases, float32 at full accuracy with
 # every feature.
 CASES = [
@@ -101,14 +105,23 @@ CASES = [
                                   (True, 4, "causal"))),
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
     *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
+    # Value head dims other than the query's (gluon.common.forward_tile_head_dims): multi-head latent attention's
+    # 192 / 128 (the forward in tiles of 192 and 128, the backward's dK and dV in tiles of 256 and 128), 256 / 128 and
+    # 128 / 64 (the forward in tiles of 128 and 64; the Triton backward).
+    *(((192, 128), torch.bfloat16, "ieee", jagged, group, name)
+      for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
+                                  (False, 1, "dropout"), (True, 4, "causal"))),
+    *((dims, torch.bfloat16, "ieee", False, 1, "causal") for dims in ((256, 128), (128, 64), (136, 96))),
+    ((128, 64), torch.bfloat16, "ieee", False, 1, "dropout"),
 ]
 
 
 def main():
-    for D, dtype, precision, jagged, group, name in CASES:
+    for dims, dtype, precision, jagged, group, name in CASES:
+        D, DV = dims if isinstance(dims, tuple) else (dims, dims)
         f = FEATURES[name]
         torch.backends.cuda.matmul.fp32_precision = precision
-        problem = _problem(D, jagged, group)
+        problem = _problem(D, DV, jagged, group)
         q, k, v, do = _tensors(problem, dtype)
         B, H, S = problem.batch, problem.heads, problem.max_q
         bias = {"BHQK": torch.empty(B, H, S, S, dtype=dtype), "1HQK": torch.empty(1, H, S, S, dtype=dtype)}.get(
@@ -125,7 +138,8 @@ def main():
         if f.get("dropout"):  # (a host key, or one in memory as a captured call draws it: options.DropoutSeed)
             seed = DropoutSeed(torch.ones(1, dtype=torch.int64), 0) if f.get("device_seed") else DropoutSeed(1, 2)
         for tma in (True, False) if name in ("plain", "causal") else (True,):
-            label = (f"case D{D} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
+            dims = f"D{D}" if DV == D else f"D{D}v{DV}"
+            label = (f"case {dims} {str(dtype)[6:]} {precision} {'jagged' if jagged else 'dense'} group{group} {name} "
                      f"{'tma' if tma else 'pointers'}")
             if os.environ.get("ATTENTION_VARIANTS", "") not in label:
                 continue
@@ -141,7 +155,7 @@ def main():
                 print(label.replace("case", "gluon forward"), flush=True)
                 launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                 # At a tile head dim of 64 also with three query warpgroups (the rule takes them from 2048 queries).
-                if gluon_common.tile_head_dim(D) == 64:
+                if gluon_common.forward_tile_head_dims(D, DV) == (64, 64):
                     print(label.replace("case", "gluon forward 3wg"), flush=True)
                     rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
@@ -153,7 +167,7 @@ def main():
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,
                                 need_dbias=False, tma=tma, gluon=True)
                 if problem.dense:
-                    ragged = _problem(D, jagged, group, S=200)
+                    ragged = _problem(D, DV, jagged, group, S=200)
                     rq, rk, rv, rdo = _tensors(ragged, dtype)
                     r_out, r_lse = launch_forward(rq, rk, rv, None, alibi, ragged, opts, seed, fwd, tma=tma,
                                                   gluon=False)
@@ -178,7 +192,7 @@ def main():
                         if problem.dense:
                             # Lengths that are no whole number of tiles: each program makes its descriptors
                             # (gluon_backward.host_descriptors).
-                            ragged = _problem(D, jagged, group, S=200)
+                            ragged = _problem(D, DV, jagged, group, S=200)
                             rq, rk, rv, rdo = _tensors(ragged, dtype)
                             r_bias = None if bias is None else torch.empty(*bias.shape[:2], 200, 200, dtype=dtype)
                             r_out, r_lse = launch_forward(rq, rk, rv, r_bias, alibi, ragged, opts, seed, fwd, tma=tma,

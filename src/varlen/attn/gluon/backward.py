@@ -789,7 +789,7 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
     with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
     return (supports(problem, opts, q.dtype, bias, alibi, seed)
-            and common.hopper_layout(problem.head_dim, q, k, v, dout) and (bias is None or bias_aligned(bias)))
+            and common.hopper_layout(q, k, v, dout) and (bias is None or bias_aligned(bias)))
 
 
 def plane_arguments(problem, t, name: str, placeholder) -> dict:

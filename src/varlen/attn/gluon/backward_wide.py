@@ -27,7 +27,9 @@ Dropout: the score warpgroup draws each tile's keep bits before issuing its prod
 backward tile, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits, as ``backward.py``
 does: dV takes the kept P, and the gradient warpgroup makes dSᵀ from the signed Pᵀ without a select.
 
-Scope (:func:`supports`): fp16/bf16, head dims 136-256 (multiples of 8, Dv = D), dense or jagged, no mask, causal
+Scope (:func:`supports`): fp16/bf16, head dims 136-256 (multiples of 8), Dv = D or a value head dim in a tile of 64 or
+128 of its own (``common.wide_tile_head_dims``: V, dO and dV in it, e.g. multi-head latent attention's 192 / 128 in
+tiles of 256 and 128), dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout, deterministic or not; no bias, ALiBi, softcap, prefix, documents or
 query positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
 TMA-aligned). It runs wherever it applies (H100 and H200: 1.5-3.2x the Triton kernels it replaces, 0.99-1.35x cuDNN;
@@ -73,17 +75,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar,
                     ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row, k_row, hk, n0, t_lo, n_tiles,
-                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
-                    GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
+                    HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
         """The producer warp: the block's K and V at once, then the (Q, dO) tiles of every head of the group through
         the two-stage ring, each stage refilled once both warpgroups released it, with the tile's lse (log2 units;
         +inf past ``Lq``) and delta, loaded by this warp's threads. ``q_row``, ``k_row``: the sequence's first rows in
         the descriptors."""
         dtype: gl.constexpr = k_desc.dtype
-        mbarrier.expect(kv_bar.index(0), 2 * BN * D * dtype.primitive_bitwidth // 8)
+        mbarrier.expect(kv_bar.index(0), BN * (D + DV) * dtype.primitive_bitwidth // 8)
         load_head_tile(k_desc, k_row + n0, hk, kv_bar.index(0), k_smem, D, HEAD_D)
-        load_head_tile(v_desc, k_row + n0, hk, kv_bar.index(0), v_smem, D, HEAD_D)
-        tile_bytes: gl.constexpr = 2 * BM * D * dtype.primitive_bitwidth // 8
+        load_head_tile(v_desc, k_row + n0, hk, kv_bar.index(0), v_smem, DV, HEAD_DV)
+        tile_bytes: gl.constexpr = BM * (D + DV) * dtype.primitive_bitwidth // 8
         count = 0
         for g in range(GROUP):
             h = hk * GROUP + g
@@ -94,7 +96,7 @@ if HAVE_GLUON:
                 mbarrier.expect(ready.index(stage), tile_bytes)
                 row = q_row + t_lo + j * BM
                 load_head_tile(q_desc, row, h, ready.index(stage), q_ring.index(stage), D, HEAD_D)
-                load_head_tile(do_desc, row, h, ready.index(stage), do_ring.index(stage), D, HEAD_D)
+                load_head_tile(do_desc, row, h, ready.index(stage), do_ring.index(stage), DV, HEAD_DV)
                 # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
                 lse2_ring.index(stage).store(query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
                 delta_ring.index(stage).store(query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
@@ -106,9 +108,9 @@ if HAVE_GLUON:
     def _score_warpgroup(k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready, p_free,
                          dv_desc, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
                          offset_lo, threshold, keep_scale, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                         DROPOUT: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
+                         DROPOUT: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr,
                          GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, kq_layout: gl.constexpr,
-                         kd_layout: gl.constexpr, a_layout: gl.constexpr):
+                         kdv_layout: gl.constexpr):
         """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
         and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
         gradient warpgroup's last product has read V. With ``DROPOUT`` the tile's keep bits are drawn before its
@@ -121,7 +123,8 @@ if HAVE_GLUON:
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         # Zeros the compiler can't fold (backward.py's row_zeros): each row of the product's start a value of its own.
         row_zeros = keys.to(gl.float32) * 0.0
-        dv = gl.zeros([BN, D], gl.float32, layout=kd_layout)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kdv_layout, k_width=2)
+        dv = gl.zeros([BN, DV], gl.float32, layout=kdv_layout)
         mbarrier.wait(kv_bar.index(0), 0)
         count = 0
         for g in range(GROUP):
@@ -164,15 +167,14 @@ if HAVE_GLUON:
         v_smem.store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        store_head_tile(dv_desc, k_row + n0, hk, v_smem, 0, D, HEAD_D)
+        store_head_tile(dv_desc, k_row + n0, hk, v_smem, 0, DV, HEAD_DV)
         tma.store_wait(0)
 
     @gluon.jit
     def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
                             p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, DROPOUT: gl.constexpr,
                             D: gl.constexpr, HEAD_D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                            BN: gl.constexpr, kq_layout: gl.constexpr, kd_layout: gl.constexpr,
-                            a_layout: gl.constexpr):
+                            BN: gl.constexpr, kq_layout: gl.constexpr, kd_layout: gl.constexpr):
         """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
         of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
         warpgroup's last product has read K (before it made its last Pᵀ ready). With ``DROPOUT`` (Pᵀ signed where
@@ -182,6 +184,7 @@ if HAVE_GLUON:
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         row_zeros = keys.to(gl.float32) * 0.0
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
         dk = gl.zeros([BN, D], gl.float32, layout=kd_layout)
         if DROPOUT:
             twice_inv_keep = 2.0 / keep_scale
@@ -224,26 +227,28 @@ if HAVE_GLUON:
     def _bwd_kv_wide_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                             total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, dropout: Dropout,
                             seed, offset_lo, QD, dOD, KD, VD, dKD, dVD, F: gl.constexpr, D: gl.constexpr,
-                            HEAD_D: gl.constexpr, H: gl.constexpr,
+                            HEAD_D: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr,
                             HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                             GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``); tensors
-        as ``backward._bwd_kv_hopper``'s, without dQ. ``scale``: the softmax scale; ``qk_scale``: it times log2(e);
-        ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
+        as ``backward._bwd_kv_hopper``'s, without dQ; Q's and K's head dim ``HEAD_D`` in tiles of ``D``, V's and dO's
+        ``HEAD_DV`` in tiles of ``DV`` (``common.wide_tile_head_dims``). ``scale``: the softmax scale; ``qk_scale``: it
+        times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``).
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, K, V, dK and dV made on the host
         (:func:`host_descriptors`); otherwise (all None) each program makes its sequence's. Partitions: the default
         one is the score warpgroup; workers: the gradient warpgroup and the one-warp loader."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
+        value_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DV], dtype)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float32)
-        # Both warpgroups' products: keys x queries (Sᵀ, Pᵀ, dPᵀ, dSᵀ) and keys x head dims (dV, dK), and the register
-        # A operand (Pᵀ, dSᵀ) of the latter.
+        # Both warpgroups' products: keys x queries (Sᵀ, Pᵀ, dPᵀ, dSᵀ) and keys x head dims (dK; dV in its own).
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BM, 16])
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D, 16])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
+        kdv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, DV, 16])
         gl.static_assert(BM == BN, "one shared layout for the query and key tiles")
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -259,18 +264,19 @@ if HAVE_GLUON:
         else:
             # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end.
             q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
-            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, D, D, HEAD_D)
+            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, DV, DV, HEAD_DV)
             k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D, D, HEAD_D)
-            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, D, D, HEAD_D)
+            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, DV, DV, HEAD_DV)
             dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, D, D, HEAD_D)
-            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, D, D, HEAD_D)
+            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, DV, DV,
+                                      HEAD_DV)
             q_row = 0
             k_row = 0
 
         k_smem = gl.allocate_shared_memory(dtype, [BN, D], tile_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BN, D], tile_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, DV], value_layout)
         q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], tile_layout)
-        do_ring = gl.allocate_shared_memory(dtype, [2, BM, D], tile_layout)
+        do_ring = gl.allocate_shared_memory(dtype, [2, BM, DV], value_layout)
         p_smem = gl.allocate_shared_memory(gl.float32, [2, BN, BM], p_layout)  # Pᵀ of a tile, double-buffered
         vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         lse2_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
@@ -294,13 +300,13 @@ if HAVE_GLUON:
             (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
                                 p_free, dv_desc, seq.b, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo,
                                 u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, F.HAS_R,
-                                F.HAS_WL, F.DROPOUT, D, HEAD_D, H, GROUP, BM, BN, kq_layout, kd_layout, a_layout)),
+                                F.HAS_WL, F.DROPOUT, DV, HEAD_DV, H, GROUP, BM, BN, kq_layout, kdv_layout)),
             (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
                                    p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, F.DROPOUT, D,
-                                   HEAD_D, GROUP, BM, BN, kq_layout, kd_layout, a_layout)),
+                                   HEAD_D, GROUP, BM, BN, kq_layout, kd_layout)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
                            kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
-                           hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN)),
+                           hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, DV, HEAD_DV, H, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         for i in gl.static_range(2):
@@ -312,18 +318,18 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in the tiles of 256
-    (``wide``: head dims 136-256, multiples of 8; dropout allowed), deterministic or not (it adds nothing), with a
-    nonzero scale (the products start from -lse in units of S, lse / scale)."""
+    (``common.wide_tile_head_dims``: head dims 136-256, multiples of 8, Dv in them or in a tile of its own; dropout
+    allowed), deterministic or not (it adds nothing), with a nonzero scale (the products start from -lse in units of
+    S, lse / scale)."""
     if common.wide_tile_head_dim(problem.head_dim) != TILE_D or opts.scale == 0:
         return False
-    return common.plain_call(problem, opts, dtype, bias, alibi, wide=True)
+    return common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor with its
     heads packed in a row and TMA-aligned."""
-    return supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(problem.head_dim, q, k, v,
-                                                                                         dout)
+    return supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(q, k, v, dout)
 
 
 def host_descriptors(problem, q, dout, k, v, dk, dv) -> tuple | None:
@@ -334,8 +340,10 @@ def host_descriptors(problem, q, dout, k, v, dk, dv) -> tuple | None:
         return None
     if not common.sequences_adjacent(q, dout, k, v, dk, dv):
         return None
-    return (*(common.host_head_descriptor(t, BLOCK_M, TILE_D, TILE_D) for t in (q, dout)),
-            *(common.host_head_descriptor(t, BLOCK_N, TILE_D, TILE_D) for t in (k, v, dk, dv)))
+    tile_d, tile_dv = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
+    return tuple(common.host_head_descriptor(t, rows, tile, tile) for t, rows, tile in (
+        (q, BLOCK_M, tile_d), (dout, BLOCK_M, tile_dv), (k, BLOCK_N, tile_d), (v, BLOCK_N, tile_dv),
+        (dk, BLOCK_N, tile_d), (dv, BLOCK_N, tile_dv)))
 
 
 def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores, dropout) -> None:
@@ -347,12 +355,14 @@ def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask
         ensure_allocator()  # the kernel builds TMA descriptors on the device
     QD, dOD, KD, VD, dKD, dVD = descs or (None,) * 6
     dense = problem.dense
+    tile_d, tile_dv = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
     grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM,
                                       kv_groups=True)
     _bwd_kv_wide_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dk, dense), rows(dv, dense), lse2,
         delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, QD=QD,
-        dOD=dOD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=TILE_D, HEAD_D=problem.head_dim, H=problem.heads,
+        dOD=dOD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=tile_d, HEAD_D=problem.head_dim, DV=tile_dv,
+        HEAD_DV=problem.head_dim_v, H=problem.heads,
         HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )

@@ -49,7 +49,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "wide_tile_head_dim", "forward_tile_head_dim", "plain_call", "hopper_layout",
+           "tile_head_dim", "wide_tile_head_dim", "forward_tile_head_dim", "same_tile_head_dims",
+           "forward_tile_head_dims", "wide_tile_head_dims", "plain_call", "hopper_layout",
            "host_head_descriptor", "head_descriptor", "load_head_tile", "store_head_tile", "query_vector",
            "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
@@ -66,7 +67,7 @@ THREE_WG_MAX_REGS = 128
 THREE_WG_CONSUMER_REGS = 160
 
 
-TILE_HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels' tiles are written for (D = Dv)
+TILE_HEAD_DIMS = (64, 128)  # the head dims the Gluon kernels' tiles are written for
 
 
 def tile_head_dim(head_dim: int) -> int | None:
@@ -104,21 +105,52 @@ def forward_tile_head_dim(head_dim: int) -> int | None:
     return wide_tile_head_dim(head_dim)
 
 
-def plain_call(problem, opts, dtype, bias, alibi, wide: bool = False) -> bool:
-    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, D = Dv with a tile head dim
-    (:func:`tile_head_dim`, or with ``wide`` :func:`wide_tile_head_dim`), no bias, ALiBi, softcap, prefix, documents
-    or query positions (dropout allowed: without query positions each sequence draws its own mask, as the kernels
-    do)."""
-    if dtype not in (torch.float16, torch.bfloat16) or problem.head_dim != problem.head_dim_v:
-        return False
-    if (wide_tile_head_dim if wide else tile_head_dim)(problem.head_dim) is None:
+def same_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """The tile head dims (of Q and K, of V and O) of ``gluon/backward.py``'s kernel: D = Dv in a
+    :func:`tile_head_dim`."""
+    tile = tile_head_dim(head_dim) if head_dim == head_dim_v else None
+    return None if tile is None else (tile, tile)
+
+
+def _value_tile(head_dim: int, head_dim_v: int, tile: int | None) -> tuple[int, int] | None:
+    """``(tile, the value tile)``: ``tile`` for both where Dv = D; else V's and O's own tile of 64 or 128
+    (:func:`tile_head_dim`): a 64 x 128 float32 O takes no more registers than a tile of 128's. Past 128 Dv takes
+    D's tile only (D = Dv)."""
+    if tile is None:
+        return None
+    if head_dim_v == head_dim:
+        return tile, tile
+    value_tile = tile_head_dim(head_dim_v)
+    return None if value_tile is None else (tile, value_tile)
+
+
+def forward_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """The forward's tile head dims (``gluon/forward.py``): Q's and K's :func:`forward_tile_head_dim`, and V's and O's
+    the same where Dv = D, else a tile of 64 or 128 (:func:`tile_head_dim`), e.g. (192, 128) for multi-head latent
+    attention's heads (DeepSeek-V2 and V3: q and k 192 = 128 + 64 rotary columns, v 128). None where no tile holds
+    either."""
+    return _value_tile(head_dim, head_dim_v, forward_tile_head_dim(head_dim))
+
+
+def wide_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
+    """The tile head dims of the backward's dK and dV kernel in tiles of 256 (``gluon/backward_wide.py``): Q's and K's
+    :func:`wide_tile_head_dim`, V's and O's as :func:`forward_tile_head_dims` gives them."""
+    return _value_tile(head_dim, head_dim_v, wide_tile_head_dim(head_dim))
+
+
+def plain_call(problem, opts, dtype, bias, alibi, tiles=same_tile_head_dims) -> bool:
+    """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, head dims in the kernel's
+    tiles (``tiles``: its rule, :func:`same_tile_head_dims`, :func:`forward_tile_head_dims` or
+    :func:`wide_tile_head_dims`), no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed:
+    without query positions each sequence draws its own mask, as the kernels do)."""
+    if dtype not in (torch.float16, torch.bfloat16) or tiles(problem.head_dim, problem.head_dim_v) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
         return False
     return opts.prefix_len is None and opts.documents is None and opts.query_offset is None
 
 
-def hopper_layout(head_dim: int, *tensors) -> bool:
+def hopper_layout(*tensors) -> bool:
     """Whether a Gluon kernel can take these CUDA tensors here: Gluon present, not the interpreter, an sm_90
     GPU, each tensor's heads packed in a row (its descriptor spans rows x heads: ``head_descriptor``) and
     TMA-aligned."""
@@ -127,7 +159,7 @@ def hopper_layout(head_dim: int, *tensors) -> bool:
         return False
     if compute_capability(q.device)[0] != 9:
         return False
-    return all(t.stride(-2) == head_dim for t in tensors) and tma_aligned(*tensors)
+    return all(t.stride(-2) == t.shape[-1] for t in tensors) and tma_aligned(*tensors)
 
 
 def sequences_adjacent(*tensors) -> bool:

@@ -46,8 +46,10 @@ Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluo
 thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped weights of P before O += P V; the
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
-Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256 (Dv = D), and multiples of 8 from 40 to 256 in
-those tiles (``common.forward_tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal
+Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256, and multiples of 8 from 40 to 256 in those tiles
+(``common.forward_tile_head_dim``: zeros read past the head); a value head dim Dv other than D in a tile of 64 or 128
+of its own (``common.forward_tile_head_dims``: multi-head latent attention's 192 / 128 runs in tiles of 192 and 128,
+the rules, :func:`block_keys` and :func:`query_warpgroups`, going by the larger); dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or
 query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
 registers). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have power-of-two shapes): two boxes
@@ -219,19 +221,21 @@ if HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
-                    GROUP: gl.constexpr, BN: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
+    def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
+                    HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
+                    WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
-        products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``; in a tile of 192, ``HI`` = 64, the
-        last 64 columns through their own descriptors into their own tiles)."""
+        products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``; in a tile of 192, ``HI`` = 64 (V's:
+        ``HIV``), the last 64 columns through their own descriptors into their own tiles)."""
         (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item,
          item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
          q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi) = args
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
-        tile_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
+        k_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
+        v_bytes: gl.constexpr = BN * DV * dtype.primitive_bitwidth // 8
         kv = 0  # key tiles loaded so far (ring position)
         qi = 0  # Q blocks loaded so far
         it = 0  # items published so far
@@ -257,17 +261,17 @@ if HAVE_GLUON:
                         phase = ((kv // 2) & 1) ^ 1
                         row = k_row + t_lo + j * BN
                         mbarrier.wait(k_empty.index(stage), phase)
-                        mbarrier.expect(k_ready.index(stage), tile_bytes)
+                        mbarrier.expect(k_ready.index(stage), k_bytes)
                         load_head_tile(k_desc, row, hk, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
                         if HI > 0:
                             load_head_tile(k_desc_hi, row, hk, k_ready.index(stage), k_hi.index(stage), D, HEAD_D,
                                            D - HI)
                         mbarrier.wait(v_empty.index(stage), phase)
-                        mbarrier.expect(v_ready.index(stage), tile_bytes)
-                        load_head_tile(v_desc, row, hk, v_ready.index(stage), v_ring.index(stage), D, HEAD_D)
-                        if HI > 0:
-                            load_head_tile(v_desc_hi, row, hk, v_ready.index(stage), v_hi.index(stage), D, HEAD_D,
-                                           D - HI)
+                        mbarrier.expect(v_ready.index(stage), v_bytes)
+                        load_head_tile(v_desc, row, hk, v_ready.index(stage), v_ring.index(stage), DV, HEAD_DV)
+                        if HIV > 0:
+                            load_head_tile(v_desc_hi, row, hk, v_ready.index(stage), v_hi.index(stage), DV, HEAD_DV,
+                                           DV - HIV)
                         kv += 1
             t = _claim(gl.num_programs(0) + gl.atomic_add(counter, 1), n_items, n_blocks, counter, cu_q, total_q,
                        max_q, H, F.VARLEN, 64 * WGS)
@@ -407,15 +411,16 @@ if HAVE_GLUON:
         return o, p, m_i, l_i
 
     @gluon.jit
-    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
-                         H: gl.constexpr, BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr,
-                         ALIGN_END: gl.constexpr, WG: gl.constexpr):
+    def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, DV: gl.constexpr,
+                         HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
         the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
         the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``). In a tile of 192
-        (``HI`` = 64) the output's last 64 columns are an accumulator of their own (``o_hi``), and each product with
-        Q, K or V a pair. (The pairs are written out at each product: through a helper, the inlined call's debug
-        ranges moved ptxas's schedule of the other tiles' kernels.)"""
+        (``HI`` = 64 for Q and K, ``HIV`` for V and the output, whose tile ``DV`` may be another) each product with
+        Q, K or V is a pair, and the output's last 64 columns an accumulator of their own (``o_hi``). (The pairs are
+        written out at each product: through a helper, the inlined call's debug ranges moved ptxas's schedule of the
+        other tiles' kernels.)"""
         (q_smem, k_ring, v_ring, o_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item, item_ready,
          item_free, o_desc, O, o_stride, LSE, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
          scale, qk_scale, seed, offset_lo, threshold, keep_scale, q_hi, k_hi, v_hi, o_desc_hi, o_hi_smem) = args
@@ -423,20 +428,20 @@ if HAVE_GLUON:
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D - HI, 16])
+                                                           instr_shape=[16, DV - HIV, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        # (The second part's layouts: in tiles of 192 only, where HI is 64.)
+        # (The second part's layouts: in tiles of 192 only, where HIV is 64.)
         oh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HI if HI > 0 else D, 16])
+                                                            instr_shape=[16, HIV if HIV > 0 else DV, 16])
         row_oh: gl.constexpr = gl.SliceLayout(1, oh_layout)
         q_w = q_smem.index(WG)
         q_hw = q_hi.index(WG)
         o_hw = o_hi_smem.index(WG)
         # In tiles of 256 the output is staged in this warpgroup's part of Q (no room for a tile of its own): Q is
         # released once the output's store has read it, not after the block's last S = Q Kᵀ.
-        O_IN_Q: gl.constexpr = D == 256
+        O_IN_Q: gl.constexpr = D == 256 and DV == 256
         o_w = o_smem.index(WG)
         kv = 0  # key tiles consumed so far (ring position)
         qi = 0  # Q blocks consumed so far
@@ -462,8 +467,8 @@ if HAVE_GLUON:
                     rows = r0 + gl.arange(0, 64, layout=row_s)
                     m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
                     l_i = gl.zeros([64], gl.float32, layout=row_s)
-                    o = gl.zeros([64, D - HI], gl.float32, layout=o_layout)
-                    o_hi = gl.zeros([64, HI], gl.float32, layout=oh_layout) if HI > 0 else 0
+                    o = gl.zeros([64, DV - HIV], gl.float32, layout=o_layout)
+                    o_hi = gl.zeros([64, HIV], gl.float32, layout=oh_layout) if HIV > 0 else 0
                     if passing:
                         kv, qi, n = _pass_block(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, kv, qi, n,
                                                 n_tiles, WG, PINGPONG)
@@ -510,11 +515,11 @@ if HAVE_GLUON:
                                 if HI > 0:
                                     s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
                                 o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
-                                if HI > 0:
+                                if HIV > 0:
                                     o_hi = warpgroup_mma(p, v_hi.index(prev), o_hi, is_async=True)
                                 _pass_turn(turn, WG, PINGPONG)
                                 n += 1
-                                s = warpgroup_mma_wait(2 if HI > 0 else 1, deps=(s,))  # (O's products in flight)
+                                s = warpgroup_mma_wait(2 if HIV > 0 else 1, deps=(s,))  # (O's products in flight)
                                 mbarrier.arrive(k_empty.index(stage))
                                 if not O_IN_Q and j == n_own - 1:
                                     mbarrier.arrive(q_empty)
@@ -524,24 +529,24 @@ if HAVE_GLUON:
                                 if F.DROPOUT:
                                     p_next = _drop(p_next, seed, offset_lo, threshold, b * H + h, r0, t_lo + j * BN,
                                                    s_layout, dtype)
-                                if HI > 0:
+                                if HIV > 0:
                                     o, o_hi, p = warpgroup_mma_wait(0, deps=(o, o_hi, p))
                                 else:
                                     o, p = warpgroup_mma_wait(0, deps=(o, p))
                                 mbarrier.arrive(v_empty.index(prev))
                                 o = o * gl.convert_layout(alpha, row_o)[:, None]
-                                if HI > 0:
+                                if HIV > 0:
                                     o_hi = o_hi * gl.convert_layout(alpha, row_oh)[:, None]
                                 p = gl.convert_layout(p_next.to(dtype), p_layout)
                         last = kv + n_own - 1
                         mbarrier.wait(v_ready.index(last % 2), (last // 2) & 1)
                         _take_turn(turn, n, WG, PINGPONG)
                         o = warpgroup_mma(p, v_ring.index(last % 2), o, is_async=True)
-                        if HI > 0:
+                        if HIV > 0:
                             o_hi = warpgroup_mma(p, v_hi.index(last % 2), o_hi, is_async=True)
                         _pass_turn(turn, WG, PINGPONG)
                         n += 1
-                        if HI > 0:
+                        if HIV > 0:
                             o, o_hi = warpgroup_mma_wait(0, deps=(o, o_hi))
                         else:
                             o = warpgroup_mma_wait(0, deps=(o,))
@@ -557,7 +562,7 @@ if HAVE_GLUON:
                         o = (o * gl.convert_layout(keep_scale / l_safe, row_o)[:, None]).to(dtype)
                     else:
                         o = (o / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-                    if HI > 0:  # (no dropout in tiles past 128: their key tiles are 64)
+                    if HIV > 0:  # (no dropout in tiles past 128: their key tiles are 64)
                         out_hi = (o_hi / gl.convert_layout(l_safe, row_oh)[:, None]).to(dtype)
                     # (With ALIGN_END, rows before 0 are no queries either: a partial first block. Staged in Q, only
                     # a block that loaded Q: the loader may be filling it otherwise.)
@@ -568,25 +573,25 @@ if HAVE_GLUON:
                         tma.store_wait(0)  # the previous item's store has left the staging tile
                         gl.thread_barrier()
                         o_w.store(o)
-                        if HI > 0:
+                        if HIV > 0:
                             o_hw.store(out_hi)
                         fence_async_shared()
                         gl.thread_barrier()
-                        store_head_tile(o_desc, q_row + r0, h, o_w, 0, D, HEAD_D)
-                        if HI > 0:
-                            store_head_tile(o_desc_hi, q_row + r0, h, o_hw, 0, D, HEAD_D, D - HI)
+                        store_head_tile(o_desc, q_row + r0, h, o_w, 0, DV, HEAD_DV)
+                        if HIV > 0:
+                            store_head_tile(o_desc_hi, q_row + r0, h, o_hw, 0, DV, HEAD_DV, DV - HIV)
                     else:  # a sequence's last (or first) rows, or none: a TMA box would write into its neighbour's
                         rows_o = r0 + gl.arange(0, 64, layout=row_o)
-                        cols = gl.arange(0, D - HI, layout=gl.SliceLayout(0, o_layout))
-                        ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * HEAD_D + cols[None, :]
-                        gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None] & (cols < HEAD_D)[None, :])
-                        if HI > 0:
+                        cols = gl.arange(0, DV - HIV, layout=gl.SliceLayout(0, o_layout))
+                        ptrs = O + (q_row + rows_o).to(gl.int64)[:, None] * o_stride + h * HEAD_DV + cols[None, :]
+                        gl.store(ptrs, o, mask=_in_sequence(rows_o, Lq, ALIGN_END)[:, None] & (cols < HEAD_DV)[None, :])
+                        if HIV > 0:
                             rows_h = r0 + gl.arange(0, 64, layout=row_oh)
-                            cols_h = D - HI + gl.arange(0, HI, layout=gl.SliceLayout(0, oh_layout))
-                            ptrs_h = (O + (q_row + rows_h).to(gl.int64)[:, None] * o_stride + h * HEAD_D +
+                            cols_h = DV - HIV + gl.arange(0, HIV, layout=gl.SliceLayout(0, oh_layout))
+                            ptrs_h = (O + (q_row + rows_h).to(gl.int64)[:, None] * o_stride + h * HEAD_DV +
                                       cols_h[None, :])
                             gl.store(ptrs_h, out_hi,
-                                     mask=_in_sequence(rows_h, Lq, ALIGN_END)[:, None] & (cols_h < HEAD_D)[None, :])
+                                     mask=_in_sequence(rows_h, Lq, ALIGN_END)[:, None] & (cols_h < HEAD_DV)[None, :])
                     if O_IN_Q and n_tiles > 0:
                         if whole:
                             tma.store_wait(0)  # the store has read the output: Q's part may load
@@ -601,27 +606,32 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=[*common.DATA_DEPENDENT, "n_seqs"])
     def _attn_fwd_hopper(Q: Rows, K: Rows, V: Rows, O: Rows, LSE, seqs: Seqs, total_q, total_k, max_q, max_k,
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
-                         F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr,
-                         H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
+                         F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
+                         HEAD_DV: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
+                         BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
         work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
         as ``triton.forward._attn_fwd_kernel``'s, each with its heads packed in a row (stride_h = HEAD_D, the tensors'
-        head dim: D, the tiles', or less, ``common.head_descriptor``) and, dense,
+        head dim: D, the tiles', or less, ``common.head_descriptor``; V's and O's ``HEAD_DV`` in tiles of ``DV``) and,
+        dense,
         its sequences one after another (stride_b = S x stride_s). ``scale``: the softmax scale; ``qk_scale``: it
         times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``)."""
         # Three query warpgroups fit only D64's registers, and the ping-pong turns are written for two. The dropout
         # draws take query rows in pairs from an even row (gluon/dropout.py): blocks start at even rows.
-        gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and not PINGPONG))
+        gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and DV == 64 and not PINGPONG))
         gl.static_assert(not (ALIGN_END and F.DROPOUT))
         gl.static_assert(not (F.DROPOUT and BN != 128))  # (the dropout tile, gluon/dropout.py, is 128 keys wide)
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
-        # A tile of 192 is two parts, 128 and HI = 64 columns: tiles, boxes and accumulators of their own.
+        # A tile of 192 is two parts, 128 and HI = 64 columns (HIV of V and O): tiles, boxes and accumulators of
+        # their own.
         HI: gl.constexpr = 64 if D == 192 else 0
+        HIV: gl.constexpr = 64 if DV == 192 else 0
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, D - HI], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D - HI], dtype)
+        v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, DV - HIV], dtype)
+        o_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DV - HIV], dtype)
         # One descriptor per tensor over all its rows (clipped only at the buffer's end: a tile past a
         # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring).
         if F.VARLEN:
@@ -634,28 +644,32 @@ if HAVE_GLUON:
         # _query_warpgroup's O_IN_Q. The descriptors keep their order, q, o, k, v, then the second parts': each takes
         # the next slot of the device scratch, so tiles up to 128 compile as before wider ones existed.)
         q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
-        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, D - HI, D, HEAD_D)
+        o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, DV - HIV, DV, HEAD_DV)
         k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
-        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, D - HI, D, HEAD_D)
+        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, DV - HIV, DV, HEAD_DV)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
-        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout) if D < 256 else q_smem
+        # (DV is 256 only where D is: common.forward_tile_head_dims)
+        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], o_smem_layout) if DV < 256 else q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
-        v_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
-        # The second parts (the first parts stand in for them where HI is 0, unused).
+        v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
+        # The second parts (the first parts stand in for them where HI or HIV is 0, unused).
         if HI > 0:
             q_desc_hi = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, HI, D, HEAD_D)
             k_desc_hi = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, HI, D, HEAD_D)
-            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HI, D, HEAD_D)
             hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HI], dtype)
             q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
             k_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
-            v_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
-            o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HI, D, HEAD_D)
-            o_hi_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
         else:
-            q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi = q_desc, k_desc, v_desc, q_smem, k_ring, v_ring
-            o_desc_hi, o_hi_smem = o_desc, o_smem
+            q_desc_hi, k_desc_hi, q_hi, k_hi = q_desc, k_desc, q_smem, k_ring
+        if HIV > 0:
+            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HIV, DV, HEAD_DV)
+            hiv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HIV], dtype)
+            v_hi = gl.allocate_shared_memory(dtype, [2, BN, HIV], hiv_layout)
+            o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HIV, DV, HEAD_DV)
+            o_hi_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HIV], hiv_layout)
+        else:
+            v_desc_hi, v_hi, o_desc_hi, o_hi_smem = v_desc, v_ring, o_desc, o_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -690,16 +704,23 @@ if HAVE_GLUON:
                      max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
                      k_hi, v_hi)
         if WGS == 3:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 2)),
-                                (_load_tiles, (load_args, F, D, HI, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
+                                                    ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
+                                                    ALIGN_END, 1)),
+                                (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
+                                                    ALIGN_END, 2)),
+                                (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
+                                               ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
-            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 0)),
-                                (_query_warpgroup, (wg_args, F, D, HI, HEAD_D, H, BN, PINGPONG, WGS, ALIGN_END, 1)),
-                                (_load_tiles, (load_args, F, D, HI, HEAD_D, H, GROUP, BN, WGS, ALIGN_END))],
+            gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
+                                                    ALIGN_END, 0)),
+                                (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
+                                                    ALIGN_END, 1)),
+                                (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
+                                               ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(q_empty)
@@ -715,12 +736,12 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.forward_tile_head_dim``, no score modifier or special mask; dropout allowed, but not in
+    head dims in ``common.forward_tile_head_dims``, no score modifier or special mask; dropout allowed, but not in
     tiles past 128, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
     non-negative scale)."""
-    if not common.plain_call(problem, opts, dtype, bias, alibi, wide=True):
+    if not common.plain_call(problem, opts, dtype, bias, alibi, common.forward_tile_head_dims):
         return False
-    if seed is not None and block_keys(common.forward_tile_head_dim(problem.head_dim)) != 128:
+    if seed is not None and block_keys(max(common.forward_tile_head_dims(problem.head_dim, problem.head_dim_v))) != 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
@@ -729,7 +750,7 @@ def applies(problem, opts, q, k, v, bias, alibi, seed) -> bool:
     """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
     with its heads packed in a row and TMA-aligned, and (dense) its sequences one after another in memory (the
     kernel's descriptors span all rows)."""
-    if not (supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(problem.head_dim, q, k, v)):
+    if not (supports(problem, opts, q.dtype, bias, alibi, seed) and common.hopper_layout(q, k, v)):
         return False
     return not problem.dense or common.sequences_adjacent(q, k, v)
 
@@ -742,15 +763,17 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    tile_dim = common.forward_tile_head_dim(problem.head_dim)
+    tile_d, tile_dv = common.forward_tile_head_dims(problem.head_dim, problem.head_dim_v)
+    tile_dim = max(tile_d, tile_dv)  # (what the rules go by: the registers' and shared memory's larger tile)
     wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
     items = cdiv(cdiv(problem.max_q, 64 * wgs), 2) * problem.heads * problem.batch  # (two blocks each)
     _attn_fwd_hopper[(min(items, programs),)](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(out, dense), lse, **seq_args, n_seqs=problem.batch,
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
-        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_dim,
-        HEAD_D=problem.head_dim, H=problem.heads, HKV=problem.kv_heads, GROUP=problem.group, BN=block_keys(tile_dim),
+        mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_d,
+        HEAD_D=problem.head_dim, DV=tile_dv, HEAD_DV=problem.head_dim_v, H=problem.heads, HKV=problem.kv_heads,
+        GROUP=problem.group, BN=block_keys(tile_dim),
         PINGPONG=wgs == 2 and pingpong(tile_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
         # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
         ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,
