@@ -37,7 +37,7 @@ def main():
         if a.only not in name:
             continue
         case = make()
-        tiles = gluon_common.forward_tile_head_dims(case.head_dim, case.head_dim_v)  # (three query warpgroups: tiles
+        tiles = gluon_common.wide_tile_head_dims(case.head_dim, case.head_dim_v)  # (three query warpgroups: tiles
         # of 64 only; no Gluon form where no tile takes the head dims)
         taken = {form: how for form, how in forms.items()
                  if form in ("Triton", "selected") or tiles == (64, 64) or (tiles and form == "Gluon two")}

@@ -577,21 +577,19 @@ def test_key_block_kernels_start_heavy_blocks_first_only_where_programs_are_few(
                              (program.BLOCKS_FIRST, (blocks, 4, 2)))
 
 
-@pytest.mark.parametrize("head_dim,tile,wide_tile,forward_tile", [
-    (64, 64, 64, 64), (128, 128, 128, 128), (40, 64, 64, 64), (56, 64, 64, 64), (72, 128, 128, 128),
-    (80, 128, 128, 128), (96, 128, 128, 128), (120, 128, 128, 128), (32, None, None, None), (24, None, None, None),
-    (36, None, None, None), (100, None, None, None), (136, None, 256, 192), (184, None, 256, 192),
-    (192, None, 256, 192), (200, None, 256, 256), (256, None, 256, 256), (132, None, None, None),
-    (196, None, None, None), (264, None, None, None),
+@pytest.mark.parametrize("head_dim,tile,wide_tile", [
+    (64, 64, 64), (128, 128, 128), (40, 64, 64), (56, 64, 64), (72, 128, 128), (80, 128, 128), (96, 128, 128),
+    (120, 128, 128), (32, None, None), (24, None, None), (36, None, None), (100, None, None), (136, None, 192),
+    (184, None, 192), (192, None, 192), (200, None, 256), (256, None, 256), (132, None, None), (196, None, None),
+    (264, None, None),
 ])
-def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, wide_tile, forward_tile):
+def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, tile, wide_tile):
     # Multiples of 8 from 40 to 128, in the smallest tile (64 or 128) that holds them: the columns past the head read
-    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the backward's dK and dV kernel
-    # (gluon/backward_wide.py) also from 136 to 256 in tiles of 256, the forward in tiles of 192 (128 + 64 columns)
-    # to 192 and of 256 past it. (Defined whatever the Triton; the kernels run on an sm_90 GPU.)
+    # as zeros (gluon/common.py; at 32 the Triton kernels measured faster); the forward and the backward's dK and dV
+    # kernel (gluon/backward_wide.py) also from 136 to 256, in tiles of 192 (128 + 64 columns) to 192 and of 256 past
+    # it. (Defined whatever the Triton; the kernels run on an sm_90 GPU.)
     assert gluon_common.tile_head_dim(head_dim) == tile
     assert gluon_common.wide_tile_head_dim(head_dim) == wide_tile
-    assert gluon_common.forward_tile_head_dim(head_dim) == forward_tile
     if tile is not None:  # (the dQ accumulator, of the Triton backward's width, has the tile's columns a head)
         assert head_block(head_dim) == tile
     problem = Problem(1, 2, 2, head_dim, head_dim, 16, 16, True)
@@ -601,40 +599,38 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # (no dropout in tiles past 128: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
-    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 256 (dK and dV
-    # stored, dQ by the Triton dQ kernel: deterministic too), both with dropout.
+    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 192 and 256 (dK and
+    # dV stored, dQ by the Triton dQ kernel: deterministic too), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
     for options, in_tiles in ((opts, tile is not None), (deterministic, False)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
     for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0))):
-        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (wide_tile == 256)
+        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (
+            wide_tile in (192, 256))
     assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
-    # A zero scale: not where the products start from -lse / scale (the lean form at 128, the tiles of 256).
+    # A zero scale: not where the products start from -lse / scale (the lean form at 128, the tiles past 128).
     zero = AttentionOptions(scale=0.0)
     assert gluon_backward.supports(problem, zero, torch.bfloat16, None, None, None) == (tile == 64)
     assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,forward_tiles,wide_tiles", [
-    (192, 128, (192, 128), (256, 128)), (256, 128, (256, 128), (256, 128)), (136, 96, (192, 128), (256, 128)),
-    (200, 40, (256, 64), (256, 64)), (128, 64, (128, 64), (128, 64)), (64, 128, (64, 128), (64, 128)),
-    (96, 80, (128, 128), (128, 128)), (192, 192, (192, 192), (256, 256)),
-    (192, 256, None, None), (128, 192, None, None), (192, 184, None, None), (192, 32, None, None),
-    (32, 64, None, None), (192, 100, None, None),
+@pytest.mark.parametrize("head_dim,head_dim_v,tiles", [
+    (192, 128, (192, 128)), (256, 128, (256, 128)), (136, 96, (192, 128)), (200, 40, (256, 64)), (128, 64, (128, 64)),
+    (64, 128, (64, 128)), (96, 80, (128, 128)), (192, 192, (192, 192)), (192, 256, None), (128, 192, None),
+    (192, 184, None), (192, 32, None), (32, 64, None), (192, 100, None),
 ])
-def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, head_dim_v, forward_tiles, wide_tiles):
-    # Dv other than D (multi-head latent attention's 192 / 128 first): the forward in Q's and K's tile and a tile of 64
-    # or 128 for V and O (gluon/common.py: forward_tile_head_dims); the backward's dK and dV kernel past 128 in tiles of
-    # 256 and V's own (wide_tile_head_dims); past 128 no value tile but D's, where Dv = D. The backward's kernel in
-    # tiles of 64 and 128 takes D = Dv only, and the forward no dropout where either tile passes 128 (64-key tiles).
-    assert gluon_common.forward_tile_head_dims(head_dim, head_dim_v) == forward_tiles
-    assert gluon_common.wide_tile_head_dims(head_dim, head_dim_v) == wide_tiles
+def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, head_dim_v, tiles):
+    # Dv other than D (multi-head latent attention's 192 / 128 first): the forward and, past 128, the backward's dK and
+    # dV kernel in Q's and K's tile and a tile of 64 or 128 for V and O (gluon/common.py: wide_tile_head_dims); past 128
+    # no value tile but D's, where Dv = D. The backward's kernel in tiles of 64 and 128 takes D = Dv only, and the
+    # forward no dropout where either tile passes 128 (64-key tiles).
+    assert gluon_common.wide_tile_head_dims(head_dim, head_dim_v) == tiles
     problem = Problem(1, 2, 2, head_dim, head_dim_v, 16, 16, True)
     opts = AttentionOptions(scale=0.1)
-    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (forward_tiles is not None)
+    assert gluon_forward.supports(problem, opts, torch.bfloat16, None, None, None) == (tiles is not None)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
-    assert dropout == (forward_tiles is not None and max(forward_tiles) <= 128)
-    wide = wide_tiles is not None and wide_tiles[0] == 256
+    assert dropout == (tiles is not None and max(tiles) <= 128)
+    wide = tiles is not None and tiles[0] > 128
     for options in (opts, AttentionOptions(scale=0.1, deterministic=True)):
         assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, None) == wide
     assert gluon_backward.supports(problem, opts, torch.bfloat16, None, None, None) == (
@@ -671,12 +667,12 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     assert out.shape == (4, 4096, 32, head_dim_v)
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,dense,deterministic", [
-    (192, 192, True, False), (256, 256, False, True), (136, 136, True, True), (192, 128, True, False),
-    (200, 96, False, False)])
-def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, dense,
+@pytest.mark.parametrize("head_dim,head_dim_v,tiles,dense,deterministic", [
+    (192, 192, (192, 192), True, False), (256, 256, (256, 256), False, True), (136, 136, (192, 192), True, True),
+    (192, 128, (192, 128), True, False), (200, 96, (256, 128), False, False)])
+def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, tiles, dense,
                                                                      deterministic):
-    # Past 128 the Gluon kernel in tiles of 256 computes dK and dV (D and DV the tiles', HEAD_D and HEAD_DV the
+    # Past 128 the Gluon kernel in tiles of 192 or 256 computes dK and dV (D and DV the tiles', HEAD_D and HEAD_DV the
     # tensors', 64 keys a program), and the Triton dQ kernel dQ in the config's dQ tiles, whatever dQ mode the config
     # names; the Triton kv kernel doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing
     # computed).
@@ -709,9 +705,8 @@ def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch
     config = configs.BackwardConfig(configs.K(64, 64, 8, 2), configs.K(128, 32, 8, 3), configs.DQ_TMA)
     triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem, opts, None, config,
                                     need_dbias=False, tma=True, gluon=True)
-    tile_dv = 256 if head_dim_v == head_dim else 128
-    assert [t for t in taken if t[0] != "_bwd_preprocess"] == [("wide", 256, head_dim, tile_dv, head_dim_v, 64, 4),
-                                                               ("_bwd_q_kernel", None, None, None, None, None, 8)]
+    assert [t for t in taken if t[0] != "_bwd_preprocess"] == [
+        ("wide", tiles[0], head_dim, tiles[1], head_dim_v, 64, 4), ("_bwd_q_kernel", None, None, None, None, None, 8)]
 
 
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [

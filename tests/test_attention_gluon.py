@@ -249,7 +249,7 @@ def test_gluon_forward_takes_three_query_warpgroups_on_long_d64_inputs(monkeypat
 # past the head with zeros and clip the stores there.
 PADDED_HEAD_DIMS = (40, 72, 80, 96)
 # ... and past 128, the forward's tiles of 192 (parts of 128 and 64 columns) and 256 (keys in tiles of 64, the output
-# stored from registers; gluon_common.forward_tile_head_dim): 192 and 256, and 136 and 200 with their heads padded in
+# stored from registers; gluon_common.wide_tile_head_dim): 192 and 256, and 136 and 200 with their heads padded in
 # them (136's second part all zeros read past the head).
 LARGE_FORWARD_HEAD_DIMS = (136, 192, 200, 256)
 
@@ -315,7 +315,7 @@ def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, p
 @pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
 def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
     # No tile of 64 or 128 holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
-    # takes 136 and 256 in its tiles of 192 and 256 (gluon_common.forward_tile_head_dim), the backward's dK and dV
+    # takes 136 and 256 in its tiles of 192 and 256 (gluon_common.wide_tile_head_dim), the backward's dK and dV
     # kernel in its tiles of 256 (gluon_common.wide_tile_head_dim).
     # With the Gluon kernels allowed, the Triton ones run where they don't.
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
@@ -385,7 +385,7 @@ def test_wide_backward_is_deterministic(monkeypatch, layout):
         assert torch.equal(first, second)
 
 
-# Value head dims other than the query's (gluon_common.forward_tile_head_dims and wide_tile_head_dims): multi-head
+# Value head dims other than the query's (gluon_common.wide_tile_head_dims and wide_tile_head_dims): multi-head
 # latent attention's 192 / 128 (DeepSeek-V2 and V3), 256 / 128, heads below their tiles (136 / 96 and 200 / 40,
 # through 3-D descriptors), and tiles of 128 and 64 either way round (the forward only: the backward's tiles of 64 and
 # 128 take D = Dv alone).

@@ -105,7 +105,7 @@ CASES = [
                                   (True, 4, "causal"))),
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
     *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
-    # Value head dims other than the query's (gluon.common.forward_tile_head_dims): multi-head latent attention's
+    # Value head dims other than the query's (gluon.common.wide_tile_head_dims): multi-head latent attention's
     # 192 / 128 (the forward in tiles of 192 and 128, the backward's dK and dV in tiles of 256 and 128), 256 / 128 and
     # 128 / 64 (the forward in tiles of 128 and 64; the Triton backward).
     *(((192, 128), torch.bfloat16, "ieee", jagged, group, name)
@@ -155,7 +155,7 @@ def main():
                 print(label.replace("case", "gluon forward"), flush=True)
                 launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                 # At a tile head dim of 64 also with three query warpgroups (the rule takes them from 2048 queries).
-                if gluon_common.forward_tile_head_dims(D, DV) == (64, 64):
+                if gluon_common.wide_tile_head_dims(D, DV) == (64, 64):
                     print(label.replace("case", "gluon forward 3wg"), flush=True)
                     rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)

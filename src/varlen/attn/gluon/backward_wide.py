@@ -1,4 +1,5 @@
-"""Hopper attention backward in Gluon past a head dim of 128: a key block's dK and dV in tiles of 256, warp-specialized.
+"""Hopper attention backward in Gluon past a head dim of 128: a key block's dK and dV in tiles of 192 or 256,
+warp-specialized.
 
 ``backward.py``'s kernel gives each of its two warpgroups 64 keys and all their dK and dV columns: at a head dim of
 256 those 64 x 256 float32 accumulators alone would take 256 registers per thread. Here the two warpgroups share one
@@ -9,19 +10,20 @@ block of 64 keys and split the work by product instead:
 - the **gradient** warpgroup computes dPᵀ = V dOᵀ (from -delta), takes Pᵀ, and adds dK += dSᵀ Q with
   dSᵀ = Pᵀ dPᵀ (from its registers).
 
-Each holds one 64 x 256 float32 accumulator (128 registers) and does two of the four products, as many FLOPs as the
-other; only Pᵀ crosses between them, one way (``p_ready`` / ``p_free``, double-buffered). A loader warp brings K and
-V once and the (Q, dO) tiles of 64 queries of every head of the GQA group through a two-stage ring, each stage with
-its tile's lse and delta, as ``backward.py``'s does. dQ is not computed here: the shared memory (K, V, the ring and
-Pᵀ: 224 KiB) has no room for its float32 staging, and its product would need a third accumulator; the Triton dQ
-kernel (``triton/backward.py``'s ``_bwd_q_kernel``, in its tuned tiles, ``configs.HEAD256_SWEEP``) computes it
+Each holds one 64 x 256 float32 accumulator (128 registers; in a tile of 192 two, of 128 and 64 columns, since Triton's
+tensors have power-of-two shapes, as the tile's Q, K, V and dO are two boxes each) and does two of the four products, as
+many FLOPs as the other; only Pᵀ crosses between them, one way (``p_ready`` / ``p_free``, double-buffered). A loader
+warp brings K and V once and the (Q, dO) tiles of 64 queries of every head of the GQA group through a two-stage ring,
+each stage with its tile's lse and delta, as ``backward.py``'s does. dQ is not computed here: the shared memory (K, V,
+the ring and Pᵀ: 224 KiB) has no room for its float32 staging, and its product would need a third accumulator; the
+Triton dQ kernel (``triton/backward.py``'s ``_bwd_q_kernel``, in its tuned tiles, ``configs.HEAD256_SWEEP``) computes it
 after, which also makes the backward deterministic (dK and dV are stored, not added).
 
 Sequences and heads as in ``backward.py``: per-sequence TMA descriptors made on the device (boxes clip at the last
 row: queries past ``Lq`` get ``lse2 = +inf``, so P = 0; keys past ``Lk`` are zero rows whose dK and dV are never
 stored), or, for dense calls whose lengths are whole numbers of tiles, descriptors made once on the host. Head dims
-below 256 (136-248, multiples of 8: ``common.wide_tile_head_dim``) are read through 3-D descriptors, zeros past the
-head, and stored clipped there.
+below their tile's (136-184 in tiles of 192, 200-248 in tiles of 256, multiples of 8: ``common.wide_tile_head_dim``)
+are read through 3-D descriptors, zeros past the head, and stored clipped there.
 
 Dropout: the score warpgroup draws each tile's keep bits before issuing its product (``gluon/dropout.py``'s
 backward tile, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits, as ``backward.py``
@@ -29,12 +31,11 @@ does: dV takes the kept P, and the gradient warpgroup makes dSᵀ from the signe
 
 Scope (:func:`supports`): fp16/bf16, head dims 136-256 (multiples of 8), Dv = D or a value head dim in a tile of 64 or
 128 of its own (``common.wide_tile_head_dims``: V, dO and dV in it, e.g. multi-head latent attention's 192 / 128 in
-tiles of 256 and 128), dense or jagged, no mask, causal
-(either alignment) or windows, GQA, dropout, deterministic or not; no bias, ALiBi, softcap, prefix, documents or
-query positions. :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row,
-TMA-aligned). It runs wherever it applies (H100 and H200: 1.5-3.2x the Triton kernels it replaces, 0.99-1.35x cuDNN;
-``bench/NOTES.md``, "The Gluon backward in tiles of 256"). Gluon doesn't run in the interpreter: the GPU tests cover
-every variant it accepts.
+tiles of 192 and 128), dense or jagged, no mask, causal (either alignment) or windows, GQA, dropout, deterministic or
+not; no bias, ALiBi, softcap, prefix, documents or query positions. :func:`applies` adds the machine (sm_90 with Gluon)
+and the layout (heads packed in a row, TMA-aligned). It runs wherever it applies (H100 and H200: 1.5-3.2x the Triton
+kernels it replaces, 0.99-1.35x cuDNN; ``bench/NOTES.md``, "The Gluon backward in tiles of 256"). Gluon doesn't run in
+the interpreter: the GPU tests cover every variant it accepts.
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ from .dropout import dropped_signs, keep_words, relu_low
 
 BLOCK_N = 64   # keys per program (both warpgroups)
 BLOCK_M = 64   # queries per tile of the ring
-TILE_D = 256   # the tile head dim
 NUM_WARPS = 4  # the default partition: the score warpgroup; the gradient warpgroup and the loader are workers
 # Dense causal calls with fewer programs than this per SM start every first key block first (program.blocks_last),
 # as backward.py's kernel does (not measured at this tile).
@@ -75,16 +75,23 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar,
                     ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row, k_row, hk, n0, t_lo, n_tiles,
-                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
-                    HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+                    his, VARLEN: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
+                    DV: gl.constexpr, HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr):
         """The producer warp: the block's K and V at once, then the (Q, dO) tiles of every head of the group through
         the two-stage ring, each stage refilled once both warpgroups released it, with the tile's lse (log2 units;
         +inf past ``Lq``) and delta, loaded by this warp's threads. ``q_row``, ``k_row``: the sequence's first rows in
-        the descriptors."""
+        the descriptors. ``his``: the second parts' descriptors and tiles (``_bwd_kv_wide_hopper``), loaded where
+        ``HI`` (Q's and K's) or ``HIV`` (V's and dO's) is 64."""
+        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
         dtype: gl.constexpr = k_desc.dtype
         mbarrier.expect(kv_bar.index(0), BN * (D + DV) * dtype.primitive_bitwidth // 8)
         load_head_tile(k_desc, k_row + n0, hk, kv_bar.index(0), k_smem, D, HEAD_D)
+        if HI > 0:
+            load_head_tile(k_desc_hi, k_row + n0, hk, kv_bar.index(0), k_hi, D, HEAD_D, D - HI)
         load_head_tile(v_desc, k_row + n0, hk, kv_bar.index(0), v_smem, DV, HEAD_DV)
+        if HIV > 0:
+            load_head_tile(v_desc_hi, k_row + n0, hk, kv_bar.index(0), v_hi, DV, HEAD_DV, DV - HIV)
         tile_bytes: gl.constexpr = BM * (D + DV) * dtype.primitive_bitwidth // 8
         count = 0
         for g in range(GROUP):
@@ -96,7 +103,11 @@ if HAVE_GLUON:
                 mbarrier.expect(ready.index(stage), tile_bytes)
                 row = q_row + t_lo + j * BM
                 load_head_tile(q_desc, row, h, ready.index(stage), q_ring.index(stage), D, HEAD_D)
+                if HI > 0:
+                    load_head_tile(q_desc_hi, row, h, ready.index(stage), q_hi.index(stage), D, HEAD_D, D - HI)
                 load_head_tile(do_desc, row, h, ready.index(stage), do_ring.index(stage), DV, HEAD_DV)
+                if HIV > 0:
+                    load_head_tile(do_desc_hi, row, h, ready.index(stage), do_hi.index(stage), DV, HEAD_DV, DV - HIV)
                 # (The stage's second arrival: its lse and delta stored, by every thread of the warp.)
                 lse2_ring.index(stage).store(query_vector(LSE2 + head_row, t_lo + j * BM, Lq, float("inf"), BM))
                 delta_ring.index(stage).store(query_vector(DELTA + head_row, t_lo + j * BM, Lq, 0.0, BM))
@@ -107,24 +118,31 @@ if HAVE_GLUON:
     @gluon.jit
     def _score_warpgroup(k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready, p_free,
                          dv_desc, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
-                         offset_lo, threshold, keep_scale, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                         DROPOUT: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr,
-                         GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, kq_layout: gl.constexpr,
-                         kdv_layout: gl.constexpr):
+                         offset_lo, threshold, keep_scale, his, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
+                         DROPOUT: gl.constexpr, HI: gl.constexpr, DV: gl.constexpr, HIV: gl.constexpr,
+                         HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                         BN: gl.constexpr, kq_layout: gl.constexpr):
         """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
         and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
         gradient warpgroup's last product has read V. With ``DROPOUT`` the tile's keep bits are drawn before its
         product is issued (``backward.py``'s draw, of its 64-key tiles) and ride in Pᵀ's sign bits (-P where
         dropped): dV takes the kept P (``relu_low``; the keep scale at the end), and the gradient warpgroup the
-        signed Pᵀ."""
+        signed Pᵀ. In a tile of 192 (``HI``, ``HIV``: 64) Sᵀ is two products, and dV two accumulators (128 and 64
+        columns)."""
+        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
         dtype: gl.constexpr = k_smem.dtype
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
+        kdv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, DV - HIV, 16])
+        kdvh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HIV if HIV > 0 else DV, 16])
         inv_qk_scale = 1.0 / qk_scale
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         # Zeros the compiler can't fold (backward.py's row_zeros): each row of the product's start a value of its own.
         row_zeros = keys.to(gl.float32) * 0.0
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kdv_layout, k_width=2)
-        dv = gl.zeros([BN, DV], gl.float32, layout=kdv_layout)
+        dv = gl.zeros([BN, DV - HIV], gl.float32, layout=kdv_layout)
+        dv_hi = gl.zeros([BN, HIV], gl.float32, layout=kdvh_layout) if HIV > 0 else 0
         mbarrier.wait(kv_bar.index(0), 0)
         count = 0
         for g in range(GROUP):
@@ -138,6 +156,8 @@ if HAVE_GLUON:
                 lse = lse2_ring.index(stage).load(q_axis) * inv_qk_scale
                 st = warpgroup_mma(k_smem, q_ring.index(stage).permute((1, 0)), row_zeros[:, None] - lse[None, :],
                                    is_async=True)
+                if HI > 0:
+                    st = warpgroup_mma(k_hi, q_hi.index(stage).permute((1, 0)), st, is_async=True)
                 st = warpgroup_mma_wait(0, deps=(st,))
                 pt = gl.exp2(st * qk_scale)
                 if (HAS_R or HAS_WL) and ((m0 < u_lo) | (m0 >= u_hi)):  # (tiles in [u_lo, u_hi) see every key)
@@ -155,8 +175,13 @@ if HAVE_GLUON:
                 p_smem.index(buf).store(pt)
                 gl.thread_barrier()
                 mbarrier.arrive(p_ready.index(buf))
-                dv = warpgroup_mma(gl.convert_layout(pv, a_layout), do_ring.index(stage), dv, is_async=True)
-                dv = warpgroup_mma_wait(0, deps=(dv,))
+                pa = gl.convert_layout(pv, a_layout)
+                dv = warpgroup_mma(pa, do_ring.index(stage), dv, is_async=True)
+                if HIV > 0:
+                    dv_hi = warpgroup_mma(pa, do_hi.index(stage), dv_hi, is_async=True)
+                    dv, dv_hi = warpgroup_mma_wait(0, deps=(dv, dv_hi))
+                else:
+                    dv = warpgroup_mma_wait(0, deps=(dv,))
                 mbarrier.arrive(empty.index(stage))
                 count += 1
         # The gradient warpgroup frees a Pᵀ buffer after its dPᵀ product, the last reader of V, is complete.
@@ -164,28 +189,41 @@ if HAVE_GLUON:
             mbarrier.wait(p_free.index((count - 1) % 2), ((count - 1) // 2) & 1)
         if DROPOUT:
             dv = dv * keep_scale
+            if HIV > 0:
+                dv_hi = dv_hi * keep_scale
         v_smem.store(dv.to(dtype))
+        if HIV > 0:
+            v_hi.store(dv_hi.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         store_head_tile(dv_desc, k_row + n0, hk, v_smem, 0, DV, HEAD_DV)
+        if HIV > 0:
+            store_head_tile(dv_desc_hi, k_row + n0, hk, v_hi, 0, DV, HEAD_DV, DV - HIV)
         tma.store_wait(0)
 
     @gluon.jit
     def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, DROPOUT: gl.constexpr,
-                            D: gl.constexpr, HEAD_D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                            BN: gl.constexpr, kq_layout: gl.constexpr, kd_layout: gl.constexpr):
+                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, his, DROPOUT: gl.constexpr,
+                            D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, HIV: gl.constexpr,
+                            GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, kq_layout: gl.constexpr):
         """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
         of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
         warpgroup's last product has read K (before it made its last Pᵀ ready). With ``DROPOUT`` (Pᵀ signed where
         dropped), dSᵀ as ``backward.py`` makes it, times 2 / keep_scale: (Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale;
-        dK takes the factor back at the end."""
+        dK takes the factor back at the end. In a tile of 192 (``HI``, ``HIV``: 64) dPᵀ is two products, and dK two
+        accumulators (128 and 64 columns)."""
+        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
         dtype: gl.constexpr = k_smem.dtype
+        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, D - HI, 16])
+        kdh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HI if HI > 0 else D, 16])
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         keys = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, kq_layout))
         row_zeros = keys.to(gl.float32) * 0.0
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kd_layout, k_width=2)
-        dk = gl.zeros([BN, D], gl.float32, layout=kd_layout)
+        dk = gl.zeros([BN, D - HI], gl.float32, layout=kd_layout)
+        dk_hi = gl.zeros([BN, HI], gl.float32, layout=kdh_layout) if HI > 0 else 0
         if DROPOUT:
             twice_inv_keep = 2.0 / keep_scale
             dk_scale = scale * keep_scale * 0.5
@@ -202,6 +240,8 @@ if HAVE_GLUON:
             else:  # (the product starts from -delta, so that dSᵀ = Pᵀ dPᵀ)
                 dpt = warpgroup_mma(v_smem, do_ring.index(stage).permute((1, 0)), row_zeros[:, None] - delta[None, :],
                                     is_async=True)
+            if HIV > 0:
+                dpt = warpgroup_mma(v_hi, do_hi.index(stage).permute((1, 0)), dpt, is_async=True)
             dpt = warpgroup_mma_wait(0, deps=(dpt,))
             buf = count % 2
             mbarrier.wait(p_ready.index(buf), (count // 2) & 1)
@@ -213,20 +253,30 @@ if HAVE_GLUON:
                 ds = ((pt + gl.abs(pt)) * dpt - gl.abs(pt) * twice_delta[None, :]).to(dtype)
             else:
                 ds = (pt * dpt).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_ring.index(stage), dk, is_async=True)
-            dk = warpgroup_mma_wait(0, deps=(dk,))
+            dsa = gl.convert_layout(ds, a_layout)
+            dk = warpgroup_mma(dsa, q_ring.index(stage), dk, is_async=True)
+            if HI > 0:
+                dk_hi = warpgroup_mma(dsa, q_hi.index(stage), dk_hi, is_async=True)
+                dk, dk_hi = warpgroup_mma_wait(0, deps=(dk, dk_hi))
+            else:
+                dk = warpgroup_mma_wait(0, deps=(dk,))
             mbarrier.arrive(empty.index(stage))
         k_smem.store((dk * dk_scale).to(dtype))
+        if HI > 0:
+            k_hi.store((dk_hi * dk_scale).to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         store_head_tile(dk_desc, k_row + n0, hk, k_smem, 0, D, HEAD_D)
+        if HI > 0:
+            store_head_tile(dk_desc_hi, k_row + n0, hk, k_hi, 0, D, HEAD_D, D - HI)
         tma.store_wait(0)
 
     @fast_launch
     @gluon.jit(do_not_specialize=common.DATA_DEPENDENT)
     def _bwd_kv_wide_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                             total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, dropout: Dropout,
-                            seed, offset_lo, QD, dOD, KD, VD, dKD, dVD, F: gl.constexpr, D: gl.constexpr,
+                            seed, offset_lo, QD, dOD, KD, VD, dKD, dVD, QH, dOH, KH, VH, dKH, dVH, F: gl.constexpr,
+                            D: gl.constexpr,
                             HEAD_D: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr,
                             HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                             GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
@@ -236,19 +286,21 @@ if HAVE_GLUON:
         times log2(e); ``dropout``, ``seed``, ``offset_lo``: as ``triton.scores.dropout_args`` gives them (used where
         ``F.DROPOUT``).
         HOST_DESCS: ``QD``...``dVD`` are the descriptors of q, dO, K, V, dK and dV made on the host
-        (:func:`host_descriptors`); otherwise (all None) each program makes its sequence's. Partitions: the default
-        one is the score warpgroup; workers: the gradient warpgroup and the one-warp loader."""
+        (:func:`host_descriptors`), and in a tile of 192 ``QH``...``dVH`` those of their last 64 columns; otherwise (all
+        None) each program makes its sequence's. Partitions: the default one is the score warpgroup; workers: the
+        gradient warpgroup and the one-warp loader."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
-        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
-        value_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DV], dtype)
+        # A tile of 192 is two parts, 128 and HI = 64 columns (HIV of V, dO and dV): tiles, boxes and accumulators of
+        # their own.
+        HI: gl.constexpr = 64 if D == 192 else 0
+        HIV: gl.constexpr = 64 if DV == 192 else 0
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D - HI], dtype)
+        value_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DV - HIV], dtype)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], gl.float32)
-        # Both warpgroups' products: keys x queries (Sᵀ, Pᵀ, dPᵀ, dSᵀ) and keys x head dims (dK; dV in its own).
+        # Both warpgroups' products: keys x queries (Sᵀ, Pᵀ, dPᵀ, dSᵀ); each warpgroup's accumulators (dV, dK) take
+        # their own layouts.
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BM, 16])
-        kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, D, 16])
-        kdv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, DV, 16])
         gl.static_assert(BM == BN, "one shared layout for the query and key tiles")
 
         bt = batch(seqs, total_q, total_k, max_q, max_k)
@@ -259,24 +311,58 @@ if HAVE_GLUON:
         if HOST_DESCS:
             # Over all B x S rows; no tile crosses a sequence (host_descriptors).
             q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, KD, VD, dKD, dVD
+            q_desc_hi, do_desc_hi, k_desc_hi, v_desc_hi, dk_desc_hi, dv_desc_hi = QH, dOH, KH, VH, dKH, dVH
             q_row = seq.b * max_q
             k_row = seq.b * max_k
         else:
-            # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end.
-            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
-            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, DV, DV, HEAD_DV)
-            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D, D, HEAD_D)
-            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, DV, DV, HEAD_DV)
-            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, D, D, HEAD_D)
-            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, DV, DV,
+            # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end. (The
+            # second parts' after the first parts', so that each takes the next slot of the device scratch and tiles
+            # of 256 compile as before tiles of 192 existed.)
+            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D - HI, D, HEAD_D)
+            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, DV - HIV, DV,
                                       HEAD_DV)
+            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
+            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, DV - HIV, DV,
+                                     HEAD_DV)
+            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, D - HI, D,
+                                      HEAD_D)
+            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, DV - HIV, DV,
+                                      HEAD_DV)
+            q_desc_hi, k_desc_hi, dk_desc_hi = q_desc, k_desc, dk_desc  # (stand-ins where HI is 0, unused)
+            do_desc_hi, v_desc_hi, dv_desc_hi = do_desc, v_desc, dv_desc
+            if HI > 0:
+                q_desc_hi = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, HI, D, HEAD_D)
+                k_desc_hi = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, HI, D,
+                                            HEAD_D)
+                dk_desc_hi = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, HI, D,
+                                             HEAD_D)
+            if HIV > 0:
+                do_desc_hi = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, HIV, DV,
+                                             HEAD_DV)
+                v_desc_hi = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, HIV, DV,
+                                            HEAD_DV)
+                dv_desc_hi = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, HIV, DV,
+                                             HEAD_DV)
             q_row = 0
             k_row = 0
 
-        k_smem = gl.allocate_shared_memory(dtype, [BN, D], tile_layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BN, DV], value_layout)
-        q_ring = gl.allocate_shared_memory(dtype, [2, BM, D], tile_layout)
-        do_ring = gl.allocate_shared_memory(dtype, [2, BM, DV], value_layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D - HI], tile_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, DV - HIV], value_layout)
+        q_ring = gl.allocate_shared_memory(dtype, [2, BM, D - HI], tile_layout)
+        do_ring = gl.allocate_shared_memory(dtype, [2, BM, DV - HIV], value_layout)
+        if HI > 0:
+            hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HI], dtype)
+            k_hi = gl.allocate_shared_memory(dtype, [BN, HI], hi_layout)
+            q_hi = gl.allocate_shared_memory(dtype, [2, BM, HI], hi_layout)
+        else:
+            k_hi, q_hi = k_smem, q_ring
+        if HIV > 0:
+            hiv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, HIV], dtype)
+            v_hi = gl.allocate_shared_memory(dtype, [BN, HIV], hiv_layout)
+            do_hi = gl.allocate_shared_memory(dtype, [2, BM, HIV], hiv_layout)
+        else:
+            v_hi, do_hi = v_smem, do_ring
+        his = (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi)
         p_smem = gl.allocate_shared_memory(gl.float32, [2, BN, BM], p_layout)  # Pᵀ of a tile, double-buffered
         vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         lse2_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
@@ -299,14 +385,14 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
                                 p_free, dv_desc, seq.b, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo,
-                                u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, F.HAS_R,
-                                F.HAS_WL, F.DROPOUT, DV, HEAD_DV, H, GROUP, BM, BN, kq_layout, kdv_layout)),
+                                u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, his, F.HAS_R,
+                                F.HAS_WL, F.DROPOUT, HI, DV, HIV, HEAD_DV, H, GROUP, BM, BN, kq_layout)),
             (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, F.DROPOUT, D,
-                                   HEAD_D, GROUP, BM, BN, kq_layout, kd_layout)),
+                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, his, F.DROPOUT,
+                                   D, HI, HEAD_D, HIV, GROUP, BM, BN, kq_layout)),
             (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
                            kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
-                           hk, n0, t_lo, n_tiles, F.VARLEN, D, HEAD_D, DV, HEAD_DV, H, GROUP, BM, BN)),
+                           hk, n0, t_lo, n_tiles, his, F.VARLEN, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BM, BN)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         for i in gl.static_range(2):
@@ -317,11 +403,11 @@ if HAVE_GLUON:
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
-    """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in the tiles of 256
+    """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in tiles of 192 or 256
     (``common.wide_tile_head_dims``: head dims 136-256, multiples of 8, Dv in them or in a tile of its own; dropout
     allowed), deterministic or not (it adds nothing), with a nonzero scale (the products start from -lse in units of
     S, lse / scale)."""
-    if common.wide_tile_head_dim(problem.head_dim) != TILE_D or opts.scale == 0:
+    if (common.wide_tile_head_dim(problem.head_dim) or 0) <= common.TILE_HEAD_DIMS[-1] or opts.scale == 0:
         return False
     return common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims)
 
@@ -333,17 +419,26 @@ def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
 
 
 def host_descriptors(problem, q, dout, k, v, dk, dv) -> tuple | None:
-    """The kernel's TMA descriptors (q, dO, K, V, dK, dV) made once on the host over all B x S rows of each tensor,
-    where no tile crosses a sequence: dense calls whose lengths are whole numbers of tiles, each tensor's sequences
-    one after another in memory. Otherwise None (each program makes its sequence's, clipped at its end)."""
+    """The kernel's TMA descriptors made once on the host over all B x S rows of each tensor, where no tile crosses a
+    sequence: dense calls whose lengths are whole numbers of tiles, each tensor's sequences one after another in
+    memory. Otherwise None (each program makes its sequence's, clipped at its end). Twelve: q, dO, K, V, dK and dV,
+    then the same for the last 64 columns of a tile of 192 (None where the tile has no such part)."""
     if not problem.dense or problem.max_q % BLOCK_M or problem.max_k % BLOCK_N:
         return None
     if not common.sequences_adjacent(q, dout, k, v, dk, dv):
         return None
     tile_d, tile_dv = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
-    return tuple(common.host_head_descriptor(t, rows, tile, tile) for t, rows, tile in (
-        (q, BLOCK_M, tile_d), (dout, BLOCK_M, tile_dv), (k, BLOCK_N, tile_d), (v, BLOCK_N, tile_dv),
-        (dk, BLOCK_N, tile_d), (dv, BLOCK_N, tile_dv)))
+    tiles = ((q, BLOCK_M, tile_d), (dout, BLOCK_M, tile_dv), (k, BLOCK_N, tile_d), (v, BLOCK_N, tile_dv),
+             (dk, BLOCK_N, tile_d), (dv, BLOCK_N, tile_dv))
+    # (A tile of 192 is two boxes, of 128 and 64 columns: the kernel's HI and HIV.)
+    return (*(common.host_head_descriptor(t, rows, tile - _second_part(tile), tile) for t, rows, tile in tiles),
+            *(common.host_head_descriptor(t, rows, 64, tile) if _second_part(tile) else None
+              for t, rows, tile in tiles))
+
+
+def _second_part(tile: int) -> int:
+    """The columns of a tile's second part: 64 in a tile of 192 (the kernel's HI and HIV), else none."""
+    return 64 if tile == 192 else 0
 
 
 def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores, dropout) -> None:
@@ -353,7 +448,7 @@ def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask
     descs = host_descriptors(problem, q, dout, k, v, dk, dv)
     if descs is None:
         ensure_allocator()  # the kernel builds TMA descriptors on the device
-    QD, dOD, KD, VD, dKD, dVD = descs or (None,) * 6
+    QD, dOD, KD, VD, dKD, dVD, QH, dOH, KH, VH, dKH, dVH = descs or (None,) * 12
     dense = problem.dense
     tile_d, tile_dv = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
     grid, grid_order = key_block_grid(problem, feats, cdiv(problem.max_k, BLOCK_N), q.device, PROGRAMS_PER_SM,
@@ -361,9 +456,9 @@ def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask
     _bwd_kv_wide_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dk, dense), rows(dv, dense), lse2,
         delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, QD=QD,
-        dOD=dOD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, F=feats, D=tile_d, HEAD_D=problem.head_dim, DV=tile_dv,
-        HEAD_DV=problem.head_dim_v, H=problem.heads,
-        HKV=problem.kv_heads, GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, GRID=grid_order,
+        dOD=dOD, KD=KD, VD=VD, dKD=dKD, dVD=dVD, QH=QH, dOH=dOH, KH=KH, VH=VH, dKH=dKH, dVH=dVH, F=feats, D=tile_d,
+        HEAD_D=problem.head_dim, DV=tile_dv, HEAD_DV=problem.head_dim_v, H=problem.heads, HKV=problem.kv_heads,
+        GROUP=problem.group, BM=BLOCK_M, BN=BLOCK_N, GRID=grid_order,
         HOST_DESCS=descs is not None, num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

@@ -49,8 +49,8 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "builtin", "fence_async_shared", "gl",
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
-           "tile_head_dim", "wide_tile_head_dim", "forward_tile_head_dim", "same_tile_head_dims",
-           "forward_tile_head_dims", "wide_tile_head_dims", "plain_call", "hopper_layout",
+           "tile_head_dim", "wide_tile_head_dim", "same_tile_head_dims", "wide_tile_head_dims",
+           "plain_call", "hopper_layout",
            "host_head_descriptor", "head_descriptor", "load_head_tile", "store_head_tile", "query_vector",
            "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
@@ -86,23 +86,15 @@ def tile_head_dim(head_dim: int) -> int | None:
 
 
 def wide_tile_head_dim(head_dim: int) -> int | None:
-    """The tile head dim of the backward's dK and dV kernel, which also takes tiles of 256 (``gluon/backward_wide.py``):
-    :func:`tile_head_dim`'s, and past 128 (multiples of 8 up to 256) a tile of 256. The forward's rule,
-    :func:`forward_tile_head_dim`, takes the same head dims. (``gluon/backward.py``'s kernel has no such tile: each of
-    its warpgroups holds its keys' 64 x D float32 dK and dV, which at 256 would alone take 256 registers per
-    thread.)"""
+    """The tile head dim of the kernels that also take tiles past 128, the forward (``gluon/forward.py``) and the
+    backward's dK and dV kernel (``gluon/backward_wide.py``): :func:`tile_head_dim`'s, 192 for head dims from 136 to
+    192 and 256 from 200 to 256 (multiples of 8). A tile of 192 is computed as parts of 128 and 64 columns (Triton's
+    tensors have power-of-two shapes: two accumulators, two boxes per tile); in a tile of 256 a head of 192 spent a
+    quarter of every product on zeros. (``gluon/backward.py``'s kernel has no such tiles: each of its warpgroups holds
+    its keys' 64 x D float32 dK and dV, which at 256 would alone take 256 registers per thread.)"""
     if head_dim % 8 == 0 and TILE_HEAD_DIMS[-1] < head_dim <= 256:
-        return 256
+        return 192 if head_dim <= 192 else 256
     return tile_head_dim(head_dim)
-
-
-def forward_tile_head_dim(head_dim: int) -> int | None:
-    """The forward's tile head dim (``gluon/forward.py``): :func:`wide_tile_head_dim`'s, but 192 for head dims from 136
-    to 192, computed as parts of 128 and 64 columns (Triton's tensors have power-of-two shapes: two accumulators, two
-    boxes per tile). In a tile of 256 a head of 192 spent a quarter of every product on zeros."""
-    if head_dim % 8 == 0 and TILE_HEAD_DIMS[-1] < head_dim <= 192:
-        return 192
-    return wide_tile_head_dim(head_dim)
 
 
 def same_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
@@ -124,25 +116,19 @@ def _value_tile(head_dim: int, head_dim_v: int, tile: int | None) -> tuple[int, 
     return None if value_tile is None else (tile, value_tile)
 
 
-def forward_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
-    """The forward's tile head dims (``gluon/forward.py``): Q's and K's :func:`forward_tile_head_dim`, and V's and O's
-    the same where Dv = D, else a tile of 64 or 128 (:func:`tile_head_dim`), e.g. (192, 128) for multi-head latent
-    attention's heads (DeepSeek-V2 and V3: q and k 192 = 128 + 64 rotary columns, v 128). None where no tile holds
-    either."""
-    return _value_tile(head_dim, head_dim_v, forward_tile_head_dim(head_dim))
-
-
 def wide_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
-    """The tile head dims of the backward's dK and dV kernel in tiles of 256 (``gluon/backward_wide.py``): Q's and K's
-    :func:`wide_tile_head_dim`, V's and O's as :func:`forward_tile_head_dims` gives them."""
+    """The tile head dims of the forward (``gluon/forward.py``) and of the backward's dK and dV kernel
+    (``gluon/backward_wide.py``): Q's and K's :func:`wide_tile_head_dim`, and V's and O's the same where Dv = D, else a
+    tile of 64 or 128 (:func:`tile_head_dim`), e.g. (192, 128) for multi-head latent attention's heads (DeepSeek-V2
+    and V3: q and k 192 = 128 + 64 rotary columns, v 128). None where no tile holds either."""
     return _value_tile(head_dim, head_dim_v, wide_tile_head_dim(head_dim))
 
 
 def plain_call(problem, opts, dtype, bias, alibi, tiles=same_tile_head_dims) -> bool:
     """Whether a call is one the Gluon kernels compute (whatever the machine): fp16/bf16, head dims in the kernel's
-    tiles (``tiles``: its rule, :func:`same_tile_head_dims`, :func:`forward_tile_head_dims` or
-    :func:`wide_tile_head_dims`), no bias, ALiBi, softcap, prefix, documents or query positions (dropout allowed:
-    without query positions each sequence draws its own mask, as the kernels do)."""
+    tiles (``tiles``: its rule, :func:`same_tile_head_dims` or :func:`wide_tile_head_dims`), no bias, ALiBi, softcap,
+    prefix, documents or query positions (dropout allowed: without query positions each sequence draws its own mask, as
+    the kernels do)."""
     if dtype not in (torch.float16, torch.bfloat16) or tiles(problem.head_dim, problem.head_dim_v) is None:
         return False
     if bias is not None or alibi is not None or opts.softcap > 0:
@@ -225,7 +211,7 @@ if HAVE_GLUON:
     def load_head_tile(desc, row, head, barrier, smem, D: gl.constexpr, HEAD_D: gl.constexpr, COLUMN: gl.constexpr = 0):
         """TMA load of the box at row ``row`` of head ``head`` of a ``head_descriptor`` into ``smem`` (a tile of
         the box's rows), its bytes counted on ``barrier``; ``COLUMN``: the box's first column in the head (a tile of
-        192 loads as boxes of 128 and 64 columns, ``forward_tile_head_dim``)."""
+        192 loads as boxes of 128 and 64 columns, ``wide_tile_head_dim``)."""
         coord = [row, head * D + COLUMN] if HEAD_D == D else [row, head, COLUMN]
         tma.async_copy_global_to_shared(desc, coord, barrier, head_box(smem, desc, 0))
 

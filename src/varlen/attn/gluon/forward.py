@@ -47,8 +47,8 @@ thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped 
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
 Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256, and multiples of 8 from 40 to 256 in those tiles
-(``common.forward_tile_head_dim``: zeros read past the head); a value head dim Dv other than D in a tile of 64 or 128
-of its own (``common.forward_tile_head_dims``: multi-head latent attention's 192 / 128 runs in tiles of 192 and 128,
+(``common.wide_tile_head_dim``: zeros read past the head); a value head dim Dv other than D in a tile of 64 or 128
+of its own (``common.wide_tile_head_dims``: multi-head latent attention's 192 / 128 runs in tiles of 192 and 128,
 the rules, :func:`block_keys` and :func:`query_warpgroups`, going by the larger); dense or jagged, no mask, causal
 (either alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or
 query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
@@ -103,7 +103,7 @@ def block_keys(tile_dim: int) -> int:
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
                      dense_pairs: int | None = None, programs: int | None = None) -> int:
     """Query warpgroups per program, 64 queries each: a block is ``64 x`` this many queries (``tile_dim``: the
-    tile head dim, ``common.forward_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
+    tile head dim, ``common.wide_tile_head_dim``; D64 below stands for tiles of 64). Three at D64 without
     dropout (FA3's 192-query blocks at D64): at D64 a 64 x 128 tile's softmax takes as long as its two products, and
     a third warpgroup keeps the tensor cores fed while two run theirs. Without a right band (a causal or two-sided
     window mask) from 2048 queries; under a causal mask (a right band without a left one) from a mean sequence
@@ -134,7 +134,7 @@ def _busy(max_q: int, block: int, pairs: int, programs: int) -> float:
 
 def pingpong(tile_dim: int, causal_like: bool, dropout: bool) -> bool:
     """Whether the two warpgroups issue their products in turn (FA3's ping-pong: one's softmax under the other's
-    products), in tiles of head dim ``tile_dim`` (``common.forward_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
+    products), in tiles of head dim ``tile_dim`` (``common.wide_tile_head_dim``). H100, bench/NOTES.md: +3-4% at
     D64 without a right band (a causal or two-sided window mask), where a tile's softmax takes as long as its
     products; -1 to -11% under causal masks (not profiled; a guess: the two warpgroups' diagonal tiles differ in
     work, and strict turns make one wait); at D128 within noise (-2 to +2%), -9% causal at S16k. Not with dropout,
@@ -649,7 +649,7 @@ if HAVE_GLUON:
         v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, DV - HIV, DV, HEAD_DV)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
-        # (DV is 256 only where D is: common.forward_tile_head_dims)
+        # (DV is 256 only where D is: common.wide_tile_head_dims)
         o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], o_smem_layout) if DV < 256 else q_smem
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
@@ -736,12 +736,12 @@ if HAVE_GLUON:
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    head dims in ``common.forward_tile_head_dims``, no score modifier or special mask; dropout allowed, but not in
+    head dims in ``common.wide_tile_head_dims``, no score modifier or special mask; dropout allowed, but not in
     tiles past 128, whose key tiles are 64: :func:`block_keys`) whose scores stay raw q.k (``launch.raw_scores``: a
     non-negative scale)."""
-    if not common.plain_call(problem, opts, dtype, bias, alibi, common.forward_tile_head_dims):
+    if not common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims):
         return False
-    if seed is not None and block_keys(max(common.forward_tile_head_dims(problem.head_dim, problem.head_dim_v))) != 128:
+    if seed is not None and block_keys(max(common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v))) != 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
@@ -763,7 +763,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
     dense = problem.dense
     mean_q = problem.max_q if dense else q.shape[0] // max(problem.batch, 1)
     programs = sm_count(q.device)
-    tile_d, tile_dv = common.forward_tile_head_dims(problem.head_dim, problem.head_dim_v)
+    tile_d, tile_dv = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
     tile_dim = max(tile_d, tile_dv)  # (what the rules go by: the registers' and shared memory's larger tile)
     wgs = query_warpgroups(tile_dim, feats.HAS_R, feats.HAS_WL, feats.DROPOUT, problem.max_q, mean_q,
                            problem.heads * problem.batch if dense else None, programs)
