@@ -19,6 +19,7 @@ from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
 from varlen.attn import reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_dq as gluon_backward_dq
 from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -667,15 +668,17 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     assert out.shape == (4, 4096, 32, head_dim_v)
 
 
-@pytest.mark.parametrize("head_dim,head_dim_v,tiles,dense,deterministic", [
-    (192, 192, (192, 192), True, False), (256, 256, (256, 256), False, True), (136, 136, (192, 192), True, True),
-    (192, 128, (192, 128), True, False), (200, 96, (256, 128), False, False)])
+@pytest.mark.parametrize("head_dim,head_dim_v,tiles,dense,deterministic,dropout", [
+    (192, 192, (192, 192), True, False, False), (256, 256, (256, 256), False, True, False),
+    (136, 136, (192, 192), True, True, False), (192, 128, (192, 128), True, False, False),
+    (200, 96, (256, 128), False, False, False), (192, 128, (192, 128), False, False, True),
+    (256, 256, (256, 256), True, True, True)])
 def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, tiles, dense,
-                                                                     deterministic):
+                                                                     deterministic, dropout):
     # Past 128 the Gluon kernel in tiles of 192 or 256 computes dK and dV (D and DV the tiles', HEAD_D and HEAD_DV the
-    # tensors', 64 keys a program), and the Triton dQ kernel dQ in the config's dQ tiles, whatever dQ mode the config
-    # names; the Triton kv kernel doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing
-    # computed).
+    # tensors', 64 keys a program), and the Gluon dQ kernel dQ (64 keys a tile, 32 where both tiles are 256), or with
+    # dropout the Triton dQ kernel in the config's dQ tiles, whatever dQ mode the config names; the Triton kv kernel
+    # doesn't run. Without a GPU: the kernels replaced by recorders, CPU tensors (nothing computed).
     taken = []
 
     class Recorder:
@@ -688,11 +691,13 @@ def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch
                  kwargs.get("BN"), kwargs.get("num_warps")))
 
     monkeypatch.setattr(gluon_backward_wide, "_bwd_kv_wide_hopper", Recorder("wide"), raising=False)
+    monkeypatch.setattr(gluon_backward_dq, "_bwd_dq_wide_hopper", Recorder("dq"), raising=False)
     for name in ("_bwd_preprocess", "_bwd_kv_kernel", "_bwd_q_kernel"):
         monkeypatch.setattr(triton_backward, name, Recorder(name))
     monkeypatch.setattr(gluon_common, "hopper_layout", lambda *args: True)
-    monkeypatch.setattr(triton_backward, "ensure_allocator", lambda: None)
-    monkeypatch.setattr(gluon_backward_wide, "ensure_allocator", lambda: None)
+    for module in (triton_backward, gluon_backward_wide, gluon_backward_dq):
+        monkeypatch.setattr(module, "ensure_allocator", lambda: None)
+    monkeypatch.setattr(gluon_backward_dq, "sm_count", lambda device: 132)
     # (200 queries and keys: no whole number of tiles, so the programs make their descriptors)
     B, S, H = 2, 200, 4
     cu = None if dense else torch.tensor([0, 77, 200], dtype=torch.int32)
@@ -701,12 +706,15 @@ def test_gluon_wide_backward_launch_passes_the_tile_and_the_head_dim(monkeypatch
     q, k = (torch.empty(*shape, head_dim, dtype=torch.bfloat16) for _ in range(2))
     v, out, dout = (torch.empty(*shape, head_dim_v, dtype=torch.bfloat16) for _ in range(3))
     lse = torch.empty((B, H, S) if dense else (H, S), dtype=torch.float32)
-    opts = AttentionOptions(scale=0.125, causal=True, deterministic=deterministic)
+    opts = AttentionOptions(scale=0.125, causal=True, deterministic=deterministic, dropout_p=0.1 if dropout else 0.0)
     config = configs.BackwardConfig(configs.K(64, 64, 8, 2), configs.K(128, 32, 8, 3), configs.DQ_TMA)
-    triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem, opts, None, config,
+    seed = DropoutSeed(1, 0) if dropout else None
+    triton_backward.launch_backward(dout, None, q, k, v, out, lse, None, None, problem, opts, seed, config,
                                     need_dbias=False, tma=True, gluon=True)
+    dq_kernel = (("_bwd_q_kernel", None, None, None, None, None, 8) if dropout else
+                 ("dq", tiles[0], head_dim, tiles[1], head_dim_v, 64 if sum(tiles) <= 384 else 32, 4))
     assert [t for t in taken if t[0] != "_bwd_preprocess"] == [
-        ("wide", tiles[0], head_dim, tiles[1], head_dim_v, 64, 4), ("_bwd_q_kernel", None, None, None, None, None, 8)]
+        ("wide", tiles[0], head_dim, tiles[1], head_dim_v, 64, 4), dq_kernel]
 
 
 @pytest.mark.parametrize("head_dim,right,left,dropout,max_q,mean_q,expected", [

@@ -28,6 +28,7 @@ from utils import record_calls
 from varlen.attn import api, function
 from varlen.attn.dropout import attention_dropout_mask, dropout_keep_mask, dropout_threshold
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_dq as gluon_backward_dq
 from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -336,13 +337,15 @@ def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
 @pytest.mark.parametrize("D", [136, 192, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wide_backward_matches_reference(monkeypatch, dtype, D, layout, heads, kv_heads, mask):
-    # dK and dV in tiles of 256 (D136 and D192 with their heads padded in them), dQ by the Triton dQ kernel;
+    # dK and dV in tiles of 192 and 256 (D136 with its head padded in a tile of 192), dQ by the Gluon dQ kernel;
     # descriptors made by the programs (dense, jagged, cross: keys of other lengths, some sequences without queries or
     # keys) and on the host (dense_tiles).
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     host_descriptors = record_calls(monkeypatch, gluon_backward_wide, "host_descriptors")
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
     _check_backward(("gluon", launches), dtype, D, layout, heads, kv_heads, mask)
     assert [d is not None for d in host_descriptors] == [layout == "dense_tiles"]
+    assert len(dq_launches) == 1, "the Gluon dQ kernel did not run"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -352,9 +355,11 @@ def test_wide_backward_matches_reference(monkeypatch, dtype, D, layout, heads, k
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wide_backward_with_dropout_matches_reference(monkeypatch, dtype, layout, mask, dropout_p, offset):
     # The score warpgroup draws the mask of each 64 x 64 tile (gluon/dropout.py's backward tile), bit for bit the one
-    # attention_dropout_mask gives; the Triton dQ kernel draws its own.
+    # attention_dropout_mask gives; the Triton dQ kernel draws its own (the Gluon dQ kernel takes no dropout).
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
     _check_backward(("gluon", launches), dtype, 256, layout, 8, 2, mask, dropout_p, offset)
+    assert not dq_launches, "the Gluon dQ kernel took dropout"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -421,12 +426,14 @@ def test_forward_value_head_dims_in_fp16_and_with_dropout_match_reference(monkey
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
 @pytest.mark.parametrize("D,DV", [dims for dims in VALUE_HEAD_DIMS if dims[0] > 128])
 def test_wide_backward_value_head_dims_match_reference(monkeypatch, D, DV, layout, mask):
-    # dK in tiles of 256, dV in V's own tile (descriptors made by the programs and on the host), dQ by the Triton dQ
-    # kernel.
+    # dK in tiles of 192 or 256, dV in V's own tile (descriptors made by the programs and on the host), dQ by the Gluon
+    # dQ kernel.
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     host_descriptors = record_calls(monkeypatch, gluon_backward_wide, "host_descriptors")
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
     _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, DV=DV)
     assert [d is not None for d in host_descriptors] == [layout == "dense_tiles"]
+    assert len(dq_launches) == 1, "the Gluon dQ kernel did not run"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -436,6 +443,22 @@ def test_wide_backward_value_head_dims_in_fp16_and_with_dropout_match_reference(
                                                                                layout):
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     _check_backward(("gluon", launches), dtype, 192, layout, 4, 4, "causal", dropout_p, offset, DV=128)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,DV", [(192, 192), (192, 128), (256, 256)])
+@pytest.mark.parametrize("programs", [1, 5])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "jagged", "cross"])
+def test_wide_backward_dq_persistent_programs(monkeypatch, layout, mask, programs, D, DV):
+    """The Gluon dQ kernel's persistent schedule (the forward's) with few programs, each walking many work items (ring
+    positions and Q's blocks carried across items, items past a sequence's end and items that see no key in
+    between), in tiles of 192 with V's of 192 and 128, and of 256 (32-key tiles): as the float64 reference."""
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    monkeypatch.setattr(gluon_backward_dq, "sm_count", lambda device: programs)
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, DV=None if DV == D else DV)
+    assert len(dq_launches) == 1, "the Gluon dQ kernel did not run"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

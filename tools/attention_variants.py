@@ -13,7 +13,8 @@ ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode;
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
 D64 the forward also with three query warpgroups, "gluon forward 3wg ...", and the backward with one key block
 per program and with two, "gluon one block ..." and "gluon pairs ..."; past 128 the backward's dK and dV kernel in
-tiles of 256, "gluon wide ..."). Outputs stay unwritten (nothing is run).
+tiles of 192 and 256 and its dQ kernel (the Triton one with dropout), "gluon wide ..."). Outputs stay unwritten
+(nothing is run).
 """
 
 import itertools
@@ -22,6 +23,7 @@ import os
 import torch
 
 from varlen.attn.gluon import backward as gluon_backward
+from varlen.attn.gluon import backward_dq as gluon_backward_dq
 from varlen.attn.gluon import backward_wide as gluon_backward_wide
 from varlen.attn.gluon import common as gluon_common
 from varlen.attn.gluon import forward as gluon_forward
@@ -36,6 +38,8 @@ gluon_backward.applies = (lambda problem, opts, q, k, v, dout, bias, alibi, seed
                           gluon_backward.supports(problem, opts, q.dtype, bias, alibi, seed))
 gluon_backward_wide.applies = (lambda problem, opts, q, k, v, dout, bias, alibi, seed:
                                gluon_backward_wide.supports(problem, opts, q.dtype, bias, alibi, seed))
+gluon_backward_dq.applies = (lambda problem, opts, q, k, v, dout, bias, alibi, seed:
+                             gluon_backward_dq.supports(problem, opts, q.dtype, bias, alibi, seed))
 gluon_forward.applies = (lambda problem, opts, q, k, v, bias, alibi, seed:
                          gluon_forward.supports(problem, opts, q.dtype, bias, alibi, seed))
 
@@ -161,7 +165,8 @@ def main():
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                     gluon_forward.query_warpgroups = rule
             if tma and gluon_backward_wide.supports(problem, opts, dtype, bias, alibi, seed):
-                # Past a head dim of 128: dK and dV in tiles of 256, then the Triton dQ kernel; dense calls also at
+                # Past a head dim of 128: dK and dV in tiles of 192 or 256, then dQ (the Gluon dQ kernel, or with
+                # dropout the Triton one); dense calls also at
                 # lengths that are no whole number of tiles (descriptors made by each program).
                 print(label.replace("case", "gluon wide"), flush=True)
                 launch_backward(do, None, q, k, v, out, lse, bias, alibi, problem, opts, seed, bwd,

@@ -223,17 +223,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_tiles(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
                     HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BN: gl.constexpr,
-                    WGS: gl.constexpr, ALIGN_END: gl.constexpr):
+                    WGS: gl.constexpr, ALIGN_END: gl.constexpr, WITH_DO: gl.constexpr = False,
+                    K_STAGES: gl.constexpr = 2):
         """The producer warp: per work item, the Q block (``WGS`` parts of 64 rows) once every query warpgroup is
         done with the last one's, then its K and V tiles, each ring slot refilled once every warpgroup released it.
         Ring positions count on across work items, so the next item's first tiles load under this one's last
         products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``; in a tile of 192, ``HI`` = 64 (V's:
-        ``HIV``), the last 64 columns through their own descriptors into their own tiles)."""
+        ``HIV``), the last 64 columns through their own descriptors into their own tiles). ``WITH_DO``: the block's dO
+        too, with its Q (``gluon/backward_dq.py``: V's head dims); ``K_STAGES``: the K ring's slots (V's: two)."""
         (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item,
          item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
-         q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi) = args
+         q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi, do_desc, do_desc_hi, do_smem, do_hi) = args
         dtype: gl.constexpr = q_desc.dtype
-        half_bytes: gl.constexpr = 64 * D * dtype.primitive_bitwidth // 8
+        half_bytes: gl.constexpr = 64 * (D + (DV if WITH_DO else 0)) * dtype.primitive_bitwidth // 8
         k_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
         v_bytes: gl.constexpr = BN * DV * dtype.primitive_bitwidth // 8
         kv = 0  # key tiles loaded so far (ring position)
@@ -254,17 +256,24 @@ if HAVE_GLUON:
                         load_head_tile(q_desc, q_row + m0 + 64 * w, h, q_ready, q_smem.index(w), D, HEAD_D)
                         if HI > 0:
                             load_head_tile(q_desc_hi, q_row + m0 + 64 * w, h, q_ready, q_hi.index(w), D, HEAD_D, D - HI)
+                        if WITH_DO:
+                            load_head_tile(do_desc, q_row + m0 + 64 * w, h, q_ready, do_smem.index(w), DV, HEAD_DV)
+                            if HIV > 0:
+                                load_head_tile(do_desc_hi, q_row + m0 + 64 * w, h, q_ready, do_hi.index(w), DV,
+                                               HEAD_DV, DV - HIV)
                     qi += 1
                     hk = h // GROUP
                     for j in range(n_tiles):
                         stage = kv % 2
                         phase = ((kv // 2) & 1) ^ 1
+                        k_stage = kv % K_STAGES
+                        k_phase = ((kv // K_STAGES) & 1) ^ 1
                         row = k_row + t_lo + j * BN
-                        mbarrier.wait(k_empty.index(stage), phase)
-                        mbarrier.expect(k_ready.index(stage), k_bytes)
-                        load_head_tile(k_desc, row, hk, k_ready.index(stage), k_ring.index(stage), D, HEAD_D)
+                        mbarrier.wait(k_empty.index(k_stage), k_phase)
+                        mbarrier.expect(k_ready.index(k_stage), k_bytes)
+                        load_head_tile(k_desc, row, hk, k_ready.index(k_stage), k_ring.index(k_stage), D, HEAD_D)
                         if HI > 0:
-                            load_head_tile(k_desc_hi, row, hk, k_ready.index(stage), k_hi.index(stage), D, HEAD_D,
+                            load_head_tile(k_desc_hi, row, hk, k_ready.index(k_stage), k_hi.index(k_stage), D, HEAD_D,
                                            D - HI)
                         mbarrier.wait(v_empty.index(stage), phase)
                         mbarrier.expect(v_ready.index(stage), v_bytes)
@@ -654,22 +663,29 @@ if HAVE_GLUON:
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
         # The second parts (the first parts stand in for them where HI or HIV is 0, unused).
+        # (The descriptors of Q's, K's and V's second parts are made one after another, then the tiles allocated: in
+        # another order the compiler placed the descriptors' barriers otherwise, and the SASS of tiles of 192 changed.)
         if HI > 0:
             q_desc_hi = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, HI, D, HEAD_D)
             k_desc_hi = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, HI, D, HEAD_D)
+        else:
+            q_desc_hi, k_desc_hi = q_desc, k_desc
+        v_desc_hi = v_desc
+        if HIV > 0:
+            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HIV, DV, HEAD_DV)
+        if HI > 0:
             hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HI], dtype)
             q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
             k_hi = gl.allocate_shared_memory(dtype, [2, BN, HI], hi_layout)
         else:
-            q_desc_hi, k_desc_hi, q_hi, k_hi = q_desc, k_desc, q_smem, k_ring
+            q_hi, k_hi = q_smem, k_ring
         if HIV > 0:
-            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HIV, DV, HEAD_DV)
             hiv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HIV], dtype)
             v_hi = gl.allocate_shared_memory(dtype, [2, BN, HIV], hiv_layout)
             o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HIV, DV, HEAD_DV)
             o_hi_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HIV], hiv_layout)
         else:
-            v_desc_hi, v_hi, o_desc_hi, o_hi_smem = v_desc, v_ring, o_desc, o_smem
+            v_hi, o_desc_hi, o_hi_smem = v_ring, o_desc, o_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -702,7 +718,7 @@ if HAVE_GLUON:
         load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
                      v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
                      max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
-                     k_hi, v_hi)
+                     k_hi, v_hi, q_desc, q_desc, q_smem, q_smem)  # (no dO: WITH_DO is off, stand-ins)
         if WGS == 3:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
                                                     ALIGN_END, 0)),

@@ -28,6 +28,7 @@ from ..._launch import fast_launch
 from ..._triton import tl, triton
 from ...tiling import cdiv
 from ..gluon import backward as gluon_backward
+from ..gluon import backward_dq as gluon_backward_dq
 from ..gluon import backward_wide as gluon_backward_wide
 from .configs import DQ_SEPARATE, DQ_TMA
 from .launch import (
@@ -393,8 +394,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     computed separately (deterministic), and how dQ is reduced otherwise. ``dbias`` has the bias's
     shape and dtype (None unless ``need_dbias``). ``tma``: load tiles through TMA descriptors; None
     decides from the device and alignment. ``gluon``: run the warp-specialized Hopper kernels instead of these where
-    they apply (``attn/gluon/backward.py``; past a head dim of 128 ``attn/gluon/backward_wide.py`` for dK and dV,
-    beside the dQ kernel here); False: never (the tests and sweeps of these kernels).
+    they apply (``attn/gluon/backward.py``; past a head dim of 128 ``attn/gluon/backward_wide.py`` for dK and dV and
+    ``attn/gluon/backward_dq.py`` for dQ, or with dropout the dQ kernel here); False: never (the tests and sweeps of
+    these kernels).
     """
     B, H, dense = problem.batch, problem.heads, problem.dense
     if 0 in (B, H, problem.max_q, problem.max_k):
@@ -416,8 +418,8 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                   **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
     # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, dK and dV
-    # in tiles of 256 (``wide``), with dQ from the dQ kernel below in the config's dQ tiles (every bf16/fp16 entry of
-    # the tables at 256 has them).
+    # in tiles of 192 or 256 (``wide``), with dQ from its own Gluon kernel, or with dropout from the dQ kernel below in
+    # the config's dQ tiles (every bf16/fp16 entry of the tables at 256 has them).
     wide = (gluon and config.q is not None
             and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
@@ -487,7 +489,10 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         )
     if db_mode == DBIAS_ATOMIC:
         dbias = dbias_buf.to(bias.dtype)
-    if dq_mode == DQ_SEPARATE:
+    if dq_mode == DQ_SEPARATE and wide and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed):
+        gluon_backward_dq.launch(q, k, v, dout, dq, lse2, delta, problem, seq_args, common["mask"], feats,
+                                 common["scores"])
+    elif dq_mode == DQ_SEPARATE:
         qc = config.q
         _bwd_q_kernel[(cdiv(problem.max_q, qc.block_m), H, B)](
             Q=rows(q, dense), K=rows(k, dense), V=rows(v, dense), dO=rows(dout, dense), dQ=rows(dq, dense),
