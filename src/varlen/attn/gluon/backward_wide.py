@@ -16,8 +16,9 @@ many FLOPs as the other; only Pᵀ crosses between them, one way (``p_ready`` / 
 warp brings K and V once and the (Q, dO) tiles of 64 queries of every head of the GQA group through a two-stage ring,
 each stage with its tile's lse and delta, as ``backward.py``'s does. dQ is not computed here: the shared memory (K, V,
 the ring and Pᵀ: 224 KiB) has no room for its float32 staging, and its product would need a third accumulator; the
-Triton dQ kernel (``triton/backward.py``'s ``_bwd_q_kernel``, in its tuned tiles, ``configs.HEAD256_SWEEP``) computes it
-after, which also makes the backward deterministic (dK and dV are stored, not added).
+Gluon dQ kernel (``backward_dq.py``; with dropout the Triton one, ``triton/backward.py``'s ``_bwd_q_kernel``, in its
+tuned tiles, ``configs.HEAD256_SWEEP``) computes it after, which also makes the backward deterministic (dK and dV are
+stored, not added).
 
 Sequences and heads as in ``backward.py``: per-sequence TMA descriptors made on the device (boxes clip at the last
 row: queries past ``Lq`` get ``lse2 = +inf``, so P = 0; keys past ``Lk`` are zero rows whose dK and dV are never
@@ -442,7 +443,7 @@ def _second_part(tile: int) -> int:
 
 
 def launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores, dropout) -> None:
-    """Run the kernel: dK and dV written (dQ is the Triton dQ kernel's); ``lse2``, ``delta``: the preprocess's;
+    """Run the kernel: dK and dV written (dQ is a dQ kernel's); ``lse2``, ``delta``: the preprocess's;
     ``order``: the sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
     ``Scores`` bundles; ``dropout``: ``triton.scores.dropout_args``'s keyword arguments."""
     descs = host_descriptors(problem, q, dout, k, v, dk, dv)
