@@ -5,8 +5,9 @@ these machines).
 
 bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80, 96 and 192 about 2048), dense GQA rows at
 S2k-4k, dropout 0.1 at S2k and 8k, jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
-documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens, and multi-head latent attention's
-head dims (q and k 192, v 128: DeepSeek-V2 and V3), dense and on the long-tailed documents. FLOPs 2·B·H·Sq·Sk·(D + Dv)
+documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens, multi-head latent attention's
+head dims (q and k 192, v 128: DeepSeek-V2 and V3), dense and on the long-tailed documents, and deterministic mode
+at D64 and D128. FLOPs 2·B·H·Sq·Sk·(D + Dv)
 (4·B·H·Sq·Sk·D where Dv = D; the real sequences' for jagged rows), halved when causal; the backward counts 2.5x.
 """
 
@@ -42,7 +43,7 @@ def replayed_ms(fn: Callable[[], None]) -> float:
     return do_bench(captured(fn), warmup=50, rep=300, return_mode="median")
 
 
-def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0, DV=None) -> Case:
+def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0, DV=None, deterministic=False) -> Case:
     DV = D if DV is None else DV
     q = torch.randn(B, S, H, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, S, HKV, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -51,10 +52,11 @@ def dense_case(B, S, H, HKV, D, causal, dropout_p=0.0, DV=None) -> Case:
 
     def forward():
         with torch.no_grad():
-            varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p)
+            varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p, deterministic=deterministic)
 
     def step():
-        torch.autograd.grad(varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p), (q, k, v), dout)
+        out = varlen.attention(q, k, v, causal=causal, dropout_p=dropout_p, deterministic=deterministic)
+        torch.autograd.grad(out, (q, k, v), dout)
 
     qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
     dout_t = dout.transpose(1, 2).contiguous()
@@ -150,6 +152,14 @@ def cases() -> Iterator[tuple[str, Callable[[], Case]]]:
             yield name, lambda S=S, causal=causal: dense_case(16384 // S, S, 16, 16, 192, causal, DV=128)
     yield (f"jagged {len(tail)} seqs 64-4096 ({sum(tail)} tokens) MLA D192/128 H16 causal",
            lambda: jagged_case(tail, 16, 16, 192, True, DV=128))
+    # Deterministic mode (bit-for-bit reruns: dQ stored, not added by atomics) at D64 and D128. cuDNN's row is its
+    # usual backward.
+    for D, H in ((64, 32), (128, 16)):
+        for S in (4096, 16384):
+            for causal in (False, True):
+                name = f"D{D} S{S} B{16384 // S} H{H}" + (" causal" if causal else "") + " deterministic"
+                yield name, lambda D=D, H=H, S=S, causal=causal: dense_case(16384 // S, S, H, H, D, causal,
+                                                                           deterministic=True)
 
 
 def arguments() -> argparse.Namespace:

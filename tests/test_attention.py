@@ -600,14 +600,19 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # (no dropout in tiles past 128: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
-    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or of 192 and 256 (dK and
-    # dV stored, dQ by the Triton dQ kernel: deterministic too), both with dropout.
+    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or dK and dV stored in
+    # tiles of 192 and 256, and in tiles of 128 for deterministic causal calls (dQ by the Gluon dQ kernel, or with
+    # dropout by the Triton one: deterministic), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
-    for options, in_tiles in ((opts, tile is not None), (deterministic, False)):
+    causal = AttentionOptions(scale=0.1, deterministic=True, causal=True)
+    for options, in_tiles in ((opts, tile is not None), (deterministic, False), (causal, False)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
-    for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0))):
-        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == (
-            wide_tile in (192, 256))
+    for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0)), (causal, None),
+                          (causal, DropoutSeed(1, 0))):
+        stored = wide_tile in (192, 256) or (options.causal and wide_tile == 128)
+        assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, seed) == stored
+        assert gluon_backward_dq.supports(problem, options, torch.bfloat16, None, None, seed) == (
+            stored and seed is None)
     assert not gluon_backward_wide.supports(problem, opts, torch.float32, None, None, None)
     # A zero scale: not where the products start from -lse / scale (the lean form at 128, the tiles past 128).
     zero = AttentionOptions(scale=0.0)
@@ -621,10 +626,10 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     (192, 184, None), (192, 32, None), (32, 64, None), (192, 100, None),
 ])
 def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, head_dim_v, tiles):
-    # Dv other than D (multi-head latent attention's 192 / 128 first): the forward and, past 128, the backward's dK and
-    # dV kernel in Q's and K's tile and a tile of 64 or 128 for V and O (gluon/common.py: wide_tile_head_dims); past 128
-    # no value tile but D's, where Dv = D. The backward's kernel in tiles of 64 and 128 takes D = Dv only, and the
-    # forward no dropout where either tile passes 128 (64-key tiles).
+    # Dv other than D (multi-head latent attention's 192 / 128 first): the forward and the backward's dK and dV
+    # kernel (and its dQ kernel) in Q's and K's tile and a tile of 64 or 128 for V and O (gluon/common.py:
+    # wide_tile_head_dims); past 128 no value tile but D's, where Dv = D. The backward's kernel in tiles of 64 and 128
+    # takes D = Dv only, and the forward no dropout where either tile passes 128 (64-key tiles).
     assert gluon_common.wide_tile_head_dims(head_dim, head_dim_v) == tiles
     problem = Problem(1, 2, 2, head_dim, head_dim_v, 16, 16, True)
     opts = AttentionOptions(scale=0.1)
@@ -632,8 +637,9 @@ def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, h
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (tiles is not None and max(tiles) <= 128)
     wide = tiles is not None and tiles[0] > 128
-    for options in (opts, AttentionOptions(scale=0.1, deterministic=True)):
+    for options in (opts, AttentionOptions(scale=0.1, deterministic=True, causal=True)):
         assert gluon_backward_wide.supports(problem, options, torch.bfloat16, None, None, None) == wide
+        assert gluon_backward_dq.supports(problem, options, torch.bfloat16, None, None, None) == wide
     assert gluon_backward.supports(problem, opts, torch.bfloat16, None, None, None) == (
         head_dim == head_dim_v and gluon_common.tile_head_dim(head_dim) is not None)
 

@@ -462,6 +462,50 @@ def test_wide_backward_dq_persistent_programs(monkeypatch, layout, mask, program
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right", "causal_window"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
+@pytest.mark.parametrize("D", [96, 128])
+def test_deterministic_causal_backward_in_tiles_of_128_matches_reference(monkeypatch, D, layout, mask):
+    # Deterministic causal calls, which backward.py's kernel leaves (it adds dQ by atomics), in tiles of 128 (D96
+    # padded): dK and dV stored by backward_wide.py's kernel, dQ by the Gluon dQ kernel.
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, deterministic=True)
+    assert len(dq_launches) == 1, "the Gluon dQ kernel did not run"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,mask", [(64, "causal"), (128, "none"), (128, "window")])
+def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, D, mask):
+    # Where the stored Gluon kernels measured slower than the Triton ones (bench/NOTES.md): D64, and D128 without a
+    # causal mask.
+    launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    _check_backward(("triton", launches), torch.bfloat16, D, "jagged", 8, 2, mask, deterministic=True)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,dropout_p", [(128, 0.0), (128, 0.17)])
+def test_deterministic_causal_backward_in_tiles_of_128_repeats_bit_for_bit(monkeypatch, D, dropout_p):
+    # (with dropout the Triton dQ kernel, beside the stored dK and dV)
+    launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
+    dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
+    g = torch.Generator().manual_seed(zlib.crc32(f"deterministic {D} {dropout_p}".encode()))
+    q, k, v = (_to(t, "cuda", torch.bfloat16) for t in _inputs("jagged", torch.bfloat16, 8, 2, D, g))
+    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(_values(q).shape, generator=g).to("cuda", torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        draws = _draws(0, g) if dropout_p else None
+        if draws is not None:
+            draws.manual_seed(7)
+        out = varlen.attention(q, k, v, causal=True, deterministic=True, dropout_p=dropout_p, generator=draws)
+        grads.append(torch.autograd.grad(_values(out), leaves, dout))
+    assert len(launches) == 2 and len(dq_launches) == (0 if dropout_p else 2)
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 def test_wide_backward_value_head_dims_are_deterministic(monkeypatch):
     launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
     g = torch.Generator().manual_seed(zlib.crc32(b"wide deterministic dv"))
@@ -877,7 +921,7 @@ def test_gluon_backward_leaves_other_biases_to_the_triton_kernel(monkeypatch, ke
 
 
 def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dropout_p=0.0, offset=0, bias=None,
-                    bias_masked=False, bias_grad=True, scale=None, bias_wider=0, DV=None):
+                    bias_masked=False, bias_grad=True, scale=None, bias_wider=0, DV=None, deterministic=False):
     dims = f"{D}" if DV is None else f"{D} {DV}"
     g = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {dims} {layout} {heads} {mask} {dropout_p}".encode()))
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g, DV)
@@ -893,7 +937,8 @@ def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dr
     low = _grads(q, k, v, dout, lambda a, b, c, d: attention_reference(a, b, c, bias=d, **ref_opts)[0], dtype,
                  "cuda", **args)
     got = _grads(q, k, v, dout, lambda a, b, c, d: varlen.attention(a, b, c, bias=d, **opts, dropout_p=dropout_p,
-                                                                    generator=draws), dtype, "cuda", **args)
+                                                                    generator=draws, deterministic=deterministic),
+                 dtype, "cuda", **args)
     kernel, gluon_launches = backward_kernel
     assert bool(gluon_launches) == (kernel == "gluon"), f"the {kernel} kernel did not run"
     for name, x, lo, r in zip(("dq", "dk", "dv", "dbias")[:len(got)], got, low, ref, strict=True):

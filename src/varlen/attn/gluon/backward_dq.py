@@ -34,7 +34,7 @@ from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
 from ..triton.masks import Mask, in_band
 from ..triton.program import Rows, Seqs, lse_offset, rows
-from . import common
+from . import backward_wide, common
 from .common import (
     HAVE_GLUON,
     fence_async_shared,
@@ -299,14 +299,9 @@ if HAVE_GLUON:
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
-    """Whether the kernel computes this call's dQ (whatever the machine): one ``backward_wide.py`` takes
-    (``common.wide_tile_head_dims`` past 128, a nonzero scale), without dropout (:func:`block_keys`)."""
-    if seed is not None or opts.scale == 0:
-        return False
-    tiles = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
-    if tiles is None or tiles[0] <= common.TILE_HEAD_DIMS[-1]:
-        return False
-    return common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims)
+    """Whether the kernel computes this call's dQ (whatever the machine): one ``backward_wide.py`` takes (past 128,
+    and deterministic causal calls in tiles of 128), without dropout (:func:`block_keys`)."""
+    return seed is None and backward_wide.supports(problem, opts, dtype, bias, alibi, seed)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:

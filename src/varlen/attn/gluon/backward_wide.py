@@ -407,8 +407,15 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in tiles of 192 or 256
     (``common.wide_tile_head_dims``: head dims 136-256, multiples of 8, Dv in them or in a tile of its own; dropout
     allowed), deterministic or not (it adds nothing), with a nonzero scale (the products start from -lse in units of
-    S, lse / scale)."""
-    if (common.wide_tile_head_dim(problem.head_dim) or 0) <= common.TILE_HEAD_DIMS[-1] or opts.scale == 0:
+    S, lse / scale). In tiles of 64 and 128, of the calls ``backward.py``'s kernel leaves (deterministic ones: it adds
+    dQ by atomics), those with a causal mask in tiles of 128 (D = Dv), where this kernel and the Gluon dQ kernel
+    measured faster than the Triton kernels (H100, D128 S4k and S16k causal 1.14x; without a mask 0.92x, at D64
+    0.88-0.95x: bench/NOTES.md, "Past 128 in the backward")."""
+    tiles = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
+    if tiles is None or opts.scale == 0:
+        return False
+    if tiles[0] <= common.TILE_HEAD_DIMS[-1] and not (opts.deterministic and opts.causal and tiles == (128, 128)
+                                                      and problem.head_dim == problem.head_dim_v):
         return False
     return common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims)
 

@@ -417,10 +417,12 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
-    # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, dK and dV
-    # in tiles of 192 or 256 (``wide``), with dQ from its own Gluon kernel, or with dropout from the dQ kernel below in
-    # the config's dQ tiles (every bf16/fp16 entry of the tables at 256 has them).
-    wide = (gluon and config.q is not None
+    # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, and for
+    # deterministic causal calls at 128, dK and dV stored (``wide``), with dQ from its own Gluon kernel (``dq_gluon``),
+    # or with dropout from the dQ kernel below in the config's dQ tiles (every bf16/fp16 entry of the tables at 256
+    # has them).
+    dq_gluon = gluon and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    wide = (gluon and (dq_gluon or config.q is not None)
             and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else DQ_SEPARATE if wide else config.dq_mode
@@ -489,7 +491,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         )
     if db_mode == DBIAS_ATOMIC:
         dbias = dbias_buf.to(bias.dtype)
-    if dq_mode == DQ_SEPARATE and wide and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed):
+    if dq_mode == DQ_SEPARATE and wide and dq_gluon:
         gluon_backward_dq.launch(q, k, v, dout, dq, lse2, delta, problem, seq_args, common["mask"], feats,
                                  common["scores"])
     elif dq_mode == DQ_SEPARATE:
