@@ -647,19 +647,21 @@ def test_gluon_kernels_compute_a_value_head_dim_in_a_tile_of_its_own(head_dim, h
 @pytest.mark.parametrize("head_dim,head_dim_v,tiles,warpgroups,keys", [
     (40, 40, (64, 64), 3, 128), (96, 96, (128, 128), 2, 128), (64, 64, (64, 64), 3, 128),
     (136, 136, (192, 192), 2, 64), (192, 192, (192, 192), 2, 64), (200, 200, (256, 256), 2, 64),
-    (256, 256, (256, 256), 2, 64), (192, 128, (192, 128), 2, 64), (64, 128, (64, 128), 2, 128),
+    (256, 256, (256, 256), 2, 64), (192, 128, (192, 128), 2, 128), (64, 128, (64, 128), 2, 128),
     (128, 40, (128, 64), 2, 128)])
 def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head_dim, head_dim_v, tiles, warpgroups,
                                                                keys):
     # The kernel's D and DV are the tiles', HEAD_D and HEAD_DV the tensors' (its descriptors' columns); the rules take
-    # the larger tile's (three query warpgroups at 64), and tiles past 128 (192 and 256) take 64 keys at a time.
+    # the larger tile's (three query warpgroups at 64), and tiles past 128 (192 and 256) take 64 keys at a time, but
+    # for Q and K in tiles of 192 beside V and O in 128 (their output staged in Q: O_IN_Q).
     # Without a GPU: the kernel replaced by a recorder, CPU tensors (nothing computed).
     taken = []
 
     class Recorder:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: taken.append((kwargs["D"], kwargs["DV"], kwargs["HEAD_D"],
-                                                         kwargs["HEAD_DV"], kwargs["WGS"], kwargs["BN"]))
+                                                         kwargs["HEAD_DV"], kwargs["WGS"], kwargs["BN"],
+                                                         kwargs["O_IN_Q"]))
 
     monkeypatch.setattr(gluon_forward, "_attn_fwd_hopper", Recorder(), raising=False)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 132)
@@ -670,7 +672,7 @@ def test_gluon_forward_launch_passes_the_tile_and_the_head_dim(monkeypatch, head
     opts = AttentionOptions(scale=0.125)
     config = configs.forward_config(problem, torch.bfloat16, q.device, bias=False, dropout=False, tma=True)
     out, _ = triton_forward.launch_forward(q, k, v, None, None, problem, opts, None, config, tma=True, gluon=True)
-    assert taken == [(*tiles, head_dim, head_dim_v, warpgroups, keys)]
+    assert taken == [(*tiles, head_dim, head_dim_v, warpgroups, keys, tiles in ((256, 256), (192, 128)))]
     assert out.shape == (4, 4096, 32, head_dim_v)
 
 

@@ -47,6 +47,7 @@ from .common import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from .forward import _in_sequence, _load_tiles, _receive, _work_item  # (the forward's schedule and loader)
 
 WARPGROUPS = 2  # query warpgroups per program, 64 queries each
 # K's ring holds three tiles (V's two): a K tile is read until the next tile's dQ product is done, so with two the
@@ -61,8 +62,6 @@ def block_keys(tile_d: int, tile_dv: int) -> int:
 
 
 if HAVE_GLUON:
-    from .forward import _in_sequence, _load_tiles, _receive, _work_item  # (the forward's schedule and loader)
-
     @gluon.jit
     def _dq_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
                       HIV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr, KS: gl.constexpr, WGS: gl.constexpr,

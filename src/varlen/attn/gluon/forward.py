@@ -47,15 +47,16 @@ thread, the mask of ``varlen.attn.dropout`` bit for bit) and zeroes the dropped 
 row sums keep every weight, and the output takes the keep scale with 1 / l.
 
 Scope (:func:`supports`): fp16/bf16, head dims 64, 128, 192 and 256, and multiples of 8 from 40 to 256 in those tiles
-(``common.wide_tile_head_dim``: zeros read past the head); a value head dim Dv other than D in a tile of 64 or 128
-of its own (``common.wide_tile_head_dims``: multi-head latent attention's 192 / 128 runs in tiles of 192 and 128,
-the rules, :func:`block_keys` and :func:`query_warpgroups`, going by the larger); dense or jagged, no mask, causal
-(either alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or
-query positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
-registers). A tile of 192 is two parts, of 128 and 64 columns (Triton's tensors have power-of-two shapes): two boxes
-per tile of Q, K and V, two products for each of S and O, two accumulators. The output leaves through staging tiles by
-TMA stores, as at 128: at 192 tiles of its own, at 256 each warpgroup's part of Q (Q and the rings take 192 KiB of
-shared memory, leaving no room for more), which Q's next block then waits for. From registers (48 or 64 four-byte
+(``common.wide_tile_head_dim``: zeros read past the head); a value head dim Dv other than D in a tile of 64 or 128 of
+its own (``common.wide_tile_head_dims``: multi-head latent attention's 192 / 128 runs in tiles of 192 and 128, the
+rules, :func:`query_warpgroups` and :func:`pingpong`, going by the larger); dense or jagged, no mask, causal (either
+alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, softcap, prefix, documents or query
+positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
+registers), but for Q and K in tiles of 192 beside V and O in 128. A tile of 192 is two parts, of 128 and 64 columns
+(Triton's tensors have power-of-two shapes): two boxes per tile of Q, K and V, two products for each of S and O, two
+accumulators. The output leaves through staging tiles by TMA stores, as at 128: at 192 tiles of its own, at 256 (and at
+192 beside V's 128, with 128-key rings) each warpgroup's part of Q (Q and the rings take 192-208 KiB of shared memory,
+leaving no room for more: :func:`output_in_q`), which Q's next block then waits for. From registers (48 or 64 four-byte
 stores per thread) it had cost 4-14% of the time without a mask and 10-23% under causal masks (bench/NOTES.md, "The
 forward past 128").
 :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; dense
@@ -91,13 +92,21 @@ from .common import (
 from .dropout import relu_low, row_dropped_signs, row_keep_words
 
 
-def block_keys(tile_dim: int) -> int:
-    """Keys per tile in tiles of head dim ``tile_dim``: 128 beat 64 at every measured shape up to 128
-    (bench/NOTES.md), where S, O and two P tiles fit in 240 registers. At 256 the 64 x 256 float32 O takes 128 of
-    them, so 64, and at 192 too (a K and V ring of 128-key tiles would take 192 KiB of shared memory). (The dropout
-    tile of gluon/dropout.py, row_keep_words and row_dropped_signs, is written for 128 keys: no dropout in tiles past
-    128, :func:`supports`.)"""
-    return 64 if tile_dim > 128 else 128
+def block_keys(tile_d: int, tile_dv: int) -> int:
+    """Keys per tile in tiles of head dims ``tile_d`` (Q and K) and ``tile_dv`` (V and O): 128 beat 64 at every
+    measured shape up to 128 (bench/NOTES.md), where S, O and two P tiles fit in 240 registers. Where O is wider the
+    64 x 256 float32 O takes 128 of them, so 64; at 192 for both too (a K and V ring of 128-key tiles would take 192
+    KiB of shared memory). Q and K in tiles of 192 beside V and O in 128 (multi-head latent attention's) take 128
+    keys, their output staged in Q (:func:`output_in_q`). (The dropout tile of gluon/dropout.py, row_keep_words and
+    row_dropped_signs, is written for 128 keys: no dropout in tiles past 128, :func:`supports`.)"""
+    return 128 if tile_dv <= 128 and tile_d <= 192 else 64
+
+
+def output_in_q(tile_d: int, tile_dv: int) -> bool:
+    """Whether the output is staged in each query warpgroup's part of Q, for want of shared memory: in tiles of 256
+    (Q and the rings take 192 KiB), and in tiles of 192 and 128 of 128-key tiles (208 KiB; O's tile of 128 is
+    Q's first part)."""
+    return (tile_d, tile_dv) == (256, 256) or (tile_d == 192 and block_keys(tile_d, tile_dv) == 128 and tile_dv == 128)
 
 
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
@@ -422,7 +431,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, DV: gl.constexpr,
                          HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
-                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, WG: gl.constexpr):
+                         PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, O_IN_Q: gl.constexpr,
+                         WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
         the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
         the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``). In a tile of 192
@@ -448,9 +458,8 @@ if HAVE_GLUON:
         q_w = q_smem.index(WG)
         q_hw = q_hi.index(WG)
         o_hw = o_hi_smem.index(WG)
-        # In tiles of 256 the output is staged in this warpgroup's part of Q (no room for a tile of its own): Q is
-        # released once the output's store has read it, not after the block's last S = Q Kᵀ.
-        O_IN_Q: gl.constexpr = D == 256 and DV == 256
+        # With O_IN_Q (no room for a staging tile of its own: output_in_q) the output is staged in this warpgroup's part
+        # of Q: Q is released once the output's store has read it, not after the block's last S = Q Kᵀ.
         o_w = o_smem.index(WG)
         kv = 0  # key tiles consumed so far (ring position)
         qi = 0  # Q blocks consumed so far
@@ -617,7 +626,8 @@ if HAVE_GLUON:
                          n_seqs, counter, mask: Mask, scale, qk_scale, dropout: Dropout, seed, offset_lo,
                          F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
                          HEAD_DV: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
-                         BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr):
+                         BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr,
+                         O_IN_Q: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
         work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
@@ -649,17 +659,16 @@ if HAVE_GLUON:
         else:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
-        # (In tiles of 256 Q and the rings take 192 KiB: the output is staged in each warpgroup's part of Q,
-        # _query_warpgroup's O_IN_Q. The descriptors keep their order, q, o, k, v, then the second parts': each takes
-        # the next slot of the device scratch, so tiles up to 128 compile as before wider ones existed.)
+        # (With O_IN_Q the output is staged in each warpgroup's part of Q: output_in_q. The descriptors keep their
+        # order, q, o, k, v, then the second parts': each takes the next slot of the device scratch, so tiles up to 128
+        # compile as before wider ones existed.)
         q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
         o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, DV - HIV, DV, HEAD_DV)
         k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
         v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, DV - HIV, DV, HEAD_DV)
 
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
-        # (DV is 256 only where D is: common.wide_tile_head_dims)
-        o_smem = gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], o_smem_layout) if DV < 256 else q_smem
+        o_smem = q_smem if O_IN_Q else gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], o_smem_layout)
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
         # The second parts (the first parts stand in for them where HI or HIV is 0, unused).
@@ -721,20 +730,20 @@ if HAVE_GLUON:
                      k_hi, v_hi, q_desc, q_desc, q_smem, q_smem)  # (no dO: WITH_DO is off, stand-ins)
         if WGS == 3:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, 0)),
+                                                    ALIGN_END, O_IN_Q, 0)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, 1)),
+                                                    ALIGN_END, O_IN_Q, 1)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, 2)),
+                                                    ALIGN_END, O_IN_Q, 2)),
                                 (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
                                                ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, 0)),
+                                                    ALIGN_END, O_IN_Q, 0)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, 1)),
+                                                    ALIGN_END, O_IN_Q, 1)),
                                 (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
                                                ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -749,6 +758,10 @@ if HAVE_GLUON:
             mbarrier.invalidate(item_ready.index(i))
             mbarrier.invalidate(item_free.index(i))
 
+else:  # pragma: no cover - depends on the installed Triton
+    # (the schedule and loader gluon/backward_dq.py's kernel shares, imported there whatever the Triton)
+    _in_sequence = _load_tiles = _receive = _work_item = None
+
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
@@ -757,7 +770,7 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     non-negative scale)."""
     if not common.plain_call(problem, opts, dtype, bias, alibi, common.wide_tile_head_dims):
         return False
-    if seed is not None and block_keys(max(common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v))) != 128:
+    if seed is not None and max(common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)) > 128:
         return False  # (the dropout tile, gluon/dropout.py, is 128 keys wide: the kernel's static_assert)
     return raw_scores(opts, bias, alibi)
 
@@ -789,7 +802,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
         counter=torch.zeros(1, dtype=torch.int32, device=q.device),
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_d,
         HEAD_D=problem.head_dim, DV=tile_dv, HEAD_DV=problem.head_dim_v, H=problem.heads, HKV=problem.kv_heads,
-        GROUP=problem.group, BN=block_keys(tile_dim),
+        GROUP=problem.group, BN=block_keys(tile_d, tile_dv), O_IN_Q=output_in_q(tile_d, tile_dv),
         PINGPONG=wgs == 2 and pingpong(tile_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
         # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
         ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,

@@ -421,9 +421,9 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     # deterministic causal calls at 128, dK and dV stored (``wide``), with dQ from its own Gluon kernel (``dq_gluon``),
     # or with dropout from the dQ kernel below in the config's dQ tiles (every bf16/fp16 entry of the tables at 256
     # has them).
-    dq_gluon = gluon and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
-    wide = (gluon and (dq_gluon or config.q is not None)
-            and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed))
+    wide = gluon and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    dq_gluon = wide and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    wide = wide and (dq_gluon or config.q is not None)
     gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_mode = DQ_TMA if gluon else DQ_SEPARATE if wide else config.dq_mode
 
