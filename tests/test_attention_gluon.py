@@ -8,8 +8,9 @@ forward also queries and keys of different lengths, so that some queries see no 
 alignments, windows; both also with dropout (against the reference given the mask ``attention_dropout_mask``
 reads); the forward in tiles of 64 also with three query warpgroups, the backward in tiles of 64 also with two key
 blocks per program.
-The forward also in tiles of 192 and 256 (head dims 136-256), the backward's dK and dV kernel past 128 in tiles of 256
-(``gluon/backward_wide.py``, beside the Triton dQ kernel), both also with value head dims other than the query's
+The forward also in tiles of 192 and 256 (head dims 136-256), the backward's dK and dV kernel past 128 in tiles of 192
+and 256 (``gluon/backward_wide.py``, beside the Gluon dQ kernel, ``gluon/backward_dq.py``, or with dropout the Triton
+one; both also for deterministic causal calls in tiles of 128), all also with value head dims other than the query's
 (multi-head latent attention's 192 / 128 among them), and the Triton kernels at head dims 192 and 256 in their own
 tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
@@ -316,8 +317,8 @@ def test_backward_padded_head_dims_other_forms_match_reference(monkeypatch, D, p
 @pytest.mark.parametrize("D", [24, 32, 36, 136, 256])
 def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
     # No tile of 64 or 128 holds these, or (32) the Triton kernels are faster (gluon_common.tile_head_dim); the forward
-    # takes 136 and 256 in its tiles of 192 and 256 (gluon_common.wide_tile_head_dim), the backward's dK and dV
-    # kernel in its tiles of 256 (gluon_common.wide_tile_head_dim).
+    # takes 136 and 256 in its tiles of 192 and 256 (gluon_common.wide_tile_head_dim), and so does the backward's dK and
+    # dV kernel.
     # With the Gluon kernels allowed, the Triton ones run where they don't.
     forward = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     backward = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
@@ -327,7 +328,7 @@ def test_gluon_kernels_take_only_the_head_dims_their_tiles_hold(monkeypatch, D):
     assert gluon_common.tile_head_dim(D) is None
     assert bool(forward) == (D > 128), f"the Gluon forward ran at D{D}, or did not"
     assert not backward, f"the Gluon backward in tiles of 64 or 128 ran at D{D}"
-    assert bool(wide) == (D > 128), f"the Gluon backward in tiles of 256 ran at D{D}, or did not"
+    assert bool(wide) == (D > 128), f"the Gluon backward past 128 ran at D{D}, or did not"
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
@@ -376,7 +377,7 @@ def test_wide_backward_draws_the_mask_exactly(monkeypatch, dropout_p, offset):
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 def test_wide_backward_is_deterministic(monkeypatch, layout):
-    # dK and dV stored, not added, and dQ from the Triton dQ kernel: deterministic mode takes the kernel, and two
+    # dK and dV stored, not added, and dQ from the Gluon dQ kernel: deterministic mode takes the kernels, and two
     # calls agree bit for bit.
     launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
     g = torch.Generator().manual_seed(zlib.crc32(f"wide deterministic {layout}".encode()))
@@ -385,7 +386,7 @@ def test_wide_backward_is_deterministic(monkeypatch, layout):
     dout = torch.randn(_values(q).shape, generator=g).to("cuda", torch.bfloat16)
     grads = [torch.autograd.grad(_values(varlen.attention(q, k, v, causal=True, deterministic=True)), leaves, dout)
              for _ in range(2)]
-    assert len(launches) == 2, "the Gluon backward in tiles of 256 did not take deterministic calls"
+    assert len(launches) == 2, "the Gluon backward past 128 did not take deterministic calls"
     for first, second in zip(*grads, strict=True):
         assert torch.equal(first, second)
 
@@ -514,7 +515,7 @@ def test_wide_backward_value_head_dims_are_deterministic(monkeypatch):
     dout = torch.randn(*_values(q).shape[:-1], 128, generator=g).to("cuda", torch.bfloat16)
     grads = [torch.autograd.grad(_values(varlen.attention(q, k, v, causal=True, deterministic=True)), leaves, dout)
              for _ in range(2)]
-    assert len(launches) == 2, "the Gluon backward in tiles of 256 did not take deterministic calls"
+    assert len(launches) == 2, "the Gluon backward past 128 did not take deterministic calls"
     for first, second in zip(*grads, strict=True):
         assert torch.equal(first, second)
 
