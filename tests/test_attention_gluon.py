@@ -392,10 +392,10 @@ def test_wide_backward_is_deterministic(monkeypatch, layout):
 
 
 # Value head dims other than the query's (gluon_common.wide_tile_head_dims and wide_tile_head_dims): multi-head
-# latent attention's 192 / 128 (DeepSeek-V2 and V3), 256 / 128, heads below their tiles (136 / 96 and 200 / 40,
-# through 3-D descriptors), and tiles of 128 and 64 either way round (the forward only: the backward's tiles of 64 and
-# 128 take D = Dv alone).
-VALUE_HEAD_DIMS = [(192, 128), (256, 128), (136, 96), (200, 40), (128, 64), (64, 128)]
+# latent attention's 192 / 128 (DeepSeek-V2 and V3), 256 / 128, 192 / 64 (128-key tiles, the output staged in a tile of
+# its own), heads below their tiles (136 / 96 and 200 / 40, through 3-D descriptors), tiles of 128 and 64 either way
+# round and two head dims in one tile of 128 (the forward only: the backward's tiles of 64 and 128 take D = Dv alone).
+VALUE_HEAD_DIMS = [(192, 128), (256, 128), (192, 64), (136, 96), (200, 40), (128, 64), (64, 128), (96, 80)]
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")

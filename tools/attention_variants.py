@@ -110,12 +110,13 @@ CASES = [
     # (float32 D256 with TF32 dots once overflowed shared memory in the backward: configs.float32_untuned_256_tf32)
     *((256, torch.float32, "tf32", False, 1, name) for name in ("plain", "causal", "deterministic")),
     # Value head dims other than the query's (gluon.common.wide_tile_head_dims): multi-head latent attention's
-    # 192 / 128 (the forward in tiles of 192 and 128, the backward's dK and dV in tiles of 256 and 128), 256 / 128 and
-    # 128 / 64 (the forward in tiles of 128 and 64; the Triton backward).
+    # 192 / 128 (the forward and the backward's Gluon kernels in tiles of 192 and 128), 256 / 128, 192 / 64, 136 / 96,
+    # and 128 / 64 and 96 / 80 (the forward in tiles of 128 and 64, and in one tile of 128; the Triton backward).
     *(((192, 128), torch.bfloat16, "ieee", jagged, group, name)
       for jagged, group, name in ((False, 1, "plain"), (False, 1, "causal"), (False, 1, "window"),
                                   (False, 1, "dropout"), (True, 4, "causal"))),
-    *((dims, torch.bfloat16, "ieee", False, 1, "causal") for dims in ((256, 128), (128, 64), (136, 96))),
+    *((dims, torch.bfloat16, "ieee", False, 1, "causal")
+      for dims in ((256, 128), (192, 64), (128, 64), (136, 96), (96, 80))),
     ((128, 64), torch.bfloat16, "ieee", False, 1, "dropout"),
 ]
 

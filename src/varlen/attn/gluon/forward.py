@@ -106,7 +106,7 @@ def output_in_q(tile_d: int, tile_dv: int) -> bool:
     """Whether the output is staged in each query warpgroup's part of Q, for want of shared memory: in tiles of 256
     (Q and the rings take 192 KiB), and in tiles of 192 and 128 of 128-key tiles (208 KiB; O's tile of 128 is
     Q's first part)."""
-    return (tile_d, tile_dv) == (256, 256) or (tile_d == 192 and block_keys(tile_d, tile_dv) == 128 and tile_dv == 128)
+    return (tile_d, tile_dv) in ((256, 256), (192, 128))
 
 
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,

@@ -491,7 +491,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
         )
     if db_mode == DBIAS_ATOMIC:
         dbias = dbias_buf.to(bias.dtype)
-    if dq_mode == DQ_SEPARATE and wide and dq_gluon:
+    if dq_gluon:  # (only where wide: DQ_SEPARATE)
         gluon_backward_dq.launch(q, k, v, dout, dq, lse2, delta, problem, seq_args, common["mask"], feats,
                                  common["scores"])
     elif dq_mode == DQ_SEPARATE:
