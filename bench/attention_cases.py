@@ -7,8 +7,8 @@ bf16; dense rows (B·S = 16k tokens, H·D = 2048; at head dims 32, 40, 80, 96 an
 S2k-4k, dropout 0.1 at S2k and 8k, jagged rows of causal attention: a long-tailed mix like ``bench/train_llm.py``'s
 documents (D64 GQA 12/4, and D128 GQA 32/8) and 16 sequences of 256-4096 tokens, multi-head latent attention's
 head dims (q and k 192, v 128: DeepSeek-V2 and V3), dense and on the long-tailed documents, and deterministic mode
-at D64 and D128. FLOPs 2·B·H·Sq·Sk·(D + Dv)
-(4·B·H·Sq·Sk·D where Dv = D; the real sequences' for jagged rows), halved when causal; the backward counts 2.5x.
+at D64 and D128. FLOPs 2·B·H·Sq·Sk·(D + Dv) (4·B·H·Sq·Sk·D where Dv = D; the real sequences' for jagged rows),
+halved when causal; the backward counts 2.5x.
 """
 
 from __future__ import annotations

@@ -277,9 +277,8 @@ if HAVE_GLUON:
     def _bwd_kv_wide_hopper(Q: Rows, K: Rows, V: Rows, dO: Rows, dK: Rows, dV: Rows, LSE2, DELTA, seqs: Seqs,
                             total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale, dropout: Dropout,
                             seed, offset_lo, QD, dOD, KD, VD, dKD, dVD, QH, dOH, KH, VH, dKH, dVH, F: gl.constexpr,
-                            D: gl.constexpr,
-                            HEAD_D: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr,
-                            HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                            D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr, HEAD_DV: gl.constexpr,
+                            H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                             GRID: gl.constexpr, HOST_DESCS: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``); tensors
         as ``backward._bwd_kv_hopper``'s, without dQ; Q's and K's head dim ``HEAD_D`` in tiles of ``D``, V's and dO's

@@ -104,24 +104,17 @@ def same_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | Non
     return None if tile is None else (tile, tile)
 
 
-def _value_tile(head_dim: int, head_dim_v: int, tile: int | None) -> tuple[int, int] | None:
-    """``(tile, the value tile)``: ``tile`` for both where Dv = D; else V's and O's own tile of 64 or 128
-    (:func:`tile_head_dim`): a 64 x 128 float32 O takes no more registers than a tile of 128's. Past 128 Dv takes
-    D's tile only (D = Dv)."""
-    if tile is None:
-        return None
-    if head_dim_v == head_dim:
-        return tile, tile
-    value_tile = tile_head_dim(head_dim_v)
-    return None if value_tile is None else (tile, value_tile)
-
-
 def wide_tile_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int] | None:
     """The tile head dims of the forward (``gluon/forward.py``) and of the backward's dK and dV kernel
     (``gluon/backward_wide.py``): Q's and K's :func:`wide_tile_head_dim`, and V's and O's the same where Dv = D, else a
-    tile of 64 or 128 (:func:`tile_head_dim`), e.g. (192, 128) for multi-head latent attention's heads (DeepSeek-V2
-    and V3: q and k 192 = 128 + 64 rotary columns, v 128). None where no tile holds either."""
-    return _value_tile(head_dim, head_dim_v, wide_tile_head_dim(head_dim))
+    tile of 64 or 128 (:func:`tile_head_dim`: a 64 x 128 float32 O takes no more registers than a tile of 128's), e.g.
+    (192, 128) for multi-head latent attention's heads (DeepSeek-V2 and V3: q and k 192 = 128 + 64 rotary columns, v
+    128); so Dv past 128 only where it equals D. None where no tile holds either."""
+    tile = wide_tile_head_dim(head_dim)
+    if tile is None or head_dim_v == head_dim:
+        return None if tile is None else (tile, tile)
+    value_tile = tile_head_dim(head_dim_v)
+    return None if value_tile is None else (tile, value_tile)
 
 
 def plain_call(problem, opts, dtype, bias, alibi, tiles=same_tile_head_dims) -> bool:
