@@ -54,11 +54,12 @@ alignment) or windows, GQA, dropout (not in tiles past 128); no bias, ALiBi, sof
 positions. In tiles past 128 the keys come in tiles of 64 (:func:`block_keys`: the 64 x 256 float32 O takes 128
 registers), but for Q and K in tiles of 192 beside V and O in 128. A tile of 192 is two parts, of 128 and 64 columns
 (Triton's tensors have power-of-two shapes): two boxes per tile of Q, K and V, two products for each of S and O, two
-accumulators. The output leaves through staging tiles by TMA stores, as at 128: at 192 tiles of its own, at 256 (and at
-192 beside V's 128, with 128-key rings) each warpgroup's part of Q (Q and the rings take 192-208 KiB of shared memory,
-leaving no room for more: :func:`output_in_q`), which Q's next block then waits for. From registers (48 or 64 four-byte
-stores per thread) it had cost 4-14% of the time without a mask and 10-23% under causal masks (bench/NOTES.md, "The
-forward past 128").
+accumulators; at 192 for all four, each query warpgroup reads its Q block into registers once, the A operand of every
+S = Q Kᵀ, and frees Q's buffer at the block's start (:func:`query_in_registers`). The output leaves through staging
+tiles by TMA stores, as at 128: at 192 tiles of its own, at 256 (and at 192 beside V's 128, with 128-key rings) each
+warpgroup's part of Q (Q and the rings take 192-208 KiB of shared memory, leaving no room for more:
+:func:`output_in_q`), which Q's next block then waits for. From registers (48 or 64 four-byte stores per thread) it had
+cost 4-14% of the time without a mask and 10-23% under causal masks (bench/NOTES.md, "The forward past 128").
 :func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; dense
 sequences one after another in memory). It needs an sm_90 GPU (Gluon doesn't run in the
 interpreter); the GPU tests cover every variant it accepts.
@@ -107,6 +108,18 @@ def output_in_q(tile_d: int, tile_dv: int) -> bool:
     (Q and the rings take 192 KiB), and in tiles of 192 and 128 of 128-key tiles (208 KiB; O's tile of 128 is
     Q's first part)."""
     return (tile_d, tile_dv) in ((256, 256), (192, 128))
+
+
+def query_in_registers(tile_d: int, tile_dv: int, wgs: int) -> bool:
+    """Whether each query warpgroup reads its Q block into registers once, as the A operand of every S = Q Kᵀ, and
+    frees Q's buffer at once (for the next block's Q): in tiles of 192 for Q, K, V and O (with two warpgroups, always
+    there). In 64-key tiles two shared-memory operands of a 64 x 64 product read 4 KiB of shared memory per 32 cycles
+    of tensor work; from registers Q's half of that is gone (ncu, H100, D192 B4 S4k H10 bf16 at ncu's clocks: 1.38 ->
+    1.28 M cycles, cuDNN's 1.29 M; shared-memory bank reads 26 -> 19% of peak, tensor pipe 72 -> 78% active). Replayed
+    at the chip's own clocks it gains less: +3-5% at S1k and S4k (causal S4k too), -1% at S1k causal (bench/NOTES.md,
+    "Q in registers"). Elsewhere it lost or tied: at 128 (and MLA's 192 / 128) its 32-48 registers make the tile loop
+    spill (D128 -1 to -7%), at 64 a tie. The output staged in Q (:func:`output_in_q`) keeps Q's buffer anyway."""
+    return wgs == 2 and (tile_d, tile_dv) == (192, 192)
 
 
 def query_warpgroups(tile_dim: int, right_band: bool, left_band: bool, dropout: bool, max_q: int, mean_q: int,
@@ -432,7 +445,7 @@ if HAVE_GLUON:
     def _query_warpgroup(args, F: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, DV: gl.constexpr,
                          HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, BN: gl.constexpr,
                          PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr, O_IN_Q: gl.constexpr,
-                         WG: gl.constexpr):
+                         Q_REGS: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: per work item, queries ``m0 + 64 WG ..`` (+64) against every visible key tile, then
         the output (TMA store through this warpgroup's staging tile; by masked stores where its 64 rows are not all in
         the sequence) and the lse. ``args``: what every query warpgroup takes (``_attn_fwd_hopper``). In a tile of 192
@@ -449,6 +462,7 @@ if HAVE_GLUON:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DV - HIV, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         # (The second part's layouts: in tiles of 192 only, where HIV is 64.)
@@ -498,19 +512,27 @@ if HAVE_GLUON:
                                                            Lk, shift, WL, R, qk_scale, seed, offset_lo, threshold,
                                                            b * H + h, r0, F, BN, s_layout, p_layout, row_o)
                         else:
+                            if Q_REGS:  # (query_in_registers)
+                                q_a = q_w.load(q_operand)
+                                q_ha = q_hw.load(q_operand) if HI > 0 else q_a
+                                gl.thread_barrier()  # every thread has read its Q before the loader refills it
+                                mbarrier.arrive(q_empty)
+                            else:
+                                q_a = q_w
+                                q_ha = q_hw
                             stage = kv % 2
                             mbarrier.wait(k_ready.index(stage), (kv // 2) & 1)
                             _take_turn(turn, n, WG, PINGPONG)
-                            s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                            s = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                               gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
                                               is_async=True)
                             if HI > 0:
-                                s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+                                s = warpgroup_mma(q_ha, k_hi.index(stage).permute((1, 0)), s, is_async=True)
                             _pass_turn(turn, WG, PINGPONG)
                             n += 1
                             s = warpgroup_mma_wait(0, deps=(s,))
                             mbarrier.arrive(k_empty.index(stage))
-                            if not O_IN_Q and n_own == 1:
+                            if not O_IN_Q and not Q_REGS and n_own == 1:
                                 mbarrier.arrive(q_empty)  # Q read for the last time: the next block may load
                             p, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo, u_lo, u_hi, Lk, shift, WL, R,
                                                                qk_scale, F.HAS_R, F.HAS_WL, BN, s_layout)
@@ -527,11 +549,11 @@ if HAVE_GLUON:
                                 mbarrier.wait(k_ready.index(stage), (i // 2) & 1)
                                 mbarrier.wait(v_ready.index(prev), ((i - 1) // 2) & 1)
                                 _take_turn(turn, n, WG, PINGPONG)
-                                s = warpgroup_mma(q_w, k_ring.index(stage).permute((1, 0)),
+                                s = warpgroup_mma(q_a, k_ring.index(stage).permute((1, 0)),
                                                   gl.zeros([64, BN], gl.float32, layout=s_layout), use_acc=False,
                                                   is_async=True)
                                 if HI > 0:
-                                    s = warpgroup_mma(q_hw, k_hi.index(stage).permute((1, 0)), s, is_async=True)
+                                    s = warpgroup_mma(q_ha, k_hi.index(stage).permute((1, 0)), s, is_async=True)
                                 o = warpgroup_mma(p, v_ring.index(prev), o, is_async=True)
                                 if HIV > 0:
                                     o_hi = warpgroup_mma(p, v_hi.index(prev), o_hi, is_async=True)
@@ -539,7 +561,7 @@ if HAVE_GLUON:
                                 n += 1
                                 s = warpgroup_mma_wait(2 if HIV > 0 else 1, deps=(s,))  # (O's products in flight)
                                 mbarrier.arrive(k_empty.index(stage))
-                                if not O_IN_Q and j == n_own - 1:
+                                if not O_IN_Q and not Q_REGS and j == n_own - 1:
                                     mbarrier.arrive(q_empty)
                                 p_next, alpha, m_i, l_i = _softmax_tile(s, m_i, l_i, rows, t_lo + j * BN, u_lo, u_hi,
                                                                         Lk, shift, WL, R, qk_scale, F.HAS_R, F.HAS_WL,
@@ -627,7 +649,7 @@ if HAVE_GLUON:
                          F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
                          HEAD_DV: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr, GROUP: gl.constexpr,
                          BN: gl.constexpr, PINGPONG: gl.constexpr, WGS: gl.constexpr, ALIGN_END: gl.constexpr,
-                         O_IN_Q: gl.constexpr):
+                         O_IN_Q: gl.constexpr, Q_REGS: gl.constexpr):
         """Persistent: a grid of at most one program per SM walking the ``cdiv(cdiv(max_q, 64 WGS), 2) x H x n_seqs``
         work items, each two blocks of ``64 WGS`` queries (``_work_item``); ``counter``: a zeroed int32, the tickets
         of the items after the programs' first (``_claim``). Tensors
@@ -642,6 +664,7 @@ if HAVE_GLUON:
         gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and DV == 64 and not PINGPONG))
         gl.static_assert(not (ALIGN_END and F.DROPOUT))
         gl.static_assert(not (F.DROPOUT and BN != 128))  # (the dropout tile, gluon/dropout.py, is 128 keys wide)
+        gl.static_assert(not (Q_REGS and (O_IN_Q or WGS == 3)))  # (query_in_registers)
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         # A tile of 192 is two parts, 128 and HI = 64 columns (HIV of V and O): tiles, boxes and accumulators of
         # their own.
@@ -730,20 +753,20 @@ if HAVE_GLUON:
                      k_hi, v_hi, q_desc, q_desc, q_smem, q_smem)  # (no dO: WITH_DO is off, stand-ins)
         if WGS == 3:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, O_IN_Q, 0)),
+                                                    ALIGN_END, O_IN_Q, Q_REGS, 0)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, O_IN_Q, 1)),
+                                                    ALIGN_END, O_IN_Q, Q_REGS, 1)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, O_IN_Q, 2)),
+                                                    ALIGN_END, O_IN_Q, Q_REGS, 2)),
                                 (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
                                                ALIGN_END))],
                                [4, 4, 1], [common.THREE_WG_CONSUMER_REGS, common.THREE_WG_CONSUMER_REGS,
                                            common.LOADER_REGS])
         else:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, O_IN_Q, 0)),
+                                                    ALIGN_END, O_IN_Q, Q_REGS, 0)),
                                 (_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
-                                                    ALIGN_END, O_IN_Q, 1)),
+                                                    ALIGN_END, O_IN_Q, Q_REGS, 1)),
                                 (_load_tiles, (load_args, F, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BN, WGS,
                                                ALIGN_END))],
                                [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
@@ -805,6 +828,7 @@ def launch(q, k, v, out, lse, problem, seq_args, mask, feats, scores, dropout) -
         mask=mask, scale=scores.scale, qk_scale=scores.qk_scale, **dropout, F=feats, D=tile_d,
         HEAD_D=problem.head_dim, DV=tile_dv, HEAD_DV=problem.head_dim_v, H=problem.heads, HKV=problem.kv_heads,
         GROUP=problem.group, BN=block_keys(tile_d, tile_dv), O_IN_Q=output_in_q(tile_d, tile_dv),
+        Q_REGS=query_in_registers(tile_d, tile_dv, wgs),
         PINGPONG=wgs == 2 and pingpong(tile_dim, feats.HAS_R, feats.DROPOUT), WGS=wgs,
         # Under a causal-like mask the partial block is the lightest at the start; dropout's draws need even rows.
         ALIGN_END=wgs == 3 and bool(feats.HAS_R) and not feats.DROPOUT,
