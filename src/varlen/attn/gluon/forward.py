@@ -514,7 +514,7 @@ if HAVE_GLUON:
                         else:
                             if Q_REGS:  # (query_in_registers)
                                 q_a = q_w.load(q_operand)
-                                q_ha = q_hw.load(q_operand) if HI > 0 else q_a
+                                q_ha = q_hw.load(q_operand)
                                 gl.thread_barrier()  # every thread has read its Q before the loader refills it
                                 mbarrier.arrive(q_empty)
                             else:
@@ -664,7 +664,7 @@ if HAVE_GLUON:
         gl.static_assert(WGS == 2 or (WGS == 3 and D == 64 and DV == 64 and not PINGPONG))
         gl.static_assert(not (ALIGN_END and F.DROPOUT))
         gl.static_assert(not (F.DROPOUT and BN != 128))  # (the dropout tile, gluon/dropout.py, is 128 keys wide)
-        gl.static_assert(not (Q_REGS and (O_IN_Q or WGS == 3)))  # (query_in_registers)
+        gl.static_assert(not Q_REGS or (D == 192 and DV == 192 and WGS == 2))  # (query_in_registers: only there)
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         # A tile of 192 is two parts, 128 and HI = 64 columns (HIV of V and O): tiles, boxes and accumulators of
         # their own.
