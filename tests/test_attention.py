@@ -30,6 +30,7 @@ from varlen.attn.triton import configs, program
 from varlen.attn.triton import forward as triton_forward
 from varlen.attn.triton import scores as triton_scores
 from varlen.attn.triton.launch import features, head_block
+from varlen.attn.triton.masks import SeqMask, key_blocks_after, query_stages
 from varlen.attn.triton.parts import part_width, split_bf16
 from varlen.attn.triton.program import longest_first
 
@@ -600,12 +601,17 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # (no dropout in tiles past 128: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
-    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics: not deterministic), or dK and dV stored in
-    # tiles of 192 and 256, and in tiles of 128 for deterministic causal calls (dQ by the Gluon dQ kernel, or with
-    # dropout by the Triton one: deterministic), both with dropout.
+    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics, or in deterministic mode under a causal-like
+    # mask without a left window in a fixed order), or dK and dV stored in tiles of 192 and 256, and in tiles of 128 for
+    # deterministic causal calls (dQ by the Gluon dQ kernel, or with dropout by the Triton one: deterministic; where
+    # both kernels take a call, the first runs), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
     causal = AttentionOptions(scale=0.1, deterministic=True, causal=True)
-    for options, in_tiles in ((opts, tile is not None), (deterministic, False), (causal, False)):
+    left = AttentionOptions(scale=0.1, deterministic=True, causal=True, window_left=64)
+    right = AttentionOptions(scale=0.1, deterministic=True, window_right=30)
+    for options, in_tiles in ((opts, tile is not None), (deterministic, False), (causal, tile is not None),
+                              (right, tile is not None), (left, False),
+                              (dataclasses.replace(left, deterministic=False), tile is not None)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
     for options, seed in ((opts, None), (deterministic, None), (opts, DropoutSeed(1, 0)), (causal, None),
                           (causal, DropoutSeed(1, 0))):
@@ -830,8 +836,10 @@ def test_gluon_backward_takes_a_bias_over_whole_planes(bias_shape, bias_dtype, d
     bias = torch.zeros(bias_shape, dtype=bias_dtype)
     seed = object() if dropout else None
     assert gluon_backward.supports(problem, opts, torch.bfloat16, bias, None, seed) == expected
-    assert not gluon_backward.supports(problem, dataclasses.replace(opts, deterministic=True), torch.bfloat16, bias,
-                                       None, seed)
+    # (Not in deterministic mode: its dQ writer shares the buffers the bias gradient's tiles are staged in.)
+    for det in (dataclasses.replace(opts, deterministic=True), dataclasses.replace(opts, deterministic=True,
+                                                                                    causal=True)):
+        assert not gluon_backward.supports(problem, det, torch.bfloat16, bias, None, seed)
 
 
 @pytest.mark.parametrize("broadcast,mask,head_dim,dense,expected", [
@@ -904,6 +912,50 @@ def test_gqa_key_block_programs_run_in_groups_of_kv_heads(monkeypatch, mask, den
         assert order != program.KV_GROUPS
     assert program.key_block_grid(problem, feats, blocks, None, 8)[1] != program.KV_GROUPS
     assert program.key_block_grid(problem, feats, blocks, None, 8, True, kv_groups=True)[1] != program.KV_GROUPS
+
+
+@triton.jit
+def _visits_kernel(visits, after, Lq, Lk, shift, R, F: tl.constexpr, N_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    # Per key block (a program): whether it visits each query tile (masks.query_stages, as the kernels walk them), and
+    # masks.key_blocks_after for the tile.
+    k = tl.program_id(0)
+    m = SeqMask(shift, -1, R, 0, visits, visits)
+    t_lo, u_lo, u_hi, t_hi = query_stages(k * BLOCK_N, Lq, Lk, m, F, BLOCK_M, BLOCK_N)
+    n_tiles = (t_hi - t_lo + BLOCK_M - 1) // BLOCK_M
+    for t in range(N_TILES):
+        seen = (t * BLOCK_M >= t_lo) & (t * BLOCK_M < t_lo + n_tiles * BLOCK_M)
+        tl.store(visits + k * N_TILES + t, seen.to(tl.int32))
+        tl.store(after + k * N_TILES + t, key_blocks_after(k * BLOCK_N, t * BLOCK_M, Lq, Lk, shift, R, BLOCK_M,
+                                                           BLOCK_N))
+
+
+# (70, 300) with a right window of 30: key block 1's first visible row (98) lies in the last tile but past Lq.
+@pytest.mark.parametrize("lengths", [(1, 1), (17, 5), (64, 64), (300, 1000), (1000, 300), (129, 128), (700, 701),
+                                     (1000, 1000), (5, 300), (70, 300), (100, 257)])
+@pytest.mark.parametrize("align,right", [("top_left", 0), ("bottom_right", 0), ("top_left", 30), ("bottom_right", 200)])
+def test_key_blocks_after_counts_the_later_blocks_that_visit_a_tile(lengths, align, right):
+    # The Gluon backward's deterministic dQ adds (under a causal-like mask, no left window) come into each query tile
+    # last key block first, each block waiting until the count of its tile's reduces says every later block that
+    # visits the tile has added: masks.key_blocks_after must count exactly those (too many hangs the kernel, too few
+    # loses the order), for every tile a block visits as query_stages walks them.
+    Lq, Lk = lengths
+    opts = AttentionOptions(scale=0.125, causal=right == 0, window_right=right if right else -1,
+                            bottom_right=align == "bottom_right")
+    problem = Problem(1, 1, 1, 64, 64, Lq, Lk, True)
+    feats = features(problem, opts, None, None, None)
+    shift = Lk - Lq if opts.bottom_right else 0
+    blocks, tiles = -(-Lk // 128), -(-Lq // 64)
+    visits = torch.zeros(blocks, tiles, dtype=torch.int32, device=KERNEL_DEVICE)
+    after = torch.zeros(blocks, tiles, dtype=torch.int32, device=KERNEL_DEVICE)
+    _visits_kernel[(blocks,)](visits, after, Lq, Lk, shift, opts.visible_right(), F=feats, N_TILES=tiles,
+                              BLOCK_M=64, BLOCK_N=128)
+    visits, after = visits.cpu(), after.cpu()
+    assert visits.any()
+    for k in range(blocks):
+        for t in range(tiles):
+            if visits[k, t]:
+                assert after[k, t].item() == visits[k + 1:, t].sum().item(), (k, t)
 
 
 @pytest.mark.parametrize("batch,adds,causal,expected", [

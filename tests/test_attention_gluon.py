@@ -10,7 +10,9 @@ reads); the forward in tiles of 64 also with three query warpgroups, the backwar
 blocks per program.
 The forward also in tiles of 192 and 256 (head dims 136-256), the backward's dK and dV kernel past 128 in tiles of 192
 and 256 (``gluon/backward_wide.py``, beside the Gluon dQ kernel, ``gluon/backward_dq.py``, or with dropout the Triton
-one; both also for deterministic causal calls in tiles of 128), all also with value head dims other than the query's
+one; both also for deterministic causal calls with a left window in tiles of 128), the backward in tiles of 64 and 128
+also in deterministic mode under causal-like masks (its ordered dQ adds), all also with value head dims other than the
+query's
 (multi-head latent attention's 192 / 128 among them), and the Triton kernels at head dims 192 and 256 in their own
 tuned tiles.
 Flash-attn's rule: each output's error is at most twice that of the same math in PyTorch at the input
@@ -46,6 +48,8 @@ MASKS = {
     "window": dict(window=(50, 30)), "causal_window": dict(causal=True, window=(100, 0)),
     "window_left": dict(window=(50, None)),  # (a left band only: no right band, so no ALIGN_END with three warpgroups)
 }
+# (A right band only: the deterministic backward's tests; MASKS run everywhere.)
+DETERMINISTIC_MASKS = {**MASKS, "right_window": dict(window=(None, 30))}
 LENGTHS = [0, 1, 17, 1000, 300, 129]
 KEY_LENGTHS = [5, 0, 40, 700, 301, 128]  # ("cross": keys of other lengths than the queries)
 
@@ -463,12 +467,12 @@ def test_wide_backward_dq_persistent_programs(monkeypatch, layout, mask, program
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right", "causal_window"])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "jagged", "cross"])
 @pytest.mark.parametrize("D", [96, 128])
-def test_deterministic_causal_backward_in_tiles_of_128_matches_reference(monkeypatch, D, layout, mask):
-    # Deterministic causal calls, which backward.py's kernel leaves (it adds dQ by atomics), in tiles of 128 (D96
-    # padded): dK and dV stored by backward_wide.py's kernel, dQ by the Gluon dQ kernel.
+def test_deterministic_causal_window_backward_in_tiles_of_128_matches_reference(monkeypatch, D, layout):
+    # Deterministic causal calls with a left window, which backward.py's kernel leaves (its ordered dQ adds need
+    # none), in tiles of 128 (D96 padded): dK and dV stored by backward_wide.py's kernel, dQ by the Gluon dQ kernel.
+    mask = "causal_window"
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
     _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, deterministic=True)
@@ -476,17 +480,84 @@ def test_deterministic_causal_backward_in_tiles_of_128_matches_reference(monkeyp
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D,mask", [(64, "causal"), (128, "none"), (128, "window")])
+@pytest.mark.parametrize("D,mask", [(64, "none"), (128, "none"), (64, "window_left"), (128, "window"),
+                                    (64, "causal_window")])
 def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, D, mask):
-    # Where the stored Gluon kernels measured slower than the Triton ones (bench/NOTES.md): D64, and D128 without a
-    # causal mask.
+    # No mask or a left window, which backward.py's ordered dQ adds don't take, where the stored Gluon kernels
+    # measured slower than the Triton ones (bench/NOTES.md): D64, and D128 without a causal mask.
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
+    kv_launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     _check_backward(("triton", launches), torch.bfloat16, D, "jagged", 8, 2, mask, deterministic=True)
+    assert not kv_launches
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right", "right_window"])
+@pytest.mark.parametrize("layout", ["dense", "dense_tiles", "dense_batch", "jagged", "cross"])
+@pytest.mark.parametrize("D", [40, 64, 96, 128])
+def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
+    # backward.py's kernel in deterministic mode (DET: each query tile's dQ adds in a fixed order, its last key block
+    # first), under causal-like masks, GQA 8/2.
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, deterministic=True)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("case", [
+    (torch.float16, "jagged", 4, "causal", 0.0, None), (torch.bfloat16, "dense", 4, "causal", 0.17, None),
+    (torch.bfloat16, "jagged", 2, "causal", 0.17, None), (torch.bfloat16, "dense_batch", 4, "right_window", 0.17, None),
+    (torch.float16, "dense", 8, "causal_bottom_right", 0.0, None),
+    # (with a bias, the Triton kernels: the dQ writer shares the bias gradient's staging buffers)
+    (torch.bfloat16, "dense_batch", 4, "causal", 0.0, "BHQK"), (torch.bfloat16, "jagged", 4, "causal", 0.0, "1HQK"),
+])
+@pytest.mark.parametrize("D", [64, 128])
+def test_deterministic_backward_with_dropout_biases_and_fp16_matches_reference(monkeypatch, D, case):
+    # (dtype, layout, kv heads of 8, mask, dropout, bias): DET beside dropout, MHA and GQA, in fp16; with a bias the
+    # Triton kernels, a full bias's gradient stored and a broadcast one's recomputed (_bwd_dbias_kernel, fixed order).
+    dtype, layout, kv_heads, mask, dropout_p, bias = case
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    kernel = "gluon" if bias is None else "triton"
+    _check_backward((kernel, launches), dtype, D, layout, 8, kv_heads, mask, dropout_p=dropout_p, bias=bias,
+                    deterministic=True)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("D,mask,dropout_p", [(64, "causal", 0.0), (64, "causal_bottom_right", 0.17),
+                                              (128, "causal", 0.0), (128, "right_window", 0.17),
+                                              (96, "causal_bottom_right", 0.0)])
+@pytest.mark.parametrize("layout", ["dense", "jagged"])
+def test_deterministic_backward_repeats_bit_for_bit(monkeypatch, D, mask, dropout_p, layout):
+    # Many key blocks adding into each query tile (up to 32), run three times: the same bits each time.
+    launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
+    g = torch.Generator().manual_seed(zlib.crc32(f"ordered dq {D} {mask} {dropout_p} {layout}".encode()))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    if layout == "dense":
+        q, k, v = rand(2, 2048, 8, D), rand(2, 2048, 2, D), rand(2, 2048, 2, D)
+    else:
+        lengths = [4096, 1000, 17, 0, 2500]
+        q, k, v = (varlen.jagged([rand(L, heads, D) for L in lengths]) for heads in (8, 2, 2))
+    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
+    dout = rand(*_values(q).shape)
+    grads = []
+    for _ in range(3):
+        draws = _draws(0, g) if dropout_p else None
+        if draws is not None:
+            draws.manual_seed(7)
+        out = varlen.attention(q, k, v, deterministic=True, dropout_p=dropout_p, generator=draws,
+                               **DETERMINISTIC_MASKS[mask])
+        grads.append(torch.autograd.grad(_values(out), leaves, dout))
+    assert len(launches) == 3, "the Gluon backward did not take deterministic calls"
+    for run in grads[1:]:
+        for first, again in zip(grads[0], run, strict=True):
+            assert torch.equal(first, again)
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D,dropout_p", [(128, 0.0), (128, 0.17)])
-def test_deterministic_causal_backward_in_tiles_of_128_repeats_bit_for_bit(monkeypatch, D, dropout_p):
+def test_deterministic_causal_window_backward_in_tiles_of_128_repeats_bit_for_bit(monkeypatch, D, dropout_p):
     # (with dropout the Triton dQ kernel, beside the stored dK and dV)
     launches = record_calls(monkeypatch, gluon_backward_wide, "launch_kv")
     dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
@@ -499,7 +570,8 @@ def test_deterministic_causal_backward_in_tiles_of_128_repeats_bit_for_bit(monke
         draws = _draws(0, g) if dropout_p else None
         if draws is not None:
             draws.manual_seed(7)
-        out = varlen.attention(q, k, v, causal=True, deterministic=True, dropout_p=dropout_p, generator=draws)
+        out = varlen.attention(q, k, v, deterministic=True, dropout_p=dropout_p, generator=draws,
+                               **MASKS["causal_window"])
         grads.append(torch.autograd.grad(_values(out), leaves, dout))
     assert len(launches) == 2 and len(dq_launches) == (0 if dropout_p else 2)
     for first, second in zip(*grads, strict=True):
@@ -928,7 +1000,7 @@ def _check_backward(backward_kernel, dtype, D, layout, heads, kv_heads, mask, dr
     q, k, v = _inputs(layout, dtype, heads, kv_heads, D, g, DV)
     rows = q.values.shape if isinstance(q, varlen.JaggedTensor) else q.shape
     dout = torch.randn(*rows[:-1], D if DV is None else DV, generator=g)
-    opts = dict(MASKS[mask], scale=scale)
+    opts = dict(DETERMINISTIC_MASKS[mask], scale=scale)
     draws = _draws(offset, g)
     bias = None if bias is None else _bias(bias, q, k, heads, g, bias_masked, bias_wider)
     ref_opts = dict(opts, **_reference_dropout(q, k, dtype, dropout_p, draws))

@@ -9,7 +9,9 @@ also at 40 and 96, which the Gluon kernels compute in tiles of 64 and 128, and 1
 tiles of 192 and the Gluon dK and dV kernel's of 256, beside the Triton kernels; and value head dims other than the
 query's, "D192v128" for multi-head latent attention's heads among them);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
-ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode; TMA loads and pointer loads; and
+ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode (the Gluon backward's ordered dQ adds
+under causal and right-window masks, jagged, GQA, dropout; the Triton kernels without a mask or with a bias); TMA
+loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
 D64 the forward also with three query warpgroups, "gluon forward 3wg ...", and the backward with one key block
 per program and with two, "gluon one block ..." and "gluon pairs ..."; past 128 the backward's dK and dV kernel in
@@ -67,6 +69,12 @@ FEATURES = {
     "bias_deterministic": dict(bias="1HQK", deterministic=True),  # the recompute kernel _bwd_dbias_kernel
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
+    # Deterministic calls in the Gluon backward (its ordered dQ adds, under causal-like masks) with a right window
+    # only and with dropout; without a mask or with a bias (its gradient stored), the Triton kernels.
+    "deterministic_right": dict(window_right=30, deterministic=True),
+    "deterministic_dropout": dict(dropout=0.1, causal=True, deterministic=True),
+    "deterministic_plain": dict(deterministic=True),
+    "deterministic_bias": dict(bias="BHQK", causal=True, deterministic=True),
     "dropout_threshold_one": dict(dropout=2**-8),  # the mask's threshold 1: an integer Triton makes a constant
     "dropout_device_seed": dict(dropout=0.1, device_seed=True),  # the key in memory (captured graphs: DropoutSeed)
     "positions": dict(causal=True, positions=True, dropout=0.1),
@@ -79,6 +87,11 @@ CASES = [
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (64, 128) for name in FEATURES),
     *((D, torch.bfloat16, "ieee", True, group, name) for D in (64, 128) for group in (1, 4)
       for name in ("plain", "causal", "bias_full", "bias_broadcast", "dropout", "positions")),
+    # Deterministic calls jagged and with GQA, and at head dims below their tile's (the Gluon backward's DET).
+    *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (64, 128)
+      for jagged, group in ((True, 1), (True, 4), (False, 4)) for name in ("deterministic", "deterministic_right")),
+    *((D, torch.bfloat16, "ieee", False, 1, name) for D in (40, 96)
+      for name in ("deterministic", "deterministic_right")),
     # Dense GQA under a causal mask: the Gluon backward's grid in groups of kv heads (program.kv_head_groups).
     *((D, torch.bfloat16, "ieee", False, 4, "causal") for D in (64, 128)),
     # Dense GQA with a bias broadcast over sequences: the Gluon backward's first stores (gluon_backward.stores_first),
@@ -132,6 +145,7 @@ def main():
         bias = {"BHQK": torch.empty(B, H, S, S, dtype=dtype), "1HQK": torch.empty(1, H, S, S, dtype=dtype)}.get(
             f.get("bias"))
         opts = AttentionOptions(scale=D ** -0.5, causal=f.get("causal", False), window_left=f.get("window_left", -1),
+                                window_right=f.get("window_right", -1),
                                 softcap=f.get("softcap", 0.0), dropout_p=f.get("dropout", 0.0),
                                 deterministic=f.get("deterministic", False),
                                 prefix_len=torch.full((B,), 17, dtype=torch.int32) if f.get("prefix") else None,
@@ -165,7 +179,8 @@ def main():
                     rule, gluon_forward.query_warpgroups = gluon_forward.query_warpgroups, lambda *args: 3
                     launch_forward(q, k, v, bias, alibi, problem, opts, seed, fwd, tma=tma, gluon=True)
                     gluon_forward.query_warpgroups = rule
-            if tma and gluon_backward_wide.supports(problem, opts, dtype, bias, alibi, seed):
+            if (tma and gluon_backward_wide.supports(problem, opts, dtype, bias, alibi, seed)
+                    and not gluon_backward.supports(problem, opts, dtype, bias, alibi, seed)):
                 # Past a head dim of 128: dK and dV in tiles of 192 or 256, then dQ (the Gluon dQ kernel, or with
                 # dropout the Triton one); dense calls also at
                 # lengths that are no whole number of tiles (descriptors made by each program).
@@ -186,7 +201,7 @@ def main():
                 rule, groups_rule = gluon_backward.pairs, program.kv_head_groups
                 grouped = (False, True) if problem.dense and group > 1 else (False,)
                 try:
-                    pairable = gluon_common.tile_head_dim(D) == 64
+                    pairable = gluon_common.tile_head_dim(D) == 64 and not opts.deterministic  # (one block: DET)
                     for paired, groups in itertools.product((False, True) if pairable else (None,), grouped):
                         program.kv_head_groups = (lambda *args: 1) if groups else groups_rule
                         if paired is not None:

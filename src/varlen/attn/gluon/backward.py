@@ -33,7 +33,7 @@ program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; `
 Order: jagged sequences longest first; dense calls under a causal mask with few programs start every (head,
 sequence)'s first key block, the heaviest, before any second one (``program.blocks_last``). At D64 under a causal
 mask, where programs are many and sequences short, a program takes two key blocks, ``p`` and ``n - 1 - p``, whose
-work adds up alike (``PAIRS``, :func:`pairs`).
+work adds up alike (``PAIRS``, :func:`pairs`). Deterministic calls: a sequence's key blocks last first (``DET``).
 
 Dropout: each warpgroup draws its tile's keep bits before issuing the tile's products (``gluon/dropout.py``: 2
 Philox calls per thread, the mask of ``varlen.attn.dropout`` bit for bit) and puts them in Pᵀ's sign bits (-P
@@ -55,7 +55,9 @@ H16 D128: backward 1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stor
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
 (``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
-planes (not with dropout), non-deterministic (dQ by atomic reduce); :func:`applies` adds the machine (sm_90 with
+planes (not with dropout); deterministic calls under a causal-like mask without a left window or a bias (dQ's
+reduces into each query tile in a fixed order by a warp of their own, ``DET``: :func:`_dq_writer`); :func:`applies`
+adds the machine (sm_90 with
 Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a multiple of 8). It runs
 wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x;
 ``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
@@ -72,8 +74,19 @@ from ..._kernel_math import LOG2E
 from ..._launch import fast_launch
 from ...tiling import cdiv, sm_count
 from ..triton.launch import ensure_allocator
-from ..triton.masks import Mask, in_band, query_stages
-from ..triton.program import Rows, Seqs, base, batch, first_blocks_heaviest, key_block_grid, lse_offset, prologue, rows
+from ..triton.masks import Mask, in_band, key_blocks_after, query_stages
+from ..triton.program import (
+    BLOCKS_FIRST,
+    Rows,
+    Seqs,
+    base,
+    batch,
+    first_blocks_heaviest,
+    key_block_grid,
+    lse_offset,
+    prologue,
+    rows,
+)
 from ..triton.scores import Dropout
 from . import common
 from .common import (
@@ -157,6 +170,96 @@ if HAVE_GLUON:
         lanes = gl.arange(0, 128, layout=_WARPGROUP_LANES)
         gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
                                   is_pure=False, pack=1)
+
+    @gluon.jit
+    def _wait_turn(turn, target):
+        """(The dQ writer, ``DET``) Waits until ``*turn`` (an int32 that only grows) is at least ``target``: its first
+        lane reads it with acquire semantics at GPU scope until it is (the others skip the loop); then, after the
+        warp's barrier, every lane fences the async proxy, so that the bulk reduces it issues next come after the adds
+        the count stands for."""
+        lanes = gl.arange(0, 32, layout=_WARP_LANES)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p, q; .reg .b32 v; mov.b32 v, 0; setp.ne.u32 q, $3, 0; @q bra DONE; "
+            "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; DONE: mov.b32 $0, v; }",
+            "=r,l,r,r", [turn + lanes * 0, lanes * 0 + target, lanes], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
+        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pass_turn(turn, PENDING: gl.constexpr):
+        """(The dQ writer, ``DET``) Once its bulk reduces but the latest ``PENDING`` (those of the tile after) are
+        complete, their writes performed, adds 1 to ``*turn`` (their tile's count): a release at GPU scope by the
+        first lane, after the proxy fence and the warp's barrier."""
+        lanes = gl.arange(0, 32, layout=_WARP_LANES)
+        if PENDING == 0:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+        elif PENDING == 1:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.static_assert(PENDING == 2, "at most two reduces a tile")
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+        gl.thread_barrier()
+        gl.atomic_add(turn + lanes * 0, gl.full([32], 1, gl.int32, _WARP_LANES), mask=lanes == 0, sem="release",
+                      scope="gpu")
+
+    @gluon.jit
+    def _hand_dq(dq, dq_buf, dq_full, dq_empty, handed):
+        """(A key warpgroup, ``DET``) ``dq`` (fp32, scaled) into ``dq_buf`` for the dQ writer, once the writer has
+        read what this warpgroup handed it before (``handed``: how many times)."""
+        mbarrier.wait(dq_empty, (handed & 1) ^ 1)  # (a fresh barrier passes)
+        dq_buf.store(dq)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full)
+
+    @gluon.jit
+    def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, Lq, Lk, shift, R, q_row, hk, items: Items,
+                   D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr,
+                   DQC: gl.constexpr):
+        """(``DET``: one warp) Adds the key warpgroups' dQ tiles into the accumulator, each query tile's in a fixed
+        order across the sequence's key blocks: the last visiting block first (``masks.key_blocks_after``; a later
+        block starts its tiles two tiles earlier, so it reaches a tile first anyway, and the grid starts it first).
+        Per tile it waits until ``turns``' count for it (per head and query tile, ``n_q_tiles`` a head) says the blocks
+        after this one have added, issues the tile's reduces (lean: each warpgroup's half of the columns, else the
+        whole tile from the warpgroup whose turn it was), frees the buffers once read, and raises the count once the
+        reduces are complete: at the next tile's, so that one tile's are in flight while it waits for the next turn.
+        (FA3 writes dQ from a warp of its own too; done by the key warpgroups themselves, the waits and the release
+        cost 20-26% of the kernel: bench/NOTES.md, "dQ's adds in a fixed order".)"""
+        n0 = _item(items.n0, 0)
+        t_lo = _item(items.t_lo, 0)
+        n_tiles = _item(items.n_tiles, 0)
+        REDUCES: gl.constexpr = 2 if LEAN else 1
+        count = 0
+        prev = -1  # the count of the last tile's reduces, raised once they are complete
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            for j in range(n_tiles):
+                m0 = t_lo + j * BM
+                tile = h * n_q_tiles + m0 // BM
+                _wait_turn(turns + tile, key_blocks_after(n0, m0, Lq, Lk, shift, R, BM, BN))
+                if LEAN:
+                    for w in gl.static_range(2):
+                        mbarrier.wait(dq_full.index(w), count & 1)
+                        _tma_reduce_add(dq_desc, [q_row + m0, h * D + w * DQC], dq_smem.index(w))
+                    tma.store_wait(0)  # (read: the buffers are free)
+                    mbarrier.arrive(dq_empty.index(0))
+                    mbarrier.arrive(dq_empty.index(1))
+                else:
+                    w = count % 2
+                    mbarrier.wait(dq_full.index(w), (count // 2) & 1)
+                    _tma_reduce_add(dq_desc, [q_row + m0, h * D], dq_smem.index(w))
+                    tma.store_wait(0)
+                    mbarrier.arrive(dq_empty.index(w))
+                if prev >= 0:
+                    _pass_turn(turns + prev, REDUCES)
+                prev = tile
+                count += 1
+        if prev >= 0:
+            _pass_turn(turns + prev, 0)
 
     @gluon.jit
     def _raise_flag(flag):
@@ -332,11 +435,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem, kv_bar,
                        ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
-                       stored, storer, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
-                       offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
-                       DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, D: gl.constexpr,
-                       HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                       LEAN: gl.constexpr, DQC: gl.constexpr, WG: gl.constexpr):
+                       stored, storer, dq_full, dq_empty, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items,
+                       scale, qk_scale, seed, offset_lo, threshold, keep_scale, ITEMS: gl.constexpr,
+                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
+                       DB: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
+                       BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr, DET: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
@@ -351,7 +454,9 @@ if HAVE_GLUON:
         at batch coordinate ``dbias_b`` and head ``h dbias_h_step``. (Written by
         the threads themselves, read back from dSᵀ's shared tile into 16-byte stores or float32 reductions, it
         took the D128 backward to 205 TFLOP/s from 440 without a gradient, H100: the reductions held the memory
-        pipe the few spilled registers reload through; bench/NOTES.md.)"""
+        pipe the few spilled registers reload through; bench/NOTES.md.)
+        ``DET`` (deterministic mode): the warpgroup hands each dQ tile to the dQ writer (:func:`_dq_writer`) through
+        its dQ buffer (``dq_full`` / ``dq_empty``, this warpgroup's), which adds the tiles in a fixed order."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -372,6 +477,8 @@ if HAVE_GLUON:
         else:
             dq_scale = scale
         count = 0
+        gl.static_assert(not DET or (ITEMS == 1 and DB == 0 and HAS_R and not HAS_WL),
+                         "deterministic: one key block, no bias gradient, a causal-like mask (supports)")
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
@@ -528,9 +635,12 @@ if HAVE_GLUON:
                         # release may free it.)
                         mbarrier.arrive(empty.index(stage))
                         mbarrier.arrive(ds_free.index(buf))
-                        tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
-                        gl.thread_barrier()
-                        _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
+                        if DET:  # (the dQ writer adds it, in its turn)
+                            _hand_dq(dq * dq_scale, dq_smem.index(WG), dq_full.index(WG), dq_empty.index(WG), count)
+                        else:
+                            tma.store_wait(0)  # this warpgroup's last reduce has read dq_smem
+                            gl.thread_barrier()
+                            _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D + WG * DQC)
                     else:
                         # Done with the stage (release it). (Waited here, not under the branch below: a branch can't
                         # turn the asynchronous accumulators into plain tensors.)
@@ -548,7 +658,11 @@ if HAVE_GLUON:
                                                is_async=True)
                             dq = warpgroup_mma_wait(0, deps=(dq,))
                             mbarrier.arrive(ds_free.index(buf))
-                            _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
+                            if DET:  # (the dQ writer adds it, in its turn)
+                                _hand_dq(dq * dq_scale, dq_smem.index(WG), dq_full.index(WG), dq_empty.index(WG),
+                                         count // 2)
+                            else:
+                                _add_dq(dq * dq_scale, dq_smem.index(WG), dq_desc, q_row + m0, h * D)
                     count += 1
             # dK, dV through this warpgroup's rows of K and V in shared memory, clipped at Lk, once no reader is left:
             # the dQ of the last two tiles (taking turns: one per warpgroup; LEAN: both) reads all of K.
@@ -577,12 +691,12 @@ if HAVE_GLUON:
                        seqs: Seqs, total_q, total_k, max_q, max_k, ORDER, mask: Mask, scale, qk_scale,
                        dropout: Dropout, seed, offset_lo, QD, dOD, dQD, KD, VD, dKD, dVD, Bias, bias_sb, bias_sh,
                        bias_sq, bias_b_step, bias_h_step, BiasD, dBias, dbias_sb, dbias_sh, dbias_sq,
-                       dbias_b_step, dbias_h_step, dBiasD, Flags,
+                       dbias_b_step, dbias_h_step, dBiasD, Flags, Turns,
                        F: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr, HKV: gl.constexpr,
                        GROUP: gl.constexpr,
                        BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr,
                        GRID: gl.constexpr, HOST_DESCS: gl.constexpr, PAIRS: gl.constexpr,
-                       HOST_BIAS: gl.constexpr, DB: gl.constexpr):
+                       HOST_BIAS: gl.constexpr, DB: gl.constexpr, DET: gl.constexpr):
         """Grid ``(cdiv(max_k, BN), Hkv, B)``, or another order of :func:`program.key_block_grid` (``GRID``),
         its blocks axis halved (rounded up) with ``PAIRS``; tensors as
         ``triton.backward._bwd_kv_kernel``'s (dQ: the fp32 accumulator, head dim D), each with its heads packed in a
@@ -610,7 +724,12 @@ if HAVE_GLUON:
         its tile (``Flags``: one zeroed int32 per tile, raised once the store is complete), so that ``dBias`` needs
         no zeros and no add reads them from DRAM. (Its adds wait for programs that the grid orders before theirs,
         the first sequence's of the same key block and head, as FA3's deterministic backward relies on block order.)
-        Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads."""
+        ``DET`` (deterministic mode; one key block a program, no bias gradient, the grid's blocks reversed): dQ's
+        reduces into each query tile in a fixed order, the last visiting key block first, by a one-warp dQ writer
+        (:func:`_dq_writer`), counted in ``Turns``: a zeroed int32 per (sequence, head, query tile of BM),
+        :func:`turn_counts`.
+        Partitions: the default one and a worker are the two key warpgroups, a one-warp worker loads, and with ``DET``
+        another writes dQ."""
         dtype: gl.constexpr = Q.ptr.dtype.element_ty
         q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D], dtype)
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
@@ -624,7 +743,9 @@ if HAVE_GLUON:
 
         gl.static_assert(not (PAIRS and LEAN), "pairs of key blocks: D64 only (two K and V buffers)")
         bt = batch(seqs, total_q, total_k, max_q, max_k)
-        block, hk, seq, m = prologue(bt, mask, ORDER, F, False, F.VARLEN, GRID, HKV)
+        # (DET: a sequence's key blocks last first, each after the ones it waits for: blocks first, reversed.)
+        gl.static_assert(not DET or GRID == 0, "deterministic: the (blocks, kv heads, B) grid")
+        block, hk, seq, m = prologue(bt, mask, ORDER, F, DET, F.VARLEN, GRID, HKV)
         if PAIRS:
             n_blocks = (seq.Lk + BN - 1) // BN
             if 2 * block >= n_blocks:
@@ -691,6 +812,9 @@ if HAVE_GLUON:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         stored = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # (DB 3) per tile parity
+        # (DET) Each warpgroup's dQ buffer handed to the dQ writer, and given back once read (placeholders else).
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()) if DET else stored
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout()) if DET else stored
         for i in gl.static_range(ITEMS):
             mbarrier.init(kv_bar.index(i), count=1)
         for i in gl.static_range(2):
@@ -699,7 +823,13 @@ if HAVE_GLUON:
             mbarrier.init(ds_ready.index(i), count=2)  # both halves of dSᵀ written
             mbarrier.init(ds_free.index(i), count=2 if LEAN else 1)  # read by each dQ computing warpgroup
             mbarrier.init(stored.index(i), count=2)  # both warpgroups' gradient stores of a tile complete
+            if DET:
+                mbarrier.init(dq_full.index(i), count=1)
+                mbarrier.init(dq_empty.index(i), count=1)
 
+        # (DET) This sequence's counts of the reduces into each (head, query tile).
+        n_q_tiles = (max_q + BM - 1) // BM
+        turns = Turns + seq.b.to(gl.int64) * (H * n_q_tiles)
         # The query tiles that see each key block; the band, if any, is applied on those outside [u_lo, u_hi).
         first = query_stages(n0_first, seq.Lq, seq.Lk, m, F, BM, BN)
         second = query_stages(n0_second, seq.Lq, seq.Lk, m, F, BM, BN) if PAIRS else first
@@ -708,22 +838,48 @@ if HAVE_GLUON:
                       (first[1], second[1]), (first[2], second[2]))
         # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
         # into tensors.)
-        gl.warp_specialize([
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
-                              kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
-                              items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
-                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, 0)),
-            (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem,
-                              kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b,
-                              dbias_h_step, stored, storer, seq.b, seq.Lq, seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk,
-                              items, scale, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, ITEMS,
-                              F.HAS_R, F.HAS_WL, F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, 1)),
-            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
-                           lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
-                           seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored, storer, items, ITEMS,
-                           F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
-        ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
+        if DET:
+            gl.warp_specialize([
+                (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
+                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
+                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 0)),
+                (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
+                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
+                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 1)),
+                (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring,
+                               bias_ring, lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q,
+                               seq.b, seq.q_start, seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored,
+                               storer, items, ITEMS, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
+                # (its own warp: the waits for each tile's turn and the releases stay off the key warpgroups'
+                # path)
+                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, seq.Lq, seq.Lk, m.shift, m.R,
+                              q_row, hk, items, D, GROUP, BM, BN, LEAN, DQC)),
+            ], [4, 1, 1], [common.CONSUMER_REGS, common.LOADER_REGS, common.LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
+                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
+                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 0)),
+                (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
+                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
+                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
+                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 1)),
+                (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring,
+                               bias_ring, lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q,
+                               seq.b, seq.q_start, seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored,
+                               storer, items, ITEMS, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
+            ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
             mbarrier.invalidate(kv_bar.index(i))
         for i in gl.static_range(2):
@@ -732,14 +888,24 @@ if HAVE_GLUON:
             mbarrier.invalidate(ds_ready.index(i))
             mbarrier.invalidate(ds_free.index(i))
             mbarrier.invalidate(stored.index(i))
+            if DET:
+                mbarrier.invalidate(dq_full.index(i))
+                mbarrier.invalidate(dq_empty.index(i))
 
 
 def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` (fp16/bf16,
-    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed) with dQ by atomics (not
-    deterministic), in the lean form (:func:`lean`) with a nonzero scale; or the same with an additive bias
-    (:func:`takes_bias`) and no dropout."""
-    if opts.deterministic or not common.plain_call(problem, opts, dtype, None, alibi):
+    D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed), in the lean form
+    (:func:`lean`) with a nonzero scale; or the same with an additive bias (:func:`takes_bias`) and no dropout.
+    Deterministic calls too (``DET``: each query tile's dQ reduces in a fixed key block order, :func:`_dq_writer`)
+    under a causal-like mask without a left window (the order, last block first, is the one they reach a tile in),
+    without a bias (its gradient's staging shares the dQ buffers), on at most 65535 sequences (the grid's third
+    axis); without a mask every block starts at the first tile, and a fixed order queues them there (bench/NOTES.md,
+    "dQ's adds in a fixed order")."""
+    if not common.plain_call(problem, opts, dtype, None, alibi):
+        return False
+    if opts.deterministic and (opts.visible_right() < 0 or opts.window_left >= 0 or problem.batch > 65535
+                               or bias is not None):
         return False
     # The lean form's products start from -lse in units of S (lse / scale): no zero scale there (its weights would be
     # exp2(-inf x 0), NaN).
@@ -783,6 +949,11 @@ def tile_flags(problem, device) -> torch.Tensor:
     """The zeroed flags of ``DB`` 3: one int32 per (key block, head, query tile)."""
     return torch.zeros(cdiv(problem.max_k, BLOCK_N) * problem.heads * cdiv(problem.max_q, BLOCK_M), device=device,
                        dtype=torch.int32)
+
+
+def turn_counts(problem, device) -> torch.Tensor:
+    """The zeroed counts of ``DET``: one int32 per (sequence, head, query tile of BLOCK_M)."""
+    return torch.zeros(problem.batch * problem.heads * cdiv(problem.max_q, BLOCK_M), device=device, dtype=torch.int32)
 
 
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
@@ -871,7 +1042,7 @@ def pairs(problem, feats, total_k: int, device) -> bool:
 
 
 def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, order, mask, feats, scores,
-              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False) -> None:
+              dropout, bias=None, dbias=None, dbias_mode=0, adds_across_batch=False, deterministic=False) -> None:
     """Run the kernel: dK, dV written, dQ added into the fp32 ``dq_acc`` (head dim = the tile's, D, whatever the
     inputs': the kernel adds at ``h x D``; zeroed by the Triton backward's preprocess, which runs first); ``order``: the
     sequences longest first (``program.longest_first``); ``mask``, ``scores``: the call's ``Mask`` and
@@ -880,7 +1051,8 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     shape; None without one), written as ``dbias_mode`` says (1: stored, of the bias's dtype; 2: added, float32;
     3: float32, stored by the first sequence and added by the others, :func:`stores_first`: then ``dbias`` needs no
     zeros, and the tiles' flags are made here, :func:`tile_flags`); ``adds_across_batch``: sequences add into the same
-    gradient (``program.heads_last``)."""
+    gradient (``program.heads_last``); ``deterministic``: dQ's adds in a fixed order (``DET``; the counts made here,
+    :func:`turn_counts`; one key block a program, a sequence's key blocks started last first)."""
     tile_dim = common.tile_head_dim(problem.head_dim)
     if dq_acc.shape[-1] != tile_dim:  # (the accumulator's width is the Triton backward's head_block)
         raise ValueError(f"dq_acc: head dim {dq_acc.shape[-1]}, the kernel adds dQ in tiles of {tile_dim} columns")
@@ -890,13 +1062,17 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
     QD, dOD, dQD, KD, VD, dKD, dVD = descs or (None,) * 7
     dense = problem.dense
     blocks = cdiv(problem.max_k, BLOCK_N)
-    paired = pairs(problem, feats, problem.batch * problem.max_k if dense else k.shape[0], q.device)
+    paired = not deterministic and pairs(problem, feats, problem.batch * problem.max_k if dense else k.shape[0],
+                                         q.device)
     # (Paired blocks are alike in work under a causal mask: no heaviest-first order for them. GQA's groups of kv
     # heads still apply: with as many programs as pairs take, a group's are about the first wave that blocks first
     # would run, in another order.)
-    grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
-                                      0 if paired else PROGRAMS_PER_SM,
-                                      adds_across_batch=adds_across_batch, kv_groups=True)
+    if deterministic:  # (a sequence's key blocks start last first: DET)
+        grid, grid_order = (blocks, problem.kv_heads, problem.batch), BLOCKS_FIRST
+    else:
+        grid, grid_order = key_block_grid(problem, feats, cdiv(blocks, 2) if paired else blocks, q.device,
+                                          0 if paired else PROGRAMS_PER_SM,
+                                          adds_across_batch=adds_across_batch, kv_groups=True)
     _bwd_kv_hopper[grid](
         rows(q, dense), rows(k, dense), rows(v, dense), rows(dout, dense), rows(dq_acc, dense), rows(dk, dense),
         rows(dv, dense), lse2, delta, **seq_args, ORDER=order, mask=mask, scale=scores.scale,
@@ -905,7 +1081,9 @@ def launch_kv(q, k, v, dout, dq_acc, dk, dv, lse2, delta, problem, seq_args, ord
         BN=BLOCK_N, LEAN=lean(tile_dim), DQC=dq_columns(tile_dim), GRID=grid_order,
         HOST_DESCS=descs is not None, PAIRS=paired, **plane_arguments(problem, bias, "bias", q),
         **plane_arguments(problem, dbias, "dbias", q),
-        Flags=tile_flags(problem, q.device) if dbias_mode == 3 else lse2, HOST_BIAS=problem.dense, DB=dbias_mode,
+        Flags=tile_flags(problem, q.device) if dbias_mode == 3 else lse2,
+        Turns=turn_counts(problem, q.device) if deterministic else lse2, HOST_BIAS=problem.dense, DB=dbias_mode,
+        DET=deterministic,
         num_warps=NUM_WARPS, maxnreg=common.MAX_REGS,
     )
 

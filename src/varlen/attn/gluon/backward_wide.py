@@ -406,10 +406,11 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     """Whether the kernel computes this call (whatever the machine): a :func:`common.plain_call` in tiles of 192 or 256
     (``common.wide_tile_head_dims``: head dims 136-256, multiples of 8, Dv in them or in a tile of its own; dropout
     allowed), deterministic or not (it adds nothing), with a nonzero scale (the products start from -lse in units of
-    S, lse / scale). In tiles of 64 and 128, of the calls ``backward.py``'s kernel leaves (deterministic ones: it adds
-    dQ by atomics), those with a causal mask in tiles of 128 (D = Dv), where this kernel and the Gluon dQ kernel
-    measured faster than the Triton kernels (H100, D128 S4k and S16k causal 1.14x; without a mask 0.92x, at D64
-    0.88-0.95x: bench/NOTES.md, "Past 128 in the backward")."""
+    S, lse / scale). In tiles of 64 and 128, of the calls ``backward.py``'s kernel leaves (deterministic ones with a
+    left window: its ordered dQ adds need none), those with a causal mask in tiles of 128 (D = Dv), where this kernel
+    and the Gluon dQ kernel measured faster than the Triton kernels (H100, D128 S4k and S16k causal 1.14x; without a
+    mask 0.92x, at D64 0.88-0.95x: bench/NOTES.md, "Past 128 in the backward"). (Where both take a call,
+    ``backward.py``'s runs: ``triton.backward.launch_backward``.)"""
     tiles = common.wide_tile_head_dims(problem.head_dim, problem.head_dim_v)
     if tiles is None or opts.scale == 0:
         return False

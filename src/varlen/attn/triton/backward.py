@@ -417,14 +417,15 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
     common = dict(**seq_args, mask=mask_args(problem, opts, lse), scores=score_args(bias, alibi, opts, q),
                   **dropout_kwargs, F=feats)
     order = longest_first(problem, lse)
-    # The Gluon kernels: dK, dV and dQ (reduced into the accumulator) up to a tile head dim of 128; past it, and for
-    # deterministic causal calls at 128, dK and dV stored (``wide``), with dQ from its own Gluon kernel (``dq_gluon``),
-    # or with dropout from the dQ kernel below in the config's dQ tiles (every bf16/fp16 entry of the tables at 256
-    # has them).
-    wide = gluon and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    # The Gluon kernels: dK, dV and dQ (reduced into the accumulator, in a fixed order in deterministic mode) up to a
+    # tile head dim of 128; past it, and for deterministic causal calls with a left window at 128, dK and dV stored
+    # (``wide``), with dQ from its own Gluon kernel (``dq_gluon``), or with dropout from the dQ kernel below in the
+    # config's dQ tiles (every bf16/fp16 entry of the tables at 256 has them).
+    gluon_kv = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    wide = gluon and not gluon_kv and gluon_backward_wide.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     dq_gluon = wide and gluon_backward_dq.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
     wide = wide and (dq_gluon or config.q is not None)
-    gluon = gluon and gluon_backward.applies(problem, opts, q, k, v, dout, bias, alibi, seed)
+    gluon = gluon_kv
     dq_mode = DQ_TMA if gluon else DQ_SEPARATE if wide else config.dq_mode
 
     # The bias gradient: zeros first, since tiles outside the visible band are never visited (except where the Gluon
@@ -474,7 +475,7 @@ def launch_backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, s
                                  feats, common["scores"], dropout_kwargs, bias=bias,
                                  dbias=dbias_buf if db_mode != DBIAS_NONE else None,
                                  dbias_mode=GLUON_FIRST_STORES if first_stores else db_mode,
-                                 adds_across_batch=adds_across_batch)
+                                 adds_across_batch=adds_across_batch, deterministic=opts.deterministic)
     elif wide:
         gluon_backward_wide.launch_kv(q, k, v, dout, dk, dv, lse2, delta, problem, seq_args, order, common["mask"],
                                       feats, common["scores"], dropout_kwargs)
