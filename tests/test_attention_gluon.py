@@ -521,6 +521,20 @@ def test_deterministic_backward_with_dropout_biases_and_fp16_matches_reference(m
                     deterministic=True)
 
 
+def _repeated_grads(q, k, v, dout, runs, dropout_p, g, **opts):
+    """The gradients of ``q``, ``k`` and ``v``'s values from ``runs`` deterministic calls with ``opts``, each drawing
+    its dropout mask (with ``dropout_p``) from the same seed."""
+    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
+    grads = []
+    for _ in range(runs):
+        draws = _draws(0, g) if dropout_p else None
+        if draws is not None:
+            draws.manual_seed(7)
+        out = varlen.attention(q, k, v, deterministic=True, dropout_p=dropout_p, generator=draws, **opts)
+        grads.append(torch.autograd.grad(_values(out), leaves, dout))
+    return grads
+
+
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D,mask,dropout_p", [(64, "causal", 0.0), (64, "causal_bottom_right", 0.17),
                                               (128, "causal", 0.0), (128, "right_window", 0.17),
@@ -539,16 +553,7 @@ def test_deterministic_backward_repeats_bit_for_bit(monkeypatch, D, mask, dropou
     else:
         lengths = [4096, 1000, 17, 0, 2500]
         q, k, v = (varlen.jagged([rand(L, heads, D) for L in lengths]) for heads in (8, 2, 2))
-    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
-    dout = rand(*_values(q).shape)
-    grads = []
-    for _ in range(3):
-        draws = _draws(0, g) if dropout_p else None
-        if draws is not None:
-            draws.manual_seed(7)
-        out = varlen.attention(q, k, v, deterministic=True, dropout_p=dropout_p, generator=draws,
-                               **DETERMINISTIC_MASKS[mask])
-        grads.append(torch.autograd.grad(_values(out), leaves, dout))
+    grads = _repeated_grads(q, k, v, rand(*_values(q).shape), 3, dropout_p, g, **DETERMINISTIC_MASKS[mask])
     assert len(launches) == 3, "the Gluon backward did not take deterministic calls"
     for run in grads[1:]:
         for first, again in zip(grads[0], run, strict=True):
@@ -563,16 +568,8 @@ def test_deterministic_causal_window_backward_in_tiles_of_128_repeats_bit_for_bi
     dq_launches = record_calls(monkeypatch, gluon_backward_dq, "launch")
     g = torch.Generator().manual_seed(zlib.crc32(f"deterministic {D} {dropout_p}".encode()))
     q, k, v = (_to(t, "cuda", torch.bfloat16) for t in _inputs("jagged", torch.bfloat16, 8, 2, D, g))
-    leaves = [_values(t).requires_grad_() for t in (q, k, v)]
     dout = torch.randn(_values(q).shape, generator=g).to("cuda", torch.bfloat16)
-    grads = []
-    for _ in range(2):
-        draws = _draws(0, g) if dropout_p else None
-        if draws is not None:
-            draws.manual_seed(7)
-        out = varlen.attention(q, k, v, deterministic=True, dropout_p=dropout_p, generator=draws,
-                               **MASKS["causal_window"])
-        grads.append(torch.autograd.grad(_values(out), leaves, dout))
+    grads = _repeated_grads(q, k, v, dout, 2, dropout_p, g, **MASKS["causal_window"])
     assert len(launches) == 2 and len(dq_launches) == (0 if dropout_p else 2)
     for first, second in zip(*grads, strict=True):
         assert torch.equal(first, second)

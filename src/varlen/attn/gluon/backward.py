@@ -836,8 +836,8 @@ if HAVE_GLUON:
         items = Items(n_items, (n0_first, n0_second), (first[0], second[0]),
                       ((first[3] - first[0] + BM - 1) // BM, (second[3] - second[0] + BM - 1) // BM),
                       (first[1], second[1]), (first[2], second[2]))
-        # (The argument tuples are written out: a tuple assigned to a variable would turn its constexprs
-        # into tensors.)
+        # (The argument tuples are written out, in two calls, with the dQ writer and without: a tuple assigned to a
+        # variable would turn its constexprs into tensors.)
         if DET:
             gl.warp_specialize([
                 (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
