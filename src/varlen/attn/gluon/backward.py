@@ -151,23 +151,28 @@ if HAVE_GLUON:
     _WARP_LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 
     @gluon.jit
-    def _bulk_writes_done(PENDING: gl.constexpr):
-        """(A key warpgroup) Waits until at most ``PENDING`` (0 or 1) of the calling thread's latest bulk groups are
-        pending and every earlier one is complete, its writes performed (``tma.store_wait`` waits only for their
-        reads of shared memory); then fences the async proxy against the thread's later accesses."""
-        lanes = gl.arange(0, 128, layout=_WARPGROUP_LANES)
+    def _bulk_writes_done(PENDING: gl.constexpr, WARPS: gl.constexpr):
+        """(A key warpgroup, ``WARPS`` 4, or the dQ writer, 1) Waits until at most ``PENDING`` (0, 1 or 2) of the
+        calling thread's latest bulk groups are pending and every earlier one is complete, its writes performed
+        (``tma.store_wait`` waits only for their reads of shared memory); then fences the async proxy against the
+        thread's later accesses."""
+        lanes = gl.arange(0, 32 * WARPS, layout=_WARPGROUP_LANES if WARPS == 4 else _WARP_LANES)
         if PENDING == 0:
             gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
                                       "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
-        else:
+        elif PENDING == 1:
             gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
+                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.static_assert(PENDING == 2, "at most two bulk groups left pending")
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
                                       "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _async_after_generic():
-        """(A key warpgroup) Orders what the calling thread saw before (a tile made ready after its flag) before
-        its later bulk operations."""
-        lanes = gl.arange(0, 128, layout=_WARPGROUP_LANES)
+    def _async_after_generic(WARPS: gl.constexpr):
+        """(A key warpgroup, ``WARPS`` 4, or the dQ writer, 1) Orders what the calling thread saw before (a tile made
+        ready after its flag; a tile's turn) before its later bulk operations."""
+        lanes = gl.arange(0, 32 * WARPS, layout=_WARPGROUP_LANES if WARPS == 4 else _WARP_LANES)
         gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
                                   is_pure=False, pack=1)
 
@@ -183,25 +188,15 @@ if HAVE_GLUON:
             "SPIN: ld.acquire.gpu.global.b32 v, [$1]; setp.lt.s32 p, v, $2; @p bra SPIN; DONE: mov.b32 $0, v; }",
             "=r,l,r,r", [turn + lanes * 0, lanes * 0 + target, lanes], dtype=gl.int32, is_pure=False, pack=1)
         gl.thread_barrier()
-        gl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.b32 $0, $1;", "=r,r", [lanes], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _async_after_generic(1)
 
     @gluon.jit
     def _pass_turn(turn, PENDING: gl.constexpr):
         """(The dQ writer, ``DET``) Once its bulk reduces but the latest ``PENDING`` (those of the tile after) are
         complete, their writes performed, adds 1 to ``*turn`` (their tile's count): a release at GPU scope by the
         first lane, after the proxy fence and the warp's barrier."""
+        _bulk_writes_done(PENDING, 1)
         lanes = gl.arange(0, 32, layout=_WARP_LANES)
-        if PENDING == 0:
-            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
-                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
-        elif PENDING == 1:
-            gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
-                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            gl.static_assert(PENDING == 2, "at most two reduces a tile")
-            gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n\tfence.proxy.async.global;\n\tmov.b32 $0, $1;",
-                                      "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
         gl.thread_barrier()
         gl.atomic_add(turn + lanes * 0, gl.full([32], 1, gl.int32, _WARP_LANES), mask=lanes == 0, sem="release",
                       scope="gpu")
@@ -290,9 +285,9 @@ if HAVE_GLUON:
         two halves, from lanes of two warps: each issuing thread waits for its own, and the barrier puts both waits
         before the one thread's arrival (which Gluon's ``arrive`` does not sync for)."""
         if MORE and (LEAN or c % 2 == WG):
-            _bulk_writes_done(1)
+            _bulk_writes_done(1, 4)
         else:
-            _bulk_writes_done(0)
+            _bulk_writes_done(0, 4)
         gl.thread_barrier()
         mbarrier.arrive(stored.index(c % 2))
 
@@ -620,7 +615,7 @@ if HAVE_GLUON:
                             if storer:
                                 tma.async_copy_shared_to_global(dbias_desc, coord, box)
                             else:  # (the loader made the tile ready once the store was complete)
-                                _async_after_generic()
+                                _async_after_generic(4)
                                 _tma_reduce_add(dbias_desc, coord, box)
                     if LEAN:
                         # Every tile, both warpgroups: this warpgroup's DQC columns of the tile's dQ over all the
