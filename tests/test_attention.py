@@ -601,15 +601,15 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     # (no dropout in tiles past 128: their 64-key tiles are not the dropout tile's 128)
     dropout = gluon_forward.supports(problem, opts, torch.bfloat16, None, None, DropoutSeed(1, 0))
     assert dropout == (wide_tile in (64, 128))
-    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics, or in deterministic mode under a causal-like
-    # mask without a left window in a fixed order), or dK and dV stored in tiles of 192 and 256, and in tiles of 128 for
-    # deterministic causal calls (dQ by the Gluon dQ kernel, or with dropout by the Triton one: deterministic; where
-    # both kernels take a call, the first runs), both with dropout.
+    # The backward's kernels: tiles of 64 and 128 (dQ added by atomics, or in deterministic mode without a mask or
+    # under a causal-like one, no left window, in a fixed order), or dK and dV stored in tiles of 192 and 256, and in
+    # tiles of 128 for deterministic causal calls (dQ by the Gluon dQ kernel, or with dropout by the Triton one:
+    # deterministic; where both kernels take a call, the first runs), both with dropout.
     deterministic = AttentionOptions(scale=0.1, deterministic=True)
     causal = AttentionOptions(scale=0.1, deterministic=True, causal=True)
     left = AttentionOptions(scale=0.1, deterministic=True, causal=True, window_left=64)
     right = AttentionOptions(scale=0.1, deterministic=True, window_right=30)
-    for options, in_tiles in ((opts, tile is not None), (deterministic, False), (causal, tile is not None),
+    for options, in_tiles in ((opts, tile is not None), (deterministic, tile is not None), (causal, tile is not None),
                               (right, tile is not None), (left, False),
                               (dataclasses.replace(left, deterministic=False), tile is not None)):
         assert gluon_backward.supports(problem, options, torch.bfloat16, None, None, None) == in_tiles
@@ -624,6 +624,19 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     zero = AttentionOptions(scale=0.0)
     assert gluon_backward.supports(problem, zero, torch.bfloat16, None, None, None) == (tile == 64)
     assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
+
+
+@pytest.mark.parametrize("max_k,unmasked", [(1, False), (16383, False), (16384, True), (65536, True)])
+def test_gluon_backward_takes_deterministic_calls_without_a_mask_from_16k_keys(max_k, unmasked):
+    # Without a mask every key block of a sequence starts at the first query tile, and the ordered dQ adds make them
+    # wait for each other there: slower than the Triton kernels below 16k keys (gluon_backward.pays; bench/NOTES.md).
+    # Masked, or not deterministic, the kernel pays wherever it computes a call.
+    problem = Problem(1, 2, 2, 64, 64, 128, max_k, True)
+    deterministic = AttentionOptions(scale=0.1, deterministic=True)
+    assert gluon_backward.pays(problem, deterministic) == unmasked
+    for opts in (AttentionOptions(scale=0.1), AttentionOptions(scale=0.1, deterministic=True, causal=True),
+                 AttentionOptions(scale=0.1, deterministic=True, window_right=30)):
+        assert gluon_backward.pays(problem, opts)
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v,tiles", [
@@ -926,21 +939,22 @@ def _visits_kernel(visits, after, Lq, Lk, shift, R, F: tl.constexpr, N_TILES: tl
     for t in range(N_TILES):
         seen = (t * BLOCK_M >= t_lo) & (t * BLOCK_M < t_lo + n_tiles * BLOCK_M)
         tl.store(visits + k * N_TILES + t, seen.to(tl.int32))
-        tl.store(after + k * N_TILES + t, key_blocks_after(k * BLOCK_N, t * BLOCK_M, Lq, Lk, shift, R, BLOCK_M,
-                                                           BLOCK_N))
+        tl.store(after + k * N_TILES + t, key_blocks_after(k * BLOCK_N, t * BLOCK_M, Lq, Lk, shift, R, F.HAS_R,
+                                                           BLOCK_M, BLOCK_N))
 
 
 # (70, 300) with a right window of 30: key block 1's first visible row (98) lies in the last tile but past Lq.
 @pytest.mark.parametrize("lengths", [(1, 1), (17, 5), (64, 64), (300, 1000), (1000, 300), (129, 128), (700, 701),
                                      (1000, 1000), (5, 300), (70, 300), (100, 257)])
-@pytest.mark.parametrize("align,right", [("top_left", 0), ("bottom_right", 0), ("top_left", 30), ("bottom_right", 200)])
+@pytest.mark.parametrize("align,right", [("top_left", 0), ("bottom_right", 0), ("top_left", 30), ("bottom_right", 200),
+                                         ("top_left", None)])
 def test_key_blocks_after_counts_the_later_blocks_that_visit_a_tile(lengths, align, right):
-    # The Gluon backward's deterministic dQ adds (under a causal-like mask, no left window) come into each query tile
-    # last key block first, each block waiting until the count of its tile's reduces says every later block that
-    # visits the tile has added: masks.key_blocks_after must count exactly those (too many hangs the kernel, too few
-    # loses the order), for every tile a block visits as query_stages walks them.
+    # The Gluon backward's deterministic dQ adds (no mask, right None, or a causal-like one; no left window) come into
+    # each query tile last key block first, each block waiting until the count of its tile's reduces says every later
+    # block that visits the tile has added: masks.key_blocks_after must count exactly those (too many hangs the kernel,
+    # too few loses the order), for every tile a block visits as query_stages walks them.
     Lq, Lk = lengths
-    opts = AttentionOptions(scale=0.125, causal=right == 0, window_right=right if right else -1,
+    opts = AttentionOptions(scale=0.125, causal=right == 0, window_right=right or -1,
                             bottom_right=align == "bottom_right")
     problem = Problem(1, 1, 1, 64, 64, Lq, Lk, True)
     feats = features(problem, opts, None, None, None)

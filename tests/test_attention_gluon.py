@@ -483,8 +483,9 @@ def test_deterministic_causal_window_backward_in_tiles_of_128_matches_reference(
 @pytest.mark.parametrize("D,mask", [(64, "none"), (128, "none"), (64, "window_left"), (128, "window"),
                                     (64, "causal_window")])
 def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, D, mask):
-    # No mask or a left window, which backward.py's ordered dQ adds don't take, where the stored Gluon kernels
-    # measured slower than the Triton ones (bench/NOTES.md): D64, and D128 without a causal mask.
+    # No mask on sequences shorter than backward.py's DETERMINISTIC_UNMASKED_MIN_KEYS, where its ordered dQ adds run
+    # slower (gluon_backward.pays), and a left window, which they don't take, where the stored Gluon kernels measured
+    # slower than the Triton ones (bench/NOTES.md): D64, and D128 without a causal mask.
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     kv_launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     _check_backward(("triton", launches), torch.bfloat16, D, "jagged", 8, 2, mask, deterministic=True)
@@ -492,12 +493,34 @@ def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, 
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("mask", ["causal", "causal_bottom_right", "right_window"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_deterministic_backward_without_a_mask_takes_the_ordered_adds_from_16k_keys(monkeypatch, D):
+    # From 16k keys (gluon_backward.pays) the automatic routing runs backward.py's kernel without a mask, and three
+    # calls agree bit for bit; its gradients are checked against the reference on short sequences (the tests below,
+    # the same kernel).
+    launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
+    g = torch.Generator().manual_seed(zlib.crc32(f"unmasked deterministic {D}".encode()))
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+
+    q, k, v = (varlen.jagged([rand(L, heads, D) for L in (16384, 33)]) for heads in (4, 2, 2))
+    grads = _repeated_grads(q, k, v, rand(*_values(q).shape), 3, 0.0, g)
+    assert len(launches) == 3, "the Gluon backward did not take deterministic calls without a mask at 16k keys"
+    for run in grads[1:]:
+        for first, again in zip(grads[0], run, strict=True):
+            assert torch.equal(first, again)
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "right_window"])
 @pytest.mark.parametrize("layout", ["dense", "dense_tiles", "dense_batch", "jagged", "cross"])
 @pytest.mark.parametrize("D", [40, 64, 96, 128])
 def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
     # backward.py's kernel in deterministic mode (DET: each query tile's dQ adds in a fixed order, its last key block
-    # first), under causal-like masks, GQA 8/2.
+    # first), without a mask (also on short sequences, which pays() leaves to the Triton kernels) and under causal-like
+    # masks, GQA 8/2.
+    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, deterministic=True)
 
@@ -506,7 +529,8 @@ def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
 @pytest.mark.parametrize("case", [
     (torch.float16, "jagged", 4, "causal", 0.0, None), (torch.bfloat16, "dense", 4, "causal", 0.17, None),
     (torch.bfloat16, "jagged", 2, "causal", 0.17, None), (torch.bfloat16, "dense_batch", 4, "right_window", 0.17, None),
-    (torch.float16, "dense", 8, "causal_bottom_right", 0.0, None),
+    (torch.float16, "dense", 8, "causal_bottom_right", 0.0, None), (torch.bfloat16, "jagged", 4, "none", 0.17, None),
+    (torch.float16, "cross", 8, "none", 0.0, None),
     # (with a bias, the Triton kernels: the dQ writer shares the bias gradient's staging buffers)
     (torch.bfloat16, "dense_batch", 4, "causal", 0.0, "BHQK"), (torch.bfloat16, "jagged", 4, "causal", 0.0, "1HQK"),
 ])
@@ -515,6 +539,7 @@ def test_deterministic_backward_with_dropout_biases_and_fp16_matches_reference(m
     # (dtype, layout, kv heads of 8, mask, dropout, bias): DET beside dropout, MHA and GQA, in fp16; with a bias the
     # Triton kernels, a full bias's gradient stored and a broadcast one's recomputed (_bwd_dbias_kernel, fixed order).
     dtype, layout, kv_heads, mask, dropout_p, bias = case
+    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     kernel = "gluon" if bias is None else "triton"
     _check_backward((kernel, launches), dtype, D, layout, 8, kv_heads, mask, dropout_p=dropout_p, bias=bias,
@@ -538,10 +563,12 @@ def _repeated_grads(q, k, v, dout, runs, dropout_p, g, **opts):
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D,mask,dropout_p", [(64, "causal", 0.0), (64, "causal_bottom_right", 0.17),
                                               (128, "causal", 0.0), (128, "right_window", 0.17),
-                                              (96, "causal_bottom_right", 0.0)])
+                                              (96, "causal_bottom_right", 0.0), (64, "none", 0.0),
+                                              (128, "none", 0.17)])
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 def test_deterministic_backward_repeats_bit_for_bit(monkeypatch, D, mask, dropout_p, layout):
     # Many key blocks adding into each query tile (up to 32), run three times: the same bits each time.
+    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
     launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     g = torch.Generator().manual_seed(zlib.crc32(f"ordered dq {D} {mask} {dropout_p} {layout}".encode()))
 

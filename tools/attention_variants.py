@@ -10,7 +10,7 @@ tiles of 192 and the Gluon dK and dV kernel's of 256, beside the Triton kernels;
 query's, "D192v128" for multi-head latent attention's heads among them);
 dense, jagged and GQA; causal, window, prefix and document masks; bias (full and broadcast, with gradients),
 ALiBi + softcap, dropout (its key a host int, or in memory); deterministic mode (the Gluon backward's ordered dQ adds
-under causal and right-window masks, jagged, GQA, dropout; the Triton kernels without a mask or with a bias); TMA
+without a mask and under causal and right-window masks, jagged, GQA, dropout; the Triton kernels with a bias); TMA
 loads and pointer loads; and
 the Gluon forward and backward for every case they support (their "gluon forward ..." and "gluon ..." labels; at
 D64 the forward also with three query warpgroups, "gluon forward 3wg ...", and the backward with one key block
@@ -69,8 +69,8 @@ FEATURES = {
     "bias_deterministic": dict(bias="1HQK", deterministic=True),  # the recompute kernel _bwd_dbias_kernel
     "alibi_softcap": dict(alibi=True, softcap=20.0),
     "dropout": dict(dropout=0.1), "deterministic": dict(causal=True, deterministic=True),
-    # Deterministic calls in the Gluon backward (its ordered dQ adds, under causal-like masks) with a right window
-    # only and with dropout; without a mask or with a bias (its gradient stored), the Triton kernels.
+    # Deterministic calls in the Gluon backward (its ordered dQ adds, without a mask or under causal-like masks) with a
+    # right window only and with dropout; with a bias (its gradient stored), the Triton kernels.
     "deterministic_right": dict(window_right=30, deterministic=True),
     "deterministic_dropout": dict(dropout=0.1, causal=True, deterministic=True),
     "deterministic_plain": dict(deterministic=True),
@@ -89,9 +89,10 @@ CASES = [
       for name in ("plain", "causal", "bias_full", "bias_broadcast", "dropout", "positions")),
     # Deterministic calls jagged and with GQA, and at head dims below their tile's (the Gluon backward's DET).
     *((D, torch.bfloat16, "ieee", jagged, group, name) for D in (64, 128)
-      for jagged, group in ((True, 1), (True, 4), (False, 4)) for name in ("deterministic", "deterministic_right")),
+      for jagged, group in ((True, 1), (True, 4), (False, 4))
+      for name in ("deterministic", "deterministic_right", "deterministic_plain")),
     *((D, torch.bfloat16, "ieee", False, 1, name) for D in (40, 96)
-      for name in ("deterministic", "deterministic_right")),
+      for name in ("deterministic", "deterministic_right", "deterministic_plain")),
     # Dense GQA under a causal mask: the Gluon backward's grid in groups of kv heads (program.kv_head_groups).
     *((D, torch.bfloat16, "ieee", False, 4, "causal") for D in (64, 128)),
     # Dense GQA with a bias broadcast over sequences: the Gluon backward's first stores (gluon_backward.stores_first),

@@ -55,10 +55,10 @@ H16 D128: backward 1.34 -> 1.19 ms; ``bench/NOTES.md``, "The first sequence stor
 Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiples of 8 from 40 to 128 in those tiles
 (``common.tile_head_dim``: zeros read past the head), dense or jagged, no mask, causal (either
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
-planes (not with dropout); deterministic calls under a causal-like mask without a left window or a bias (dQ's
-reduces into each query tile in a fixed order by a warp of their own, ``DET``: :func:`_dq_writer`); :func:`applies`
-adds the machine (sm_90 with
-Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a multiple of 8). It runs
+planes (not with dropout); deterministic calls without a mask or under a causal-like one, without a left window or
+a bias (dQ's reduces into each query tile in a fixed order by a warp of their own, ``DET``: :func:`_dq_writer`);
+:func:`applies` adds the machine (sm_90 with Gluon), the layout (heads packed in a row, TMA-aligned; a bias's keys a
+multiple of 8) and where deterministic calls without a mask run faster here (:func:`pays`). It runs
 wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x;
 ``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
 variant it accepts, and run the Triton kernel on the same variants.
@@ -119,6 +119,12 @@ PROGRAMS_PER_SM = 8
 # this mean length: see pairs().
 PAIRS_PER_SM = PROGRAMS_PER_SM // 2
 PAIRS_MEAN_KEYS = 4096
+# Deterministic calls without a mask run here from this many keys (the longest sequence's), the Triton kernels below:
+# every key block starts at the first query tile, so a sequence's blocks reach each tile one after another. H100,
+# dense, B x S = 16k or 32k tokens, backward TFLOP/s, this kernel / Triton's: D64 S2k 246 / 273, S4k 276 / 291, S8k
+# 306 / 297, S16k 366 / 310, S32k 372 / 302; D128 S2k 330 / 362, S4k 365 / 391, S8k 398 / 414, S16k 451 / 422, S32k
+# 464 / 423 (bench/NOTES.md, "Deterministic calls without a mask").
+DETERMINISTIC_UNMASKED_MIN_KEYS = 16384
 # The bias's and its gradient's strides: data-dependent for a jagged batch's (1, H, max_q, max_k) bias.
 BIAS_STRIDES = ["bias_sb", "bias_sh", "bias_sq", "dbias_sb", "dbias_sh", "dbias_sq"]
 
@@ -213,8 +219,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, Lq, Lk, shift, R, q_row, hk, items: Items,
-                   D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, LEAN: gl.constexpr,
-                   DQC: gl.constexpr):
+                   HAS_R: gl.constexpr, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   LEAN: gl.constexpr, DQC: gl.constexpr):
         """(``DET``: one warp) Adds the key warpgroups' dQ tiles into the accumulator, each query tile's in a fixed
         order across the sequence's key blocks: the last visiting block first (``masks.key_blocks_after``; a later
         block starts its tiles two tiles earlier, so it reaches a tile first anyway, and the grid starts it first).
@@ -235,7 +241,7 @@ if HAVE_GLUON:
             for j in range(n_tiles):
                 m0 = t_lo + j * BM
                 tile = h * n_q_tiles + m0 // BM
-                _wait_turn(turns + tile, key_blocks_after(n0, m0, Lq, Lk, shift, R, BM, BN))
+                _wait_turn(turns + tile, key_blocks_after(n0, m0, Lq, Lk, shift, R, HAS_R, BM, BN))
                 if LEAN:
                     for w in gl.static_range(2):
                         mbarrier.wait(dq_full.index(w), count & 1)
@@ -472,8 +478,8 @@ if HAVE_GLUON:
         else:
             dq_scale = scale
         count = 0
-        gl.static_assert(not DET or (ITEMS == 1 and DB == 0 and HAS_R and not HAS_WL),
-                         "deterministic: one key block, no bias gradient, a causal-like mask (supports)")
+        gl.static_assert(not DET or (ITEMS == 1 and DB == 0 and not HAS_WL),
+                         "deterministic: one key block, no bias gradient, no left window (supports)")
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
@@ -854,7 +860,7 @@ if HAVE_GLUON:
                 # (its own warp: the waits for each tile's turn and the releases stay off the key warpgroups'
                 # path)
                 (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, seq.Lq, seq.Lk, m.shift, m.R,
-                              q_row, hk, items, D, GROUP, BM, BN, LEAN, DQC)),
+                              q_row, hk, items, F.HAS_R, D, GROUP, BM, BN, LEAN, DQC)),
             ], [4, 1, 1], [common.CONSUMER_REGS, common.LOADER_REGS, common.LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -893,14 +899,12 @@ def supports(problem, opts, dtype, bias, alibi, seed) -> bool:
     D = Dv with a ``common.tile_head_dim``, no score modifier or special mask; dropout allowed), in the lean form
     (:func:`lean`) with a nonzero scale; or the same with an additive bias (:func:`takes_bias`) and no dropout.
     Deterministic calls too (``DET``: each query tile's dQ reduces in a fixed key block order, :func:`_dq_writer`)
-    under a causal-like mask without a left window (the order, last block first, is the one they reach a tile in),
-    without a bias (its gradient's staging shares the dQ buffers), on at most 65535 sequences (the grid's third
-    axis); without a mask every block starts at the first tile, and a fixed order queues them there (bench/NOTES.md,
-    "dQ's adds in a fixed order")."""
+    without a mask or under a causal-like one (the order, last block first, is the one they reach a tile in under a
+    causal mask), without a left window, without a bias (its gradient's staging shares the dQ buffers), on at most
+    65535 sequences (the grid's third axis)."""
     if not common.plain_call(problem, opts, dtype, None, alibi):
         return False
-    if opts.deterministic and (opts.visible_right() < 0 or opts.window_left >= 0 or problem.batch > 65535
-                               or bias is not None):
+    if opts.deterministic and (opts.window_left >= 0 or problem.batch > 65535 or bias is not None):
         return False
     # The lean form's products start from -lse in units of S (lse / scale): no zero scale there (its weights would be
     # exp2(-inf x 0), NaN).
@@ -951,10 +955,17 @@ def turn_counts(problem, device) -> torch.Tensor:
     return torch.zeros(problem.batch * problem.heads * cdiv(problem.max_q, BLOCK_M), device=device, dtype=torch.int32)
 
 
+def pays(problem, opts) -> bool:
+    """Whether the kernel runs a call it supports faster than the Triton kernels: all but deterministic calls without
+    a mask on sequences of fewer than ``DETERMINISTIC_UNMASKED_MIN_KEYS`` keys (there a fixed order makes a sequence's
+    key blocks wait for each other at every query tile, all of them starting at the first)."""
+    return not (opts.deterministic and opts.visible_right() < 0 and problem.max_k < DETERMINISTIC_UNMASKED_MIN_KEYS)
+
+
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
-    """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
-    with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
-    return (supports(problem, opts, q.dtype, bias, alibi, seed)
+    """Whether the kernel takes this call here: :func:`supports` and :func:`pays`, on an sm_90 GPU with Gluon, every
+    tensor with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
+    return (supports(problem, opts, q.dtype, bias, alibi, seed) and pays(problem, opts)
             and common.hopper_layout(q, k, v, dout) and (bias is None or bias_aligned(bias)))
 
 

@@ -146,14 +146,17 @@ def key_stages(m0, Lq, Lk, m: SeqMask, F: tl.constexpr, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def key_blocks_after(n0, m0, Lq, Lk, shift, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Under a causal-like mask (a right band, no left window, no prefix or documents), how many key blocks after the
-    one at ``n0`` visit the query tile at ``m0`` (one that block visits): those whose first key a row of the tile sees.
-    Block ``k`` visits the tiles from that of its first visible row, ``max(0, k BLOCK_N - shift - R)``, where that row
-    is below ``Lq`` (:func:`query_stages`), so the tile's last block is the last ``k`` whose ``k BLOCK_N - shift - R``
-    is at most the tile's last row below ``Lq``. (The Gluon backward's deterministic dQ adds: their order.)"""
-    last_row = tl.minimum(Lq - 1, m0 + BLOCK_M - 1)
-    last = tl.minimum((Lk + BLOCK_N - 1) // BLOCK_N - 1, (last_row + shift + R) // BLOCK_N)
+def key_blocks_after(n0, m0, Lq, Lk, shift, R, HAS_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Under no mask or a causal-like one (a right band, ``HAS_R``; no left window, prefix or documents), how many key
+    blocks after the one at ``n0`` visit the query tile at ``m0`` (one that block visits): those whose first key a row
+    of the tile sees. Without a band every block visits every tile. With one, block ``k`` visits the tiles from that of
+    its first visible row, ``max(0, k BLOCK_N - shift - R)``, where that row is below ``Lq`` (:func:`query_stages`), so
+    the tile's last block is the last ``k`` whose ``k BLOCK_N - shift - R`` is at most the tile's last row below
+    ``Lq``. (The Gluon backward's deterministic dQ adds: their order.)"""
+    last = (Lk + BLOCK_N - 1) // BLOCK_N - 1
+    if HAS_R:
+        last_row = tl.minimum(Lq - 1, m0 + BLOCK_M - 1)
+        last = tl.minimum(last, (last_row + shift + R) // BLOCK_N)
     return last - n0 // BLOCK_N
 
 
