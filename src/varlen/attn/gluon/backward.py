@@ -120,10 +120,11 @@ PROGRAMS_PER_SM = 8
 PAIRS_PER_SM = PROGRAMS_PER_SM // 2
 PAIRS_MEAN_KEYS = 4096
 # Deterministic calls without a mask run here from this many keys (the longest sequence's), the Triton kernels below:
-# every key block starts at the first query tile, so a sequence's blocks reach each tile one after another. H100,
-# dense, B x S = 16k or 32k tokens, backward TFLOP/s, this kernel / Triton's: D64 S2k 246 / 273, S4k 276 / 291, S8k
+# every key block starts at the first query tile, so a sequence's blocks reach each tile one after another. Dense,
+# B x S = 16k or 32k tokens, backward TFLOP/s, this kernel / Triton's, H100: D64 S2k 246 / 273, S4k 276 / 291, S8k
 # 306 / 297, S16k 366 / 310, S32k 372 / 302; D128 S2k 330 / 362, S4k 365 / 391, S8k 398 / 414, S16k 451 / 422, S32k
-# 464 / 423 (bench/NOTES.md, "Deterministic calls without a mask").
+# 464 / 423. H200: D64 S4k 272 / 298, S8k 306 / 305, S12k 330 / 302, S16k 370 / 309; D128 S4k 373 / 393, S8k 414 /
+# 418, S12k 435 / 423, S16k 473 / 425 (bench/NOTES.md, "Deterministic calls without a mask").
 DETERMINISTIC_UNMASKED_MIN_KEYS = 16384
 # The bias's and its gradient's strides: data-dependent for a jagged batch's (1, H, max_q, max_k) bias.
 BIAS_STRIDES = ["bias_sb", "bias_sh", "bias_sq", "dbias_sb", "dbias_sh", "dbias_sq"]
