@@ -626,19 +626,6 @@ def test_gluon_kernels_compute_a_head_dim_in_the_tile_that_holds_it(head_dim, ti
     assert not gluon_backward_wide.supports(problem, zero, torch.bfloat16, None, None, None)
 
 
-@pytest.mark.parametrize("max_k,unmasked", [(1, False), (16383, False), (16384, True), (65536, True)])
-def test_gluon_backward_takes_deterministic_calls_without_a_mask_from_16k_keys(max_k, unmasked):
-    # Without a mask every key block of a sequence starts at the first query tile, and the ordered dQ adds make them
-    # wait for each other there: slower than the Triton kernels below 16k keys (gluon_backward.pays; bench/NOTES.md).
-    # Masked, or not deterministic, the kernel pays wherever it computes a call.
-    problem = Problem(1, 2, 2, 64, 64, 128, max_k, True)
-    deterministic = AttentionOptions(scale=0.1, deterministic=True)
-    assert gluon_backward.pays(problem, deterministic) == unmasked
-    for opts in (AttentionOptions(scale=0.1), AttentionOptions(scale=0.1, deterministic=True, causal=True),
-                 AttentionOptions(scale=0.1, deterministic=True, window_right=30)):
-        assert gluon_backward.pays(problem, opts)
-
-
 @pytest.mark.parametrize("head_dim,head_dim_v,tiles", [
     (192, 128, (192, 128)), (256, 128, (256, 128)), (136, 96, (192, 128)), (200, 40, (256, 64)), (128, 64, (128, 64)),
     (64, 128, (64, 128)), (96, 80, (128, 128)), (192, 192, (192, 192)), (192, 256, None), (128, 192, None),

@@ -480,12 +480,10 @@ def test_deterministic_causal_window_backward_in_tiles_of_128_matches_reference(
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
-@pytest.mark.parametrize("D,mask", [(64, "none"), (128, "none"), (64, "window_left"), (128, "window"),
-                                    (64, "causal_window")])
+@pytest.mark.parametrize("D,mask", [(64, "window_left"), (128, "window"), (64, "causal_window")])
 def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, D, mask):
-    # No mask on sequences shorter than backward.py's DETERMINISTIC_UNMASKED_MIN_KEYS, where its ordered dQ adds run
-    # slower (gluon_backward.pays), and a left window, which they don't take, where the stored Gluon kernels measured
-    # slower than the Triton ones (bench/NOTES.md): D64, and D128 without a causal mask.
+    # A left window, which backward.py's ordered dQ adds don't take, where the stored Gluon kernels measured slower
+    # than the Triton ones (bench/NOTES.md): D64, and D128 without a causal mask.
     launches = _route(monkeypatch, gluon_backward_wide, "launch_kv", "launch_backward", True)
     kv_launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     _check_backward(("triton", launches), torch.bfloat16, D, "jagged", 8, 2, mask, deterministic=True)
@@ -494,10 +492,9 @@ def test_deterministic_backward_elsewhere_keeps_the_triton_kernels(monkeypatch, 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("D", [64, 128])
-def test_deterministic_backward_without_a_mask_takes_the_ordered_adds_from_16k_keys(monkeypatch, D):
-    # From 16k keys (gluon_backward.pays) the automatic routing runs backward.py's kernel without a mask, and three
-    # calls agree bit for bit; its gradients are checked against the reference on short sequences (the tests below,
-    # the same kernel).
+def test_deterministic_backward_without_a_mask_repeats_bit_for_bit_at_16k_keys(monkeypatch, D):
+    # Without a mask each query tile of a 16k-key sequence takes 128 key blocks' adds, each block waiting for the one
+    # after it (the whole sequence in one chain): three calls agree bit for bit (the reference: the tests below).
     launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     g = torch.Generator().manual_seed(zlib.crc32(f"unmasked deterministic {D}".encode()))
 
@@ -506,7 +503,7 @@ def test_deterministic_backward_without_a_mask_takes_the_ordered_adds_from_16k_k
 
     q, k, v = (varlen.jagged([rand(L, heads, D) for L in (16384, 33)]) for heads in (4, 2, 2))
     grads = _repeated_grads(q, k, v, rand(*_values(q).shape), 3, 0.0, g)
-    assert len(launches) == 3, "the Gluon backward did not take deterministic calls without a mask at 16k keys"
+    assert len(launches) == 3, "the Gluon backward did not take deterministic calls without a mask"
     for run in grads[1:]:
         for first, again in zip(grads[0], run, strict=True):
             assert torch.equal(first, again)
@@ -518,9 +515,7 @@ def test_deterministic_backward_without_a_mask_takes_the_ordered_adds_from_16k_k
 @pytest.mark.parametrize("D", [40, 64, 96, 128])
 def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
     # backward.py's kernel in deterministic mode (DET: each query tile's dQ adds in a fixed order, its last key block
-    # first), without a mask (also on short sequences, which pays() leaves to the Triton kernels) and under causal-like
-    # masks, GQA 8/2.
-    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
+    # first), without a mask and under causal-like masks, GQA 8/2.
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     _check_backward(("gluon", launches), torch.bfloat16, D, layout, 8, 2, mask, deterministic=True)
 
@@ -539,7 +534,6 @@ def test_deterministic_backward_with_dropout_biases_and_fp16_matches_reference(m
     # (dtype, layout, kv heads of 8, mask, dropout, bias): DET beside dropout, MHA and GQA, in fp16; with a bias the
     # Triton kernels, a full bias's gradient stored and a broadcast one's recomputed (_bwd_dbias_kernel, fixed order).
     dtype, layout, kv_heads, mask, dropout_p, bias = case
-    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     kernel = "gluon" if bias is None else "triton"
     _check_backward((kernel, launches), dtype, D, layout, 8, kv_heads, mask, dropout_p=dropout_p, bias=bias,
@@ -568,7 +562,6 @@ def _repeated_grads(q, k, v, dout, runs, dropout_p, g, **opts):
 @pytest.mark.parametrize("layout", ["dense", "jagged"])
 def test_deterministic_backward_repeats_bit_for_bit(monkeypatch, D, mask, dropout_p, layout):
     # Many key blocks adding into each query tile (up to 32), run three times: the same bits each time.
-    monkeypatch.setattr(gluon_backward, "DETERMINISTIC_UNMASKED_MIN_KEYS", 0)
     launches = record_calls(monkeypatch, gluon_backward, "launch_kv")
     g = torch.Generator().manual_seed(zlib.crc32(f"ordered dq {D} {mask} {dropout_p} {layout}".encode()))
 

@@ -57,11 +57,10 @@ Scope (:func:`supports`): fp16/bf16, head dims 64 and 128 (Dv = D), and multiple
 alignment) or windows, GQA, dropout (not with ``query_offset``), a bias of the inputs' dtype over whole (query, key)
 planes (not with dropout); deterministic calls without a mask or under a causal-like one, without a left window or
 a bias (dQ's reduces into each query tile in a fixed order by a warp of their own, ``DET``: :func:`_dq_writer`);
-:func:`applies` adds the machine (sm_90 with Gluon), the layout (heads packed in a row, TMA-aligned; a bias's keys a
-multiple of 8) and where deterministic calls without a mask run faster here (:func:`pays`). It runs
-wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one (D64 S1k, 0.98-1.0x;
-``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU tests cover every
-variant it accepts, and run the Triton kernel on the same variants.
+:func:`applies` adds the machine (sm_90 with Gluon) and the layout (heads packed in a row, TMA-aligned; a bias's keys a
+multiple of 8). It runs wherever it applies: on an H100 it leads the Triton kernel at every measured shape but one
+(D64 S1k, 0.98-1.0x; ``bench/NOTES.md``). It needs an sm_90 GPU (Gluon doesn't run in the interpreter); the GPU
+tests cover every variant it accepts, and run the Triton kernel on the same variants.
 """
 
 from __future__ import annotations
@@ -119,13 +118,6 @@ PROGRAMS_PER_SM = 8
 # this mean length: see pairs().
 PAIRS_PER_SM = PROGRAMS_PER_SM // 2
 PAIRS_MEAN_KEYS = 4096
-# Deterministic calls without a mask run here from this many keys (the longest sequence's), the Triton kernels below:
-# every key block starts at the first query tile, so a sequence's blocks reach each tile one after another. Dense,
-# B x S = 16k or 32k tokens, backward TFLOP/s, this kernel / Triton's, H100: D64 S2k 246 / 273, S4k 276 / 291, S8k
-# 306 / 297, S16k 366 / 310, S32k 372 / 302; D128 S2k 330 / 362, S4k 365 / 391, S8k 398 / 414, S16k 451 / 422, S32k
-# 464 / 423. H200: D64 S4k 272 / 298, S8k 306 / 305, S12k 330 / 302, S16k 370 / 309; D128 S4k 373 / 393, S8k 414 /
-# 418, S12k 435 / 423, S16k 473 / 425 (bench/NOTES.md, "Deterministic calls without a mask").
-DETERMINISTIC_UNMASKED_MIN_KEYS = 16384
 # The bias's and its gradient's strides: data-dependent for a jagged batch's (1, H, max_q, max_k) bias.
 BIAS_STRIDES = ["bias_sb", "bias_sh", "bias_sq", "dbias_sb", "dbias_sh", "dbias_sq"]
 
@@ -228,7 +220,11 @@ if HAVE_GLUON:
         Per tile it waits until ``turns``' count for it (per head and query tile, ``n_q_tiles`` a head) says the blocks
         after this one have added, issues the tile's reduces (lean: each warpgroup's half of the columns, else the
         whole tile from the warpgroup whose turn it was), frees the buffers once read, and raises the count once the
-        reduces are complete: at the next tile's, so that one tile's are in flight while it waits for the next turn.
+        reduces are complete: under a band (``HAS_R``) at the next tile's, so that one tile's are in flight while it
+        waits for the next turn (a later block reaches a tile two tiles earlier anyway); without one at once, since
+        every block of a sequence starts at the first tile behind the block after it, and a count raised a tile late
+        holds each block a tile behind the next, which adds up along the sequence (bench/NOTES.md, "Deterministic
+        calls without a mask": +15-20%).
         (FA3 writes dQ from a warp of its own too; done by the key warpgroups themselves, the waits and the release
         cost 20-26% of the kernel: bench/NOTES.md, "dQ's adds in a fixed order".)"""
         n0 = _item(items.n0, 0)
@@ -256,11 +252,13 @@ if HAVE_GLUON:
                     _tma_reduce_add(dq_desc, [q_row + m0, h * D], dq_smem.index(w))
                     tma.store_wait(0)
                     mbarrier.arrive(dq_empty.index(w))
-                if prev >= 0:
+                if not HAS_R:
+                    _pass_turn(turns + tile, 0)
+                elif prev >= 0:
                     _pass_turn(turns + prev, REDUCES)
                 prev = tile
                 count += 1
-        if prev >= 0:
+        if HAS_R and prev >= 0:
             _pass_turn(turns + prev, 0)
 
     @gluon.jit
@@ -956,17 +954,10 @@ def turn_counts(problem, device) -> torch.Tensor:
     return torch.zeros(problem.batch * problem.heads * cdiv(problem.max_q, BLOCK_M), device=device, dtype=torch.int32)
 
 
-def pays(problem, opts) -> bool:
-    """Whether the kernel runs a call it supports faster than the Triton kernels: all but deterministic calls without
-    a mask on sequences of fewer than ``DETERMINISTIC_UNMASKED_MIN_KEYS`` keys (there a fixed order makes a sequence's
-    key blocks wait for each other at every query tile, all of them starting at the first)."""
-    return not (opts.deterministic and opts.visible_right() < 0 and problem.max_k < DETERMINISTIC_UNMASKED_MIN_KEYS)
-
-
 def applies(problem, opts, q, k, v, dout, bias, alibi, seed) -> bool:
-    """Whether the kernel takes this call here: :func:`supports` and :func:`pays`, on an sm_90 GPU with Gluon, every
-    tensor with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
-    return (supports(problem, opts, q.dtype, bias, alibi, seed) and pays(problem, opts)
+    """Whether the kernel takes this call here: :func:`supports`, on an sm_90 GPU with Gluon, every tensor
+    with its heads packed in a row and TMA-aligned (a bias: :func:`bias_aligned`)."""
+    return (supports(problem, opts, q.dtype, bias, alibi, seed)
             and common.hopper_layout(q, k, v, dout) and (bias is None or bias_aligned(bias)))
 
 
