@@ -256,7 +256,7 @@ if HAVE_GLUON:
                     _pass_turn(turns + tile, 0)
                 elif prev >= 0:
                     _pass_turn(turns + prev, REDUCES)
-                prev = tile
+                prev = tile  # (set without a band too: where the loop didn't carry it, Triton 3.6's lowering failed)
                 count += 1
         if HAS_R and prev >= 0:
             _pass_turn(turns + prev, 0)
