@@ -222,6 +222,8 @@ def test_gpu_kept_kernels_launch_without_triton_and_new_specializations_compile(
     from triton.runtime.jit import JITFunction
 
     swiglu = importlib.import_module("varlen.ops.swiglu")  # (the package's ``swiglu`` is the function)
+    # (Other tests in this process, test_compile's, keep kernels of their own shapes: start from none kept.)
+    monkeypatch.setattr(swiglu._swiglu_fwd_kernel, "_kept", {})
 
     slow = []
     run = JITFunction.run
