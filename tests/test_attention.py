@@ -117,6 +117,8 @@ EMPTY_ROW_CASES = [
     AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16, grad_lse=True),
     AttnCase(False, (19, 19), (6, 6), 4, 1, 16, 16, causal=True, align="bottom_right", grad_lse=True),
     AttnCase(False, (17,), None, 2, 2, 16, 16, bias="bool"),
+    # (more queries than keys: a hidden row past the last key still sees none; the fused CPU path's check)
+    AttnCase(False, (9,), (4,), 2, 2, 16, 16, causal=True, bias="bool"),
     AttnCase(True, (0, 1, 17, 9), (4, 0, 3, 9), 2, 2, 16, 16, window=(1, 1), align="bottom_right",
              dropout_p=0.5),
 ]

@@ -196,8 +196,9 @@ def _sees_a_key(mask: torch.Tensor, causal: bool, shape) -> torch.Tensor:
     finite = mask > float("-inf")
     if not causal:
         return finite.any(dim=-1).expand(shape)
-    # Query i sees keys j <= i: it sees one iff the mask's first finite column is at most i.
-    first = torch.where(finite.any(dim=-1), finite.to(torch.uint8).argmax(dim=-1), finite.shape[-1])
+    # Query i sees keys j <= i: it sees one iff the mask's first finite column is at most i. A row with none gets
+    # the query count, which no query index reaches (the key count would, for queries past the last key).
+    first = torch.where(finite.any(dim=-1), finite.to(torch.uint8).argmax(dim=-1), shape[-1])
     return (first <= torch.arange(shape[-1])).expand(shape)
 
 
