@@ -89,8 +89,8 @@ def attention(
             at key position ``query_offset[b] + i`` (shift = query_offset[b]) for the masks, ALiBi and the
             dropout mask's rows. For queries that are a slice of a longer sequence whose keys are all given
             (chunked prefill, context parallelism): the result is that slice's rows of the whole.
-        return_lse: also return the logsumexp of the scores (natural log, float32): ``(B, H, Sq)``
-            dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
+        return_lse: also return the logsumexp of the scores (natural log; float32, float64 for float64 inputs):
+            ``(B, H, Sq)`` dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``; None (the
             default) takes the choice of the enclosing ``varlen.use_backend`` block, ``"auto"`` outside one.
             What each backend runs is declared in its ``CAPABILITIES`` (``varlen.capabilities``); asking
