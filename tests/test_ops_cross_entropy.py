@@ -116,6 +116,23 @@ def test_strided_logits_and_int32_targets():
     assert_close(got, F.cross_entropy(logits.double(), targets.long()))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["column", "expanded"])
+def test_targets_of_any_stride(backend, layout):
+    """int64 targets that are a column of a wider tensor or one index expanded to every row: the kernels read them as
+    they are meant (they read targets[row] at stride 1, so the launchers make them contiguous; an expanded index was
+    read past its one element)."""
+    logits = (3 * torch.randn(6, 5, device=DEVICE, dtype=torch.float64)).requires_grad_(True)
+    pairs = torch.tensor([[1, 4], [2, 0], [3, 1], [0, 2], [4, 3], [1, 1]], device=DEVICE)
+    targets = {"column": pairs[:, 0], "expanded": torch.tensor(3, device=DEVICE).expand(6)}[layout]
+    assert not targets.is_contiguous() and targets.dtype == torch.int64
+    got = varlen.cross_entropy(logits, targets, reduction="none", backend=backend)
+    ref = F.cross_entropy(logits, targets, reduction="none")
+    assert_close(got, ref)
+    g = torch.randn(6, device=DEVICE, dtype=torch.float64)
+    assert_close(torch.autograd.grad(got, logits, g)[0], torch.autograd.grad(ref, logits, g)[0])
+
+
 @pytest.mark.parametrize("call, error, message", [
     pytest.param(lambda: varlen.cross_entropy(torch.randn(3, 4), torch.tensor([0.0, 1.0, 2.0])), TypeError,
                  "targets: expected integer class indices, got dtype torch.float32", id="float-targets"),

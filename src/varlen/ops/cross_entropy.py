@@ -105,6 +105,7 @@ def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int)
     """Per-row losses, maxima and logs of the sums of exponentials (float32; float64 for float64) of ``logits``
     ``(N, V)`` (unit column stride)."""
     _check_rows(logits, targets=targets)
+    targets = targets.contiguous()  # (the kernel reads targets[row] at stride 1: a column or an expanded index isn't)
     n_rows, n_cols = logits.shape
     out_dtype = accumulate_dtype(logits.dtype)
     losses, row_max, row_log_sum = (torch.empty(n_rows, dtype=out_dtype, device=logits.device) for _ in range(3))
@@ -120,6 +121,7 @@ def cross_entropy_bwd_triton(logits: Tensor, targets: Tensor, row_max: Tensor, r
     """The gradient w.r.t. ``logits`` of ``sum_r row_scale[r] * loss[r]`` (``row_scale`` ``(N,)``, any stride, e.g.
     an expanded scalar): a new contiguous tensor in the logits' dtype."""
     _check_rows(logits, targets=targets, row_max=row_max, row_log_sum=row_log_sum, row_scale=row_scale)
+    targets, row_max, row_log_sum = (t.contiguous() for t in (targets, row_max, row_log_sum))  # (read at stride 1)
     n_rows, n_cols = logits.shape
     dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
     if dlogits.numel():
