@@ -122,6 +122,33 @@ def test_inner_dims_keepdim_and_mixed(backend, device):
     assert_close(mixed_keep.flatten(), ref_sum.sum((1, 2)))
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_16_bit_over_ragged_and_inner_dims_accumulates_in_float32(op, backend, device):
+    """fp16 (and bf16 on the GPU) over the ragged and an inner dim together: the inner partial sums stay in float32,
+    as the ragged sum does. Rounded to 16 bits first they overflowed (rows of +-40000 summed to NaN) and lost
+    precision (up to 13x torch's own error); now within twice the error of torch's fp16 reduction of each sequence,
+    with the gradient of the float64 reference."""
+    for dtype in [torch.float16] + ([torch.bfloat16] if ON_GPU else []):
+        big = torch.tensor([[40000.0, 40000.0], [-40000.0, -40000.0], [1.0, 2.0]], dtype=dtype, device=device)
+        x = varlen.JaggedTensor(big, torch.tensor([0, 2, 3], device=device))
+        got = OPS[op](x, (1, 2), backend=backend)
+        assert got.dtype == dtype
+        assert_close(got, torch.tensor([0.0, 3.0 if op == "sum" else 1.5], dtype=dtype, device=device))
+        lengths = [300, 17, 0, 200]
+        x = random_jagged(lengths, (64,), dtype=dtype, device=device, requires_grad=True)
+        got = OPS[op](x, (1, 2), backend=backend)
+        x64 = x.values.detach().double().requires_grad_(True)
+        ref = torch.stack([getattr(part, op)() for part in x64.split(lengths)])
+        own = torch.stack([getattr(part, op)() for part in x.values.detach().split(lengths)]).double()
+        err, own_err = (got.double() - ref).abs().nan_to_num(), (own - ref).abs().nan_to_num()
+        assert bool((err <= 2 * own_err + 2 * torch.finfo(dtype).eps * ref.abs().nan_to_num()).all()), (err, own_err)
+        grad = torch.randn_like(got).nan_to_num()
+        (dx,) = torch.autograd.grad(got, x.values, grad)
+        (want,) = torch.autograd.grad(ref, x64, grad.double())
+        assert_close(dx, want, tol=2 * torch.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_empty_and_batch_one(backend, device):
     empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(3, dtype=torch.int32, device=device))

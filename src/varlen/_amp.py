@@ -46,6 +46,12 @@ def cast(policy: str, device: torch.device, *tensors):
                  for t in tensors)
 
 
+def cast_dtype(policy: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`cast` gives a floating tensor of ``dtype``."""
+    (probe,) = cast(policy, device, torch.empty(0, dtype=dtype))
+    return probe.dtype
+
+
 def float32_matmul_uses_tf32() -> bool:
     """Whether float32 matmuls on CUDA may use TF32 matrix units: torch's own switch
     (``torch.backends.cuda.matmul.fp32_precision``, which ``allow_tf32`` and

@@ -292,15 +292,20 @@ def _reduce(x, dim, keepdim: bool, mean: bool, backend: str | None):
         raise TypeError(f"keepdim: expected a bool, got {type(keepdim).__name__} {keepdim!r}")
     ragged, inner = _reduce_dims(x, dim)
     values = x.values
-    if inner:
-        values = (values.mean if mean else values.sum)(dim=inner, keepdim=keepdim)
     if not ragged:
-        return x.with_values(values)
-    if not mean:
-        (values,) = _amp.cast(_amp.FLOAT32, x.device, values)  # torch.sum's autocast rule (mean has none)
+        return x.with_values((values.mean if mean else values.sum)(dim=inner, keepdim=keepdim))
+    # torch.sum's autocast rule (float32 on CUDA; mean has none)
+    out_dtype = values.dtype if mean else _amp.cast_dtype(_amp.FLOAT32, x.device, values.dtype)
+    if inner:
+        # The inner dims reduced in the dtype the ragged sum accumulates in (float32 for 16-bit values): rounded to
+        # 16 bits first, the partial sums lost precision and could overflow (fp16 rows of +-40000 summed to NaN).
+        values = (values.mean if mean else values.sum)(dim=inner, keepdim=keepdim,
+                                                       dtype=accumulate_dtype(values.dtype))
+    else:
+        values = values.to(out_dtype)
     backend = capabilities.resolve(x.device, values.dtype, "ragged", backend)
     out = _SegmentSum.apply(values, x.offsets, x.max_len, mean, backend)
-    return out.unsqueeze(1) if keepdim else out
+    return (out.unsqueeze(1) if keepdim else out).to(out_dtype)
 
 
 def sum(x: JaggedTensor | torch.Tensor, dim: int | tuple[int, ...], keepdim: bool = False, *,
