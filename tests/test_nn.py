@@ -40,8 +40,9 @@ def _grads(loss, tensors):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_mha_matches_torch_self_attention(dtype, causal, bias):
-    ours = MultiheadAttention(E, H, bias=bias, causal=causal, device=DEVICE, dtype=dtype)
-    theirs = torch.nn.MultiheadAttention(E, H, bias=bias, batch_first=True, device=DEVICE, dtype=dtype)
+    common = dict(bias=bias, batch_first=True, device=DEVICE, dtype=dtype)  # (torch's arguments, taken as they are)
+    ours = MultiheadAttention(E, H, causal=causal, **common)
+    theirs = torch.nn.MultiheadAttention(E, H, **common)
     theirs.load_state_dict(ours.state_dict())
     x = random_jagged(LENGTHS, (E,), dtype=dtype, requires_grad=True)
     padded = x.to_padded()
@@ -147,10 +148,11 @@ def test_mha_dropout_only_in_training():
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_encoder_layer_matches_torch(dtype, norm_first, activation):
-    kwargs = dict(dim_feedforward=24, dropout=0.1, activation=activation, norm_first=norm_first, device=DEVICE,
-                  dtype=dtype)
+    # (torch's arguments, batch_first=True included, taken as they are)
+    kwargs = dict(dim_feedforward=24, dropout=0.1, activation=activation, norm_first=norm_first, batch_first=True,
+                  device=DEVICE, dtype=dtype)
     ours = TransformerEncoderLayer(E, H, **kwargs)
-    theirs = torch.nn.TransformerEncoderLayer(E, H, batch_first=True, **kwargs)
+    theirs = torch.nn.TransformerEncoderLayer(E, H, **kwargs)
     theirs.load_state_dict(ours.state_dict())
     ours.eval()
     theirs.eval()
@@ -300,6 +302,8 @@ def test_llama_block_dense_input_matches_jagged():
     (dict(embed_dim=16, num_heads=4, window=(2,)), ValueError, "window: expected None or"),
     (dict(embed_dim=16, num_heads=4, rotary_base=0.0), ValueError, "rotary_base: expected a real number > 0"),
     (dict(embed_dim=6, num_heads=2, rotary_base=1e4), ValueError, "rotary_base: rotary embeddings need an even"),
+    (dict(embed_dim=16, num_heads=4, batch_first=False), ValueError, "batch_first: varlen.nn modules take "
+                                                                      "batch-first inputs only"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_mha_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -335,6 +339,7 @@ def test_mha_bad_inputs():
     (dict(norm="batch"), ValueError, "norm: got 'batch'; allowed: 'layer', 'rms'"),
     (dict(rotary_base=-1.0), ValueError, "rotary_base: expected a real number > 0"),
     (dict(nhead=5), ValueError, "embed_dim: 16 is not a multiple of num_heads = 5"),
+    (dict(batch_first=False), ValueError, r"batch_first: .* got False\. Transpose \(S, B, E\) inputs"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_encoder_layer_bad_arguments(kwargs, error, match):
     kwargs = {"d_model": E, "nhead": H, **kwargs}

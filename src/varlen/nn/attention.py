@@ -19,6 +19,15 @@ def check_dropout(p) -> float:
     return float(p)
 
 
+def check_batch_first(batch_first) -> None:
+    """``batch_first``: accepted as True (the only layout these modules take), so that torch's
+    ``batch_first=True`` modules swap in unchanged; False is refused rather than misread."""
+    if batch_first is not True:
+        raise ValueError(f"batch_first: varlen.nn modules take batch-first inputs only (jagged (B, j, E) or dense "
+                         f"(B, S, E)); got {batch_first!r}. Transpose (S, B, E) inputs to (B, S, E), or leave "
+                         "batch_first out")
+
+
 class MultiheadAttention(nn.Module):
     """Multi-head attention on jagged ``(B, j, E)`` (or dense ``(B, S, E)``) batches, without padding.
 
@@ -37,6 +46,8 @@ class MultiheadAttention(nn.Module):
         rotary_base: None (default), or rotary position embeddings on q and k with this wavelength scale
             (``rope_theta`` in transformers' configs; :func:`varlen.rotary`), positions counted within each
             sequence; ``head_dim`` must be even.
+        batch_first: True (the default, and the only layout taken: torch's ``batch_first=True`` modules swap in
+            unchanged); False raises a ValueError.
         device, dtype: of the parameters.
 
     Differences from ``torch.nn.MultiheadAttention``: inputs are batch-first and may be jagged (no
@@ -46,8 +57,9 @@ class MultiheadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, bias: bool = True,
                  dropout: float = 0.0, causal: bool = False, window: tuple[int | None, int | None] | None = None,
-                 rotary_base: float | None = None, device=None, dtype=None):
+                 rotary_base: float | None = None, batch_first: bool = True, device=None, dtype=None):
         super().__init__()
+        check_batch_first(batch_first)
         check_int("embed_dim", embed_dim, minimum=1)
         check_int("num_heads", num_heads, minimum=1)
         if embed_dim % num_heads != 0:

@@ -8,7 +8,7 @@ from torch import nn
 
 from .._checks import check_choice, check_int
 from . import _layout
-from .attention import MultiheadAttention, check_dropout
+from .attention import MultiheadAttention, check_batch_first, check_dropout
 
 NORMS = ("layer", "rms")
 
@@ -37,6 +37,7 @@ class TransformerEncoderLayer(nn.Module):
         norm_first: pre-norm (``x + sa(norm1(x))``...) instead of post-norm (``norm1(x + sa(x))``...).
         bias: learn biases in the linear layers and the layer norms.
         causal, window, num_kv_heads, rotary_base: passed to :class:`MultiheadAttention`.
+        batch_first: True (the default, and the only layout taken), as :class:`MultiheadAttention`.
         device, dtype: of the parameters.
 
     Raises ValueError / TypeError naming the argument for a bad one.
@@ -46,8 +47,9 @@ class TransformerEncoderLayer(nn.Module):
                  activation: str = "relu", layer_norm_eps: float = 1e-5, *, norm_first: bool = False,
                  bias: bool = True, causal: bool = False, window: tuple[int | None, int | None] | None = None,
                  num_kv_heads: int | None = None, norm: str = "layer", rotary_base: float | None = None,
-                 device=None, dtype=None):
+                 batch_first: bool = True, device=None, dtype=None):
         super().__init__()
+        check_batch_first(batch_first)
         check_int("dim_feedforward", dim_feedforward, minimum=1)
         dropout = check_dropout(dropout)
         if not isinstance(activation, str):
