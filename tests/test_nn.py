@@ -40,9 +40,9 @@ def _grads(loss, tensors):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_mha_matches_torch_self_attention(dtype, causal, bias):
-    common = dict(bias=bias, batch_first=True, device=DEVICE, dtype=dtype)  # (torch's arguments, taken as they are)
-    ours = MultiheadAttention(E, H, causal=causal, **common)
-    theirs = torch.nn.MultiheadAttention(E, H, **common)
+    common = dict(batch_first=True, device=DEVICE, dtype=dtype)  # (torch's arguments, taken as they are)
+    ours = MultiheadAttention(E, H, 0.0, bias, causal=causal, **common)  # (dropout and bias in torch's places)
+    theirs = torch.nn.MultiheadAttention(E, H, 0.0, bias, **common)
     theirs.load_state_dict(ours.state_dict())
     x = random_jagged(LENGTHS, (E,), dtype=dtype, requires_grad=True)
     padded = x.to_padded()

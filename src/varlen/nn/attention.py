@@ -36,12 +36,12 @@ class MultiheadAttention(nn.Module):
     ``num_heads``. With fewer key/value heads (GQA/MQA), ``in_proj_weight`` is
     ``(E + 2 * num_kv_heads * E / num_heads, E)``: the q, k and v rows one after another.
 
-    Args:
+    Args (the first four in ``torch.nn.MultiheadAttention``'s order):
         embed_dim: E, the features of a token; a multiple of ``num_heads``.
         num_heads: H, query heads.
-        num_kv_heads: key/value heads; ``num_heads`` (default) or a divisor of it.
-        bias: learn biases in the input and output projections.
         dropout: probability of dropping an attention weight, in training mode only.
+        bias: learn biases in the input and output projections.
+        num_kv_heads: key/value heads; ``num_heads`` (default) or a divisor of it.
         causal, window: masks, as in :func:`varlen.attention` (positions count within each sequence).
         rotary_base: None (default), or rotary position embeddings on q and k with this wavelength scale
             (``rope_theta`` in transformers' configs; :func:`varlen.rotary`), positions counted within each
@@ -55,9 +55,10 @@ class MultiheadAttention(nn.Module):
     ``window`` and ``attn_bias``; ``forward`` returns the output alone (no attention weights).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None, bias: bool = True,
-                 dropout: float = 0.0, causal: bool = False, window: tuple[int | None, int | None] | None = None,
-                 rotary_base: float | None = None, batch_first: bool = True, device=None, dtype=None):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True, *,
+                 num_kv_heads: int | None = None, causal: bool = False,
+                 window: tuple[int | None, int | None] | None = None, rotary_base: float | None = None,
+                 batch_first: bool = True, device=None, dtype=None):
         super().__init__()
         check_batch_first(batch_first)
         check_int("embed_dim", embed_dim, minimum=1)
