@@ -32,24 +32,31 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type)
 
 
+def _target(policy: str, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast casts an op of ``policy`` on ``device``'s floating inputs to; None where it casts none."""
+    active = autocast_dtype(device)
+    if active is None or device.type not in _DEVICES[policy]:
+        return None
+    return active if policy == LOWER_PRECISION else torch.float32
+
+
 def cast(policy: str, device: torch.device, *tensors):
     """``tensors`` as torch's autocast would hand them to an op of ``policy`` on ``device``.
 
     Floating tensors other than float64 are cast (to the autocast dtype, or to float32); None, integer
     tensors and float64 tensors pass unchanged, as do all of them when autocast is off.
     """
-    active = autocast_dtype(device)
-    if active is None or device.type not in _DEVICES[policy]:
+    target = _target(policy, device)
+    if target is None:
         return tensors
-    target = active if policy == LOWER_PRECISION else torch.float32
     return tuple(t.to(target) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
                  for t in tensors)
 
 
 def cast_dtype(policy: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype :func:`cast` gives a floating tensor of ``dtype``."""
-    (probe,) = cast(policy, device, torch.empty(0, dtype=dtype))
-    return probe.dtype
+    target = _target(policy, device)
+    return dtype if target is None or dtype == torch.float64 else target
 
 
 def float32_matmul_uses_tf32() -> bool:
