@@ -160,6 +160,26 @@ def test_return_lse_layouts(backend, case, device):
     assert lse.dtype == accumulate_dtype(main_dtype(backend))
 
 
+@pytest.mark.parametrize("backend,case", backend_params(LAYOUT_CASES + [AttnCase(False, (7, 7), None, 4, 2, 16, 16)]))
+def test_head_dims_of_any_stride(backend, case, device):
+    """q, k and v whose head dim is not contiguous (every other column of a wider tensor; a transposed one) give what
+    contiguous copies give: the fused CPU kernel, which the dense calls here reach on the CPU, read such views wrong
+    and past their end."""
+    dtype = main_dtype(backend)
+    inputs = case.make(dtype, device)
+    contiguous = [_values(x).detach() for x in (inputs.q, inputs.k, inputs.v)]
+    every_other = [torch.stack([t, torch.full_like(t, float("nan"))], dim=-1).flatten(-2)[..., ::2]
+                   for t in contiguous]
+    transposed = [t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in contiguous]
+    expected = varlen.attention(inputs.q, inputs.k, inputs.v, causal=case.causal, backend=backend)
+    for views in (every_other, transposed):
+        assert all(t.stride(-1) != 1 for t in views)
+        q, k, v = ((x.with_values(t) if case.jagged else t) for x, t in zip((inputs.q, inputs.k, inputs.v), views,
+                                                                             strict=True))
+        out = varlen.attention(q, k, v, causal=case.causal, backend=backend)
+        assert torch.equal(_values(out), _values(expected))
+
+
 @pytest.mark.parametrize("backend,case", backend_params([AttnCase(True, (3, 17, 1, 0), (17, 0, 5, 9), 4, 2, 16, 16)]))
 def test_torch_nested_inputs(backend, case, device):
     """``torch.nested`` jagged tensors are taken as views and give what the JaggedTensors give."""

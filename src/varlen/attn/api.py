@@ -23,6 +23,7 @@ from .._checks import (
 )
 from .._tensor_cache import TensorCache
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
+from ..tiling import last_dim_contiguous
 from . import backends
 from .function import attention_function, dropout_seed
 from .options import AttentionOptions, Problem
@@ -171,6 +172,9 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
         check_tensor("bias", bias)
     # Under torch.autocast, attention runs in the autocast dtype, as torch's scaled_dot_product_attention.
     qt, kt, vt, bias = _amp.cast(_amp.LOWER_PRECISION, qt.device, qt, kt, vt, bias)
+    # Backends walk the head dim with stride 1 (options.py); torch's fused CPU kernel reads a strided one wrong, and
+    # out of bounds.
+    qt, kt, vt = (last_dim_contiguous(t) for t in (qt, kt, vt))
     H, D = qt.shape[-2], qt.shape[-1]
     Hkv, Dk, Dv = kt.shape[-2], kt.shape[-1], vt.shape[-1]
     if Dk != D:

@@ -20,7 +20,6 @@ CAPABILITIES = Capabilities("triton", (torch.float16, torch.bfloat16, torch.floa
 
 
 def forward(q, k, v, bias, alibi, problem, opts, seed):
-    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     tma = use_tma(q, k, v)
     config = configs.forward_config(problem, q.dtype, q.device, bias=bias is not None, dropout=seed is not None,
                                     tma=tma)
@@ -28,7 +27,7 @@ def forward(q, k, v, bias, alibi, problem, opts, seed):
 
 
 def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad):
-    q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
+    dout = last_dim_contiguous(dout)  # (q, k and v come with a head dim of stride 1: options.py)
     if dlse is not None:
         dlse = dlse.contiguous()
     tma = use_tma(q, k, v, dout)
