@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import varlen
 from conftest import DEVICE, ON_GPU
 from utils import assert_close
+from varlen.ops.cross_entropy import cross_entropy_fwd_triton
 
 DTYPES = [torch.float32, torch.float64, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 BACKENDS = ["torch", "triton"]
@@ -158,9 +159,27 @@ def test_bad_input(call, error, message):
         call()
 
 
-@pytest.mark.skipif(not ON_GPU, reason="on the CPU torch's own check raises for a bad target")
-def test_target_out_of_range_gives_nan_not_a_read_outside():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [50, -1, 2**40])
+def test_target_out_of_range_raises_where_it_can_be_read(backend, bad):
+    """A target outside [0, V) that isn't ignore_index: a ValueError naming it on the CPU (torch's own IndexError there
+    named nothing; the Triton path gave NaN) and on a GPU in the checking mode."""
     logits, targets = _case(3, 50, torch.float32)
-    targets[1] = 50
-    losses = varlen.cross_entropy(logits, targets, reduction="none")
-    assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()
+    targets[1] = bad
+    varlen.set_checks(True)
+    try:
+        with pytest.raises(ValueError, match=re.escape(f"targets: [{bad}] at rows [1] lie outside [0, 50)")):
+            varlen.cross_entropy(logits, targets, backend=backend)
+    finally:
+        varlen.set_checks(False)
+    targets[1] = -100  # (ignore_index: fine)
+    assert torch.isfinite(varlen.cross_entropy(logits, targets, backend=backend))
+
+
+def test_target_out_of_range_gives_nan_not_a_read_outside():
+    """Unchecked (a GPU outside the checking mode), the kernel reads no logit outside the row: NaN for that row."""
+    logits, targets = _case(3, 50, torch.float32)
+    for bad in (50, -1):
+        targets[1] = bad
+        losses, _, _ = cross_entropy_fwd_triton(logits.detach(), targets, -100)
+        assert torch.isnan(losses[1]) and torch.isfinite(losses[[0, 2]]).all()

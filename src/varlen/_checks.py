@@ -34,8 +34,8 @@ def set_checks(enabled: bool) -> None:
     outside its tensors (sequence bounds are clamped to the buffers inside the kernels), but the rows they
     describe wrongly hold unspecified values. In checking mode they are read and validated on every call
     that takes them, with the errors the CPU always gives: offsets start at 0, never decrease and end at
-    the row count, and no sequence is longer than its maximum (a larger maximum is legal). On the CPU they
-    are always checked (reading them costs no sync). Nothing is checked while ``torch.compile`` traces:
+    the row count, and no sequence is longer than its maximum (a larger maximum is legal); ``cross_entropy``'s
+    targets lie in the logits' classes. On the CPU they are always checked (reading them costs no sync). Nothing is checked while ``torch.compile`` traces:
     a read there would break the graph.
     """
     global _checks_on

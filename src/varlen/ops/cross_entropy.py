@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata
 from .._kernel_math import exp, merge_max_sum, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
@@ -171,6 +171,16 @@ class _RowLosses(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------- public
+def _check_target_range(targets: Tensor, ignore_index: int, classes: int) -> None:
+    """ValueError for a target outside ``[0, classes)`` that isn't ``ignore_index`` (read on the host: CPU tensors, or
+    a GPU under ``varlen.set_checks(True)``)."""
+    outside = (targets != ignore_index) & ((targets < 0) | (targets >= classes))
+    if bool(outside.any()):
+        rows = outside.nonzero().flatten()[:5].tolist()
+        raise ValueError(f"targets: {targets[rows].tolist()} at rows {rows} lie outside [0, {classes}) (the logits' "
+                         f"classes) and are not ignore_index ({ignore_index})")
+
+
 def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   backend: str | None = None) -> Tensor:
     """``torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=..., reduction=...)`` for token rows,
@@ -187,7 +197,10 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
     Returns the loss in float32 (float64 for float64 logits), differentiable w.r.t. ``logits`` (once: the Triton path
     has no double backward); the gradient comes in the logits' dtype. Raises TypeError for non-tensors, non-float
     logits, non-integer targets or a non-integer ``ignore_index``, ValueError for shapes that don't match, targets on
-    another device or another ``reduction``.
+    another device, another ``reduction``, or targets outside ``[0, V)`` other than ``ignore_index`` where they can be
+    read without a sync (CPU tensors; a GPU under ``varlen.set_checks(True)``). Elsewhere such a target's row gets a
+    NaN loss from the Triton kernels (which read no logit outside the row), and torch's own error from
+    ``backend="torch"``.
     """
     for name, t in (("logits", logits), ("targets", targets)):
         if not isinstance(t, Tensor):
@@ -207,6 +220,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
                          f"got {tuple(targets.shape)}")
     if targets.device != logits.device:
         raise ValueError(f"targets: on {targets.device}, but logits are on {logits.device}")
+    if checks_metadata(targets.device):
+        _check_target_range(targets, ignore_index, logits.shape[1])
     backend = capabilities.resolve(logits.device, logits.dtype, "ragged", backend)
     if backend == "torch":
         upcast = logits.double() if logits.dtype == torch.float64 else logits.float()
