@@ -8,6 +8,7 @@ import torch
 import varlen
 from utils import record_calls
 from varlen.attn import api, cpu_fused
+from varlen.attn.reference import attention_reference
 from varlen.jagged import JaggedTensor
 
 B, S, H, HKV, D = 2, 5, 4, 2, 8
@@ -223,16 +224,45 @@ def test_torch_func_limits_raise_clear_errors(device):
 # ------------------------------------------------------------------------------- prefix and documents
 @pytest.mark.parametrize("name", ["prefix_len", "query_offset"])
 @pytest.mark.parametrize("value, error, match", [
-    (-1, ValueError, r"NAME: got -1; must be >= 0"),
+    (-1, ValueError, r"NAME: got -1; must be in \[0, "),
     (torch.tensor([1.0, 2.0]), TypeError, "NAME: dtype float32 is not supported"),
     (torch.tensor([1, 2, 3]), ValueError, r"NAME: expected shape \(2,\)"),
-    (torch.tensor([1, -2]), ValueError, "NAME: got negative values"),
+    (torch.tensor([1, -2]), ValueError, r"NAME: got \[1, -2\]; each must be in \[0, "),
     ("3", TypeError, "NAME: expected an int or an integer tensor"),
 ])
 def test_bad_per_sequence_ints(name, value, error, match):
     q, k, v = _qkv()
     with pytest.raises(error, match=match.replace("NAME", name)):
         varlen.attention(q, k, v, causal=True, **{name: value})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("options", [
+    dict(causal=True, query_offset="largest"),
+    dict(causal=True, window=(2**31 - 1, None), query_offset="largest"),
+    dict(window=(None, 2**31 - 2), align="bottom_right"),
+    dict(window=(2**40, 0), query_offset=5),
+    dict(window=(1, 2**31 - 1), query_offset=3),
+    dict(window=(2**31 - 1, 2**31 - 1), align="bottom_right"),
+], ids=["offset", "offset-left", "right-bottom-right", "left-2**40", "right-offset", "both"])
+def test_positions_near_the_int32_limit(backend, options, device):
+    """Key positions that int32 arithmetic would overflow (``i + shift`` plus a window side) give the reference's
+    masks: the sides that reach past every key are cut to a reach that does too, and ``query_offset`` stops where a
+    position plus that reach still fits (the Triton kernels masked wrongly past 2**31 - Lq, an invalid-input fuzz
+    found); one more raises."""
+    q, k, v = (t.to(device) for t in _qkv())
+    q = q[:, 1:]  # (Lq < Lk: bottom-right shifts are nonzero)
+    largest = 2**31 - 1 - 2 * (q.shape[1] + k.shape[1])
+    if options.get("query_offset") == "largest":
+        options = dict(options, query_offset=largest)
+    out = varlen.attention(q, k, v, **options, backend=backend)
+    ref, _ = attention_reference(*(t.double() for t in (q, k, v)), **options)
+    assert (out.double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=re.escape(f"query_offset: got {largest + 1}; must be in [0, {largest}]")):
+        varlen.attention(q, k, v, causal=True, query_offset=largest + 1, backend=backend)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=re.escape(f"each must be in [0, {largest}]")):
+            varlen.attention(q, k, v, causal=True, query_offset=torch.tensor([0, largest + 1]), backend=backend)
 
 
 def test_query_offset_replaces_align():

@@ -35,8 +35,8 @@ def set_checks(enabled: bool) -> None:
     describe wrongly hold unspecified values. In checking mode they are read and validated on every call
     that takes them, with the errors the CPU always gives: offsets start at 0, never decrease and end at
     the row count, and no sequence is longer than its maximum (a larger maximum is legal); ``cross_entropy``'s
-    targets lie in the logits' classes. On the CPU they are always checked (reading them costs no sync). Nothing is checked while ``torch.compile`` traces:
-    a read there would break the graph.
+    targets lie in the logits' classes; ``query_offset`` is in range. On the CPU they are always checked (reading
+    them costs no sync). Nothing is checked while ``torch.compile`` traces: a read there would break the graph.
     """
     global _checks_on
     if not isinstance(enabled, bool):

@@ -89,7 +89,9 @@ def attention(
         query_offset: an int or an integer tensor ``(B,)``, instead of ``align``: query i of sequence b sits
             at key position ``query_offset[b] + i`` (shift = query_offset[b]) for the masks, ALiBi and the
             dropout mask's rows. For queries that are a slice of a longer sequence whose keys are all given
-            (chunked prefill, context parallelism): the result is that slice's rows of the whole.
+            (chunked prefill, context parallelism): the result is that slice's rows of the whole. At most
+            ``2**31 - 1 - 2 (max_q + max_k)`` (the kernels' positions are int32; larger unchecked GPU values are
+            cut to it).
         return_lse: also return the logsumexp of the scores (natural log; float32, float64 for float64 inputs):
             ``(B, H, Sq)`` dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``; None (the
@@ -217,12 +219,14 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
         cu_q = cu_k = None
     problem = Problem(batch=B, heads=H, kv_heads=Hkv, head_dim=D, head_dim_v=Dv, max_q=max_q, max_k=max_k,
                       dense=not jagged, cu_q=cu_q, cu_k=cu_k)
+    window_left, window_right = _reach(window_left, window_right, problem)
     opts = AttentionOptions(scale=float(scale), causal=causal, window_left=window_left,
                             window_right=window_right, bottom_right=align == "bottom_right",
                             softcap=float(softcap), dropout_p=float(dropout_p), deterministic=deterministic,
                             prefix_len=_per_sequence("prefix_len", prefix_len, problem, qt.device),
                             documents=_documents(document_ids, problem, qt.device),
-                            query_offset=_per_sequence("query_offset", query_offset, problem, qt.device),
+                            query_offset=_per_sequence("query_offset", query_offset, problem, qt.device,
+                                                       largest=_largest_query_offset(problem)),
                             dropout_sequences=dropout_sequences)
     bias = _check_bias(bias, problem, qt.dtype)
     alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
@@ -292,24 +296,47 @@ def _check_bias(bias, problem: Problem, dtype: torch.dtype):
     return bias
 
 
-def _per_sequence(name: str, value, problem: Problem, device: torch.device) -> torch.Tensor | None:
-    """An int or an integer ``(B,)`` tensor (``prefix_len``, ``query_offset``: non-negative) as an int32
-    ``(B,)`` tensor on ``device``; values checked where that costs no sync."""
+# The kernels compute key positions (``i + shift``, a window's edges) in int32: the numbers that enter them are bounded
+# so that none overflows.
+def _reach(window_left: int, window_right: int, problem: Problem) -> tuple[int, int]:
+    """The window's sides with the ones that reach past every key cut to a reach that does so too (the same mask):
+    a right side of ``max_q + max_k`` reaches every key from any shift (>= -max_q), a left side of
+    ``INT32_MAX - max_q - 2 max_k`` from any shift up to :func:`_largest_query_offset` + max_q."""
+    if window_right >= 0:
+        window_right = min(window_right, problem.max_q + problem.max_k)
+    if window_left >= 0:
+        window_left = min(window_left, max(INT32_MAX - problem.max_q - 2 * problem.max_k, 0))
+    return window_left, window_right
+
+
+def _largest_query_offset(problem: Problem) -> int:
+    """The largest ``query_offset`` the kernels take: a query's position plus a window's reach (:func:`_reach`) stays
+    within int32."""
+    return max(INT32_MAX - 2 * (problem.max_q + problem.max_k), 0)
+
+
+def _per_sequence(name: str, value, problem: Problem, device: torch.device,
+                  largest: int | None = None) -> torch.Tensor | None:
+    """An int or an integer ``(B,)`` tensor (``prefix_len``, ``query_offset``: non-negative) as an int32 ``(B,)``
+    tensor on ``device``; values checked where that costs no sync, clamped into range elsewhere. ``largest``: values
+    above it raise (``query_offset``); None: values above ``INT32_MAX`` are cut to it (``prefix_len``: a prefix past
+    every key is the same mask)."""
     if value is None:
         return None
+    top = INT32_MAX if largest is None else largest
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ValueError(f"{name}: got {value}; must be >= 0")
-        return torch.full((problem.batch,), min(value, INT32_MAX), dtype=torch.int32, device=device)
+        if value < 0 or value > top and largest is not None:
+            raise ValueError(f"{name}: got {value}; must be in [0, {top}]")
+        return torch.full((problem.batch,), min(value, top), dtype=torch.int32, device=device)
     check_tensor(name, value, kind="an int or an integer tensor of shape (B,)")
     check_dtype(name, value, (torch.int32, torch.int64))
     if tuple(value.shape) != (problem.batch,):
         raise ValueError(f"{name}: expected shape ({problem.batch},) (one per sequence), got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name}: on device {value.device}, but q is on {device}")
-    if checks_metadata(device) and bool((value < 0).any()):
-        raise ValueError(f"{name}: got negative values {value.tolist()}; must be >= 0")
-    return value.clamp(max=INT32_MAX).to(torch.int32)
+    if checks_metadata(device) and bool(((value < 0) | (value > top if largest is not None else False)).any()):
+        raise ValueError(f"{name}: got {value.tolist()}; each must be in [0, {top}]")
+    return value.clamp(min=0, max=top).to(torch.int32)
 
 
 def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Tensor | None:
