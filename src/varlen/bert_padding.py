@@ -14,8 +14,10 @@ offsets; ``max_seqlen_in_batch`` a Python int; ``seqused`` int32 ``(B,)``; all o
 (which must be ``hidden_states``' device). ``unpad_input`` reads on the host, as flash-attn does: two
 device-to-host syncs on a GPU, one for the positions of the valid tokens (``nonzero``) and one for
 ``max_seqlen_in_batch``; ``unpad_input_for_concatenated_sequences`` also makes two (it copies the lengths to the
-host once, then finds the positions). ``pad_input`` and the ``index_*`` functions make none and trust their
-indices (torch checks the range on the CPU; on a GPU an index out of range is a device-side error).
+host once, then finds the positions). ``pad_input`` and the ``index_*`` functions make none: they check their
+indices (in range; distinct where rows are scattered to them) on the CPU and in varlen's checking mode
+(``varlen.set_checks``), and trust them on a GPU otherwise (an index out of range is then torch's device-side
+error).
 
 The ``index_*`` functions are differentiable: ``index_first_axis`` gathers rows and its backward
 scatters the gradient into zeros; ``index_put_first_axis`` scatters rows into zeros and its backward
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_dtype, check_same_device, check_tensor, host_int
+from ._checks import INDEX_DTYPES, check_dtype, check_same_device, check_tensor, checks_metadata, host_int
 
 __all__ = [
     "IndexFirstAxis",
@@ -59,7 +61,7 @@ class IndexFirstAxis(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, indices):
         _check_rows("input", input)
-        _check_indices(indices, input, "input")
+        _check_indices(indices, input, "input", input.shape[0])
         ctx.save_for_backward(indices)
         ctx.first_axis_dim = input.shape[0]
         return input.index_select(0, indices)
@@ -78,11 +80,11 @@ class IndexPutFirstAxis(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values, indices, first_axis_dim):
         _check_rows("values", values)
-        _check_indices(indices, values, "values")
+        first_axis_dim = host_int("first_axis_dim", first_axis_dim)
+        _check_indices(indices, values, "values", first_axis_dim, distinct=True)
         if indices.shape[0] != values.shape[0]:
             raise ValueError(f"indices: {indices.shape[0]} indices for the {values.shape[0]} rows of values; "
                              "there must be one index per row")
-        first_axis_dim = host_int("first_axis_dim", first_axis_dim)
         ctx.save_for_backward(indices)
         output = values.new_zeros(first_axis_dim, *values.shape[1:])
         output[indices] = values
@@ -101,7 +103,7 @@ class IndexFirstAxisResidual(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, indices):
         _check_rows("input", input)
-        _check_indices(indices, input, "input")
+        _check_indices(indices, input, "input", input.shape[0])
         ctx.save_for_backward(indices)
         return input.index_select(0, indices), input.detach()
 
@@ -219,12 +221,26 @@ def _check_rows(name: str, t, ndim: int = 1, layout: str = "(rows, ...)") -> Non
                          f"{tuple(t.shape)}")
 
 
-def _check_indices(indices, rows: torch.Tensor, rows_name: str) -> None:
+def _check_indices(indices, rows: torch.Tensor, rows_name: str, bound: int, distinct: bool = False) -> None:
+    """``indices``: 1-dim integers on ``rows``' device; where they can be read without a sync (the CPU, a GPU in
+    varlen's checking mode), each in ``[0, bound)`` and, where rows are scattered to them (``distinct``), distinct."""
     check_tensor("indices", indices)
     check_dtype("indices", indices, INDEX_DTYPES)
     if indices.dim() != 1:
         raise ValueError(f"indices: expected 1 dim (n,), got shape {tuple(indices.shape)}")
     check_same_device([(rows_name, rows), ("indices", indices)])
+    if not checks_metadata(indices.device) or indices.numel() == 0:
+        return
+    outside = (indices < 0) | (indices >= bound)
+    if bool(outside.any()):
+        raise ValueError(f"indices: {indices[outside][:5].tolist()} lie outside [0, {bound})")
+    if distinct and indices.unique().numel() != indices.numel():
+        raise ValueError(f"indices: repeat a row ({_repeated(indices)}); the rows they scatter to must be distinct")
+
+
+def _repeated(indices: torch.Tensor) -> list[int]:
+    values, counts = indices.unique(return_counts=True)
+    return values[counts > 1][:5].tolist()
 
 
 def _check_mask(name: str, mask, hidden_states: torch.Tensor, dtypes=_MASK_DTYPES) -> None:
