@@ -87,6 +87,8 @@ OPTION_ERRORS = [  # (keyword arguments, exception, message)
     (dict(scale=True), ValueError, "scale: expected a nonzero finite float, got True"),
     (dict(scale=0.0), ValueError, "scale: expected a nonzero finite float, got 0.0"),
     (dict(scale=0), ValueError, "scale: expected a nonzero finite float, got 0"),
+    (dict(scale=1e-46), ValueError, "scale: expected a nonzero finite float, got 1e-46: its magnitude must lie in"),
+    (dict(scale=-1e31), ValueError, "scale: expected a nonzero finite float, got -1e+31: its magnitude"),
     (dict(softcap=-1.0), ValueError, "softcap: expected a finite float >= 0"),
     (dict(softcap=float("inf")), ValueError, "softcap: expected a finite float >= 0"),
     (dict(softcap=True), ValueError, "softcap: expected a finite float >= 0"),

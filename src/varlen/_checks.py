@@ -131,15 +131,24 @@ def check_real(name: str, value) -> float:
     return float(value)
 
 
+# The magnitudes a softmax scale may take: the kernels compute in float32, with the scale and its inverse.
+SCALE_RANGE = (2.0**-100, 2.0**100)
+
+
 def check_scale(name: str, value, *, allow_none: bool = False) -> float | None:
     """A softmax scale: a real number, finite and nonzero, returned as a float (None passes where ``allow_none``).
     Zero is refused: it weighs every visible key alike, and the kernels scale scores that masks have made -inf, which
-    gave NaN; varlen refuses it rather than compute it wrong."""
+    gave NaN; varlen refuses it rather than compute it wrong. So is a magnitude outside ``SCALE_RANGE``, where the
+    scale or its inverse is 0 or infinite in float32 (1e-46 was accepted, and gave NaN)."""
     if value is None and allow_none:
         return None
+    expected = f"{'None or ' if allow_none else ''}a nonzero finite float"
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or value == 0):
-        raise ValueError(f"{name}: expected {'None or ' if allow_none else ''}a nonzero finite float, got {value!r}")
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    if not SCALE_RANGE[0] <= abs(value) <= SCALE_RANGE[1]:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}: its magnitude must lie in [2**-100, 2**100] "
+                         "(the kernels compute in float32, with 1 / scale too)")
     return float(value)
 
 
