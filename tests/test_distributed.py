@@ -1,6 +1,7 @@
 """varlen.distributed: the context-parallel plan, and attention split over 2, 3 and 4 processes (gloo)
 against the whole batch in one process (tests/distributed_worker.py)."""
 
+import re
 import socket
 
 import pytest
@@ -51,6 +52,22 @@ def test_tokens_plan_balances_the_rows():
     plan = make_plan([10, 3, 0, 7], 3, "tokens")
     assert [plan.rows(r) for r in range(3)] == [6, 7, 7]
     assert plan.pieces[0] == (Piece(0, 0, 6),)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    (([3, 4], 0), ValueError, "world: got 0; must be >= 1"),
+    (([3, 4], -1), ValueError, "world: got -1; must be >= 1"),
+    (([3, 4], 2.0), TypeError, "world: expected an int, got float 2.0"),
+    (([3, 4], 2, "bogus"), ValueError, "balance: got 'bogus'; allowed: 'causal', 'tokens'"),
+    (([3, -4], 2), ValueError, "lengths[1]: got -4; must be >= 0"),
+    (([3, 4.5], 2), TypeError, "lengths[1]: expected an int, got float 4.5"),
+    ((torch.tensor([3, 4]), 2), TypeError, "lengths: expected a list of ints, got Tensor"),
+])
+def test_plan_bad_input(args, error, message):
+    """make_plan is public: bad arguments raise errors naming them (world 0 divided by zero, -1 gave an empty plan,
+    an unknown balance was taken as "causal")."""
+    with pytest.raises(error, match=re.escape(message)):
+        make_plan(*args)
 
 
 def test_zigzag_pairs_an_early_chunk_with_a_late_one():

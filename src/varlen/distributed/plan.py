@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._checks import check_choice, check_int
+
 BALANCES = ("causal", "tokens")
 # A sequence whose causal work exceeds this fraction of a rank's share is split zig-zag; the others, placed
 # whole, leave the ranks at most about this fraction apart.
@@ -63,7 +65,14 @@ def _causal_pairs(start: int, end: int) -> int:
 
 
 def make_plan(lengths: list[int], world: int, balance: str = "causal") -> Plan:
-    """The plan for sequences of ``lengths`` over ``world`` ranks (see the module docstring)."""
+    """The plan for sequences of ``lengths`` (ints >= 0) over ``world`` ranks (an int >= 1), balanced as ``balance``
+    says (one of ``BALANCES``; see the module docstring). ValueError / TypeError naming the argument otherwise."""
+    check_int("world", world, minimum=1)
+    check_choice("balance", balance, BALANCES)
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
+        raise TypeError(f"lengths: expected a list of ints, got {type(lengths).__name__}")
+    for b, length in enumerate(lengths):
+        check_int(f"lengths[{b}]", length, minimum=0)
     pieces: list[list[Piece]] = [[] for _ in range(world)]
     if balance == "tokens":
         total = sum(lengths)
