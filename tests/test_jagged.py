@@ -72,10 +72,28 @@ def test_other_validation_errors(device):
         varlen.JaggedTensor([1.0], torch.tensor([0, 1], device=device))
     with pytest.raises(TypeError, match="max_len: expected an int"):
         varlen.JaggedTensor(values, torch.tensor([0, 6], device=device), 6.0)
+    with pytest.raises(TypeError, match="validate: expected a bool, got NoneType None"):
+        varlen.JaggedTensor(values, torch.tensor([0, 6], device=device), validate=None)
+    x = varlen.JaggedTensor(values, torch.tensor([0, 2, 6], device=device))
+    with pytest.raises(TypeError, match="values: expected a torch.Tensor, got list"):
+        x.with_values([1.0] * 6)
+    with pytest.raises(ValueError, match="values: expected at least 1 dim"):
+        x.with_values(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="values: on device meta, but the offsets are on"):
+        x.with_values(torch.zeros(6, device="meta"))
     # 2**31 rows without the memory: a zero-stride expanded view.
     huge = torch.zeros(1, device=device).expand(2**31)
     with pytest.raises(ValueError, match="int32 can't index values with 2147483648 rows"):
         varlen.JaggedTensor(huge, torch.tensor([0, 5], dtype=torch.int32, device=device), 5, validate=False)
+
+
+def test_meta_tensors_take_shapes_only():
+    """Meta values and offsets hold no data: nothing is read (it raised torch's NotImplementedError), and max_len,
+    which can't be found from them, must be given."""
+    x = varlen.JaggedTensor(torch.empty(6, 3, device="meta"), torch.empty(3, dtype=torch.int64, device="meta"), 4)
+    assert x.max_len == 4 and x.values.device.type == "meta"
+    with pytest.raises(ValueError, match="max_len: required for meta tensors"):
+        varlen.JaggedTensor(torch.empty(6, 3, device="meta"), torch.empty(3, dtype=torch.int64, device="meta"))
 
 
 def test_jagged_list_errors():

@@ -53,8 +53,13 @@ class JaggedTensor:
                              f"(more than {INT32_MAX}); use int64 offsets")
         if max_len is not None:
             check_int("max_len", max_len, minimum=0)
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
         host = None
-        if validate or checks_metadata(offsets.device):
+        if offsets.device.type == "meta":  # (no data to check or read: shapes only)
+            if max_len is None:
+                raise ValueError("max_len: required for meta tensors (their offsets hold no values to find it from)")
+        elif validate or checks_metadata(offsets.device):
             host = check_offsets(offsets, values.shape[0], max_len)
         elif max_len is None:
             host = read_on_host(offsets, "offsets", "inside the capture pass max_len (JaggedTensor(values, offsets, "
@@ -90,7 +95,13 @@ class JaggedTensor:
         return cls._trusted(values, offsets.contiguous(), max_len, host)
 
     def with_values(self, values: torch.Tensor) -> JaggedTensor:
-        """A jagged tensor with these offsets and new ``values`` (same number of rows)."""
+        """A jagged tensor with these offsets and new ``values`` (same number of rows, on the offsets' device)."""
+        check_tensor("values", values)
+        if values.dim() < 1:
+            raise ValueError("values: expected at least 1 dim (total, *inner), got a 0-dim tensor")
+        if values.device != self.offsets.device:
+            raise ValueError(f"values: on device {values.device}, but the offsets are on {self.offsets.device}; "
+                             "they must be on one device")
         if values.shape[0] != self.values.shape[0]:
             raise ValueError(f"values: expected {self.values.shape[0]} rows to match the offsets, "
                              f"got {values.shape[0]}")
