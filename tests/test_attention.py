@@ -527,6 +527,15 @@ def test_reference_docstring_example():
     assert failures == 0
 
 
+def test_reference_takes_an_empty_dense_batch(device):
+    """B = 0 gives empty results of varlen.attention's shapes (torch.stack of no sequence raised)."""
+    q, k, v = (torch.randn(0, 5, 4, 8, device=device), torch.randn(0, 6, 2, 8, device=device),
+               torch.randn(0, 6, 2, 3, device=device))
+    out, lse = attention_reference(q, k, v, causal=True)
+    expected_out, expected_lse = varlen.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == expected_out.shape == (0, 5, 4, 3) and lse.shape == expected_lse.shape == (0, 4, 5)
+
+
 def test_float64_alibi_slopes_are_not_rounded(device):
     """Slopes that float32 can't hold (random float64) reach the float64 scores unrounded."""
     q, k, v = (torch.randn(2, 40, 3, 8, dtype=torch.float64, device=device) for _ in range(3))

@@ -112,6 +112,8 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         lses.append(lse)
 
     if dense:
+        if B == 0:  # (no sequence to stack)
+            return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_zeros(0, q.shape[2], q.shape[1])
         return torch.stack(outs), torch.stack(lses)
     return qj.with_values(torch.cat(outs)), torch.cat(lses, dim=1)
 
