@@ -527,6 +527,29 @@ def test_reference_docstring_example():
     assert failures == 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("jagged", [False, True], ids=["dense", "jagged"])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_nan_inputs_give_the_references_nan(backend, jagged, where, device):
+    """A NaN in a query or a key gives NaN outputs where the reference does (and the lse -inf there), on every path:
+    the fused CPU kernel, which plain CPU calls reach, gave such queries the output 0 and the lse 0."""
+    case = AttnCase(jagged, (6, 6) if not jagged else (5, 0, 7), None, 4, 2, 16, 16, causal=True)
+    dtype = main_dtype(backend)
+    inputs = case.make(dtype, device)
+    leaves = [t.detach().clone() for t in inputs.leaves[:3]]
+    rows = leaves["qk".index(where)]
+    rows.view(-1, *rows.shape[-2:])[3, 1, 2] = float("nan")  # (row 3: a query that sees keys 0-3)
+    q, k, v = ((x.with_values(t) if jagged else t) for x, t in zip((inputs.q, inputs.k, inputs.v), leaves,
+                                                                     strict=True))
+    out, lse = varlen.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    ref_out, ref_lse = attention_reference(*(x.with_values(t.double()) if jagged else t.double()
+                                             for x, t in zip((q, k, v), leaves, strict=True)), causal=True)
+    assert torch.equal(torch.isnan(_values(out)), torch.isnan(_values(ref_out)))
+    assert torch.isnan(_values(out)).any()
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)) and torch.equal(lse == float("-inf"),
+                                                                                ref_lse == float("-inf"))
+
+
 def test_reference_takes_an_empty_dense_batch(device):
     """B = 0 gives empty results of varlen.attention's shapes (torch.stack of no sequence raised)."""
     q, k, v = (torch.randn(0, 5, 4, 8, device=device), torch.randn(0, 6, 2, 8, device=device),

@@ -52,6 +52,15 @@ def unsupported_reasons(q, bias, alibi, problem: Problem, opts: AttentionOptions
     return capabilities.unsupported_reasons(CAPABILITIES, capabilities.Call(q, bias, alibi, problem, opts))
 
 
+def takes(q, k, bias, alibi, problem: Problem, opts: AttentionOptions) -> bool:
+    """Whether the fused kernel runs this call, forward and backward: what it supports, on queries and keys without
+    NaN or inf. (The kernel gives a query whose scores hold a NaN the output 0 and the lse 0, where the reference and
+    the other paths give NaN and -inf: a NaN reaching attention in training would pass on as zeros.)"""
+    if unsupported_reasons(q, bias, alibi, problem, opts):
+        return False
+    return bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())
+
+
 # ------------------------------------------------------------------------------------------- plan
 @dataclasses.dataclass(frozen=True)
 class _Bucket:

@@ -1,7 +1,7 @@
 """The PyTorch attention backend: CPU or CUDA, all features.
 
-On CPU tensors, calls the fused CPU kernel can take (no dropout, ALiBi, softcap or window; see
-``cpu_fused.unsupported_reasons``) run there, by length buckets. Everything else runs the chunked path
+On CPU tensors, calls the fused CPU kernel can take (no dropout, ALiBi, softcap or window, no NaN or inf in the
+queries or keys; see ``cpu_fused.takes``) run there, by length buckets. Everything else runs the chunked path
 below, blockwise over query rows and memory-bounded, which the backward also takes when the bias or the
 lse needs a gradient. On the CPU a jagged call runs it by length buckets too (:func:`_parts`: each bucket
 padded only to its own longest lengths, its sequences keeping their dropout masks, options and bias planes).
@@ -60,7 +60,7 @@ class _Batch:
 
 def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
     """``(out, lse)`` in the layouts of ``options.py``."""
-    if not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts):
+    if cpu_fused.takes(q, k, bias, alibi, problem, opts):
         return cpu_fused.forward(q, k, v, bias, problem, opts)
     if _bucketed(q, problem):
         out = q.new_zeros(q.shape[0], problem.heads, problem.head_dim_v)
@@ -104,8 +104,7 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
     uses them rather than the stored output, for the same reason.
     """
     need_q, need_k, need_v, need_bias = needs_grad
-    if (dlse is None and not need_bias
-            and not cpu_fused.unsupported_reasons(q, bias, alibi, problem, opts)):
+    if dlse is None and not need_bias and cpu_fused.takes(q, k, bias, alibi, problem, opts):
         dq, dk, dv = cpu_fused.backward(dout, q, k, v, out, lse, problem, opts, bias)
         return dq if need_q else None, dk if need_k else None, dv if need_v else None, None
     if _bucketed(q, problem):
