@@ -98,6 +98,7 @@ OPTION_ERRORS = [  # (keyword arguments, exception, message)
     (dict(dropout_p="0.1"), ValueError, "dropout_p: expected a float in [0, 1)"),
     (dict(dropout_p=0.1, generator=0), TypeError, "generator: expected a torch.Generator or None, got int"),
     (dict(deterministic="yes"), TypeError, "deterministic: expected a bool, got str"),
+    (dict(return_lse=1), TypeError, "return_lse: expected a bool, got int"),
     (dict(backend="cuda"), ValueError, "backend: got 'cuda'; allowed: 'auto', 'triton', 'torch'"),
 ]
 

@@ -72,6 +72,10 @@ def test_other_validation_errors(device):
         varlen.JaggedTensor([1.0], torch.tensor([0, 1], device=device))
     with pytest.raises(TypeError, match="max_len: expected an int"):
         varlen.JaggedTensor(values, torch.tensor([0, 6], device=device), 6.0)
+    with pytest.raises(TypeError, match="padding_value: expected a real number, got complex 1j"):
+        varlen.JaggedTensor(values, torch.tensor([0, 6], device=device)).to_padded(1j)
+    with pytest.raises(TypeError, match="padding_value: expected a real number, got NoneType None"):
+        varlen.JaggedTensor(values, torch.tensor([0, 6], device=device)).to_padded(None)
     with pytest.raises(TypeError, match="validate: expected a bool, got NoneType None"):
         varlen.JaggedTensor(values, torch.tensor([0, 6], device=device), validate=None)
     x = varlen.JaggedTensor(values, torch.tensor([0, 2, 6], device=device))

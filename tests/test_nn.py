@@ -334,11 +334,14 @@ def test_mha_bad_inputs():
     (dict(activation=torch.relu), TypeError, "activation: expected a name"),
     (dict(dim_feedforward=0), ValueError, "dim_feedforward: got 0"),
     (dict(dropout=-0.1), ValueError, "dropout: expected a probability"),
-    (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps: expected a real number >= 0"),
+    (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps: expected a finite real number >= 0"),
     (dict(norm_first="yes"), TypeError, "norm_first: expected a bool"),
     (dict(norm="batch"), ValueError, "norm: got 'batch'; allowed: 'layer', 'rms'"),
     (dict(rotary_base=-1.0), ValueError, "rotary_base: expected a real number > 0"),
-    (dict(nhead=5), ValueError, "embed_dim: 16 is not a multiple of num_heads = 5"),
+    (dict(nhead=5), ValueError, "d_model: 16 is not a multiple of nhead = 5"),
+    (dict(d_model=16.0), TypeError, "d_model: expected an int, got float"),
+    (dict(nhead=0), ValueError, "nhead: got 0; must be >= 1"),
+    (dict(layer_norm_eps=float("inf")), ValueError, "layer_norm_eps: expected a finite real number >= 0"),
     (dict(batch_first=False), ValueError, r"batch_first: .* got False\. Transpose \(S, B, E\) inputs"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_encoder_layer_bad_arguments(kwargs, error, match):

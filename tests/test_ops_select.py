@@ -167,7 +167,7 @@ def test_bad_inputs(device):
         varlen.select(x, 3, 0)
     with pytest.raises(ValueError, match="fill_value: only applies to dim=1"):
         varlen.select(x, 0, 0, fill_value=0.0)
-    with pytest.raises(TypeError, match="fill_value: expected a number or None"):
+    with pytest.raises(TypeError, match="fill_value: expected a real number or None"):
         varlen.select(x, 1, 0, fill_value="nan")
     with pytest.raises(TypeError, match="index: expected an int"):
         varlen.select(x, 1, 0.0)

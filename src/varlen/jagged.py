@@ -191,6 +191,9 @@ class JaggedTensor:
         Differentiable: its backward gathers the gradient of the valid positions.
         """
         width = self.max_len if max_len is None else check_int("max_len", max_len, minimum=self.max_len)
+        if isinstance(padding_value, bool) or not isinstance(padding_value, numbers.Real):
+            raise TypeError(f"padding_value: expected a real number, got {type(padding_value).__name__} "
+                            f"{padding_value!r}")
         return jagged_to_padded(self.values, self.offsets, width, padding_value)
 
     @classmethod

@@ -110,6 +110,8 @@ def attention(
                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
                     deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend,
                     query_offset=query_offset)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     return run(call, return_lse)
 
 

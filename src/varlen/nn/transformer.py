@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from torch import nn
@@ -50,14 +51,20 @@ class TransformerEncoderLayer(nn.Module):
                  batch_first: bool = True, device=None, dtype=None):
         super().__init__()
         check_batch_first(batch_first)
+        # (Checked here too, under this module's names: the attention would name its own, embed_dim and num_heads.)
+        check_int("d_model", d_model, minimum=1)
+        check_int("nhead", nhead, minimum=1)
+        if d_model % nhead != 0:
+            raise ValueError(f"d_model: {d_model} is not a multiple of nhead = {nhead}")
         check_int("dim_feedforward", dim_feedforward, minimum=1)
         dropout = check_dropout(dropout)
         if not isinstance(activation, str):
             raise TypeError(f"activation: expected a name ({', '.join(map(repr, _layout.ACTIVATIONS))}), got "
                             f"{type(activation).__name__}")
         check_choice("activation", activation, _layout.ACTIVATIONS)
-        if isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real) or not layer_norm_eps >= 0:
-            raise ValueError(f"layer_norm_eps: expected a real number >= 0, got {layer_norm_eps!r}")
+        if (isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real)
+                or not 0 <= layer_norm_eps < math.inf):
+            raise ValueError(f"layer_norm_eps: expected a finite real number >= 0, got {layer_norm_eps!r}")
         if not isinstance(norm_first, bool):
             raise TypeError(f"norm_first: expected a bool, got {type(norm_first).__name__}")
         check_choice("norm", norm, NORMS)

@@ -242,8 +242,8 @@ def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *, fill_value: 
     d = normalize_dim("dim", dim, x.dim())
     check_int("index", index)
     if fill_value is not None:
-        if isinstance(fill_value, bool) or not isinstance(fill_value, numbers.Number):
-            raise TypeError(f"fill_value: expected a number or None, got {type(fill_value).__name__} "
+        if isinstance(fill_value, bool) or not isinstance(fill_value, numbers.Real):
+            raise TypeError(f"fill_value: expected a real number or None, got {type(fill_value).__name__} "
                             f"{fill_value!r}")
         if d != 1:
             raise ValueError(f"fill_value: only applies to dim=1 (the ragged dim), got dim={dim}")
