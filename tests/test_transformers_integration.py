@@ -12,6 +12,7 @@ dependency: this module fails to import without it, on purpose.
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import sys
 import types
@@ -348,6 +349,20 @@ def test_four_dim_mask_is_a_bias(device):
 def test_unsupported_inputs(kwargs, mask, message):
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        integration.varlen_attention_forward(_module(), q, q, q, mask, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,mask,error,message", [
+    (dict(sliding_window=-3), None, ValueError, "sliding_window: got -3; must be >= 0"),
+    (dict(sliding_window=2.0), None, TypeError, "sliding_window: expected an int, got float"),
+    (dict(dropout=None), None, ValueError, "dropout: expected a float in [0, 1), got None"),
+    ({}, [[1, 1, 1, 1, 1]], TypeError, "attention_mask: expected a torch.Tensor or None, got list"),
+])
+def test_bad_arguments_are_named(kwargs, mask, error, message):
+    """Arguments the attention would have named otherwise (sliding_window -3 as its window's left = -4), or not at
+    all (a bare float() TypeError for dropout None, AttributeError for a list mask)."""
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(error, match=re.escape(message)):
         integration.varlen_attention_forward(_module(), q, q, q, mask, **kwargs)
 
 
