@@ -111,8 +111,10 @@ def test_jagged_list_errors():
         varlen.jagged([torch.zeros(2), torch.tensor(1.0)])
     with pytest.raises(ValueError, match="tensors\\[1\\]: dtype/device"):
         varlen.jagged([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
-    with pytest.raises(TypeError, match="offsets_dtype: dtype float32 is not supported"):
+    with pytest.raises(TypeError, match="offsets_dtype: expected one of torch.int32, torch.int64, got torch.float32"):
         varlen.jagged([torch.zeros(2)], offsets_dtype=torch.float32)
+    with pytest.raises(TypeError, match="offsets_dtype: expected one of torch.int32, torch.int64, got None"):
+        varlen.jagged([torch.zeros(2)], offsets_dtype=None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -144,6 +146,9 @@ def test_from_padded_length_forms_and_errors(device):
         varlen.JaggedTensor.from_padded(padded, [-1, 1, 0])
     with pytest.raises(ValueError, match="expected 3 lengths"):
         varlen.JaggedTensor.from_padded(padded, [1, 1])
+    for lengths in (None, 3, "123"):
+        with pytest.raises(TypeError, match="lengths: expected a list of ints or an integer tensor of shape \\(3,\\)"):
+            varlen.JaggedTensor.from_padded(padded, lengths)
     with pytest.raises(ValueError, match="lengths: expected shape \\(3,\\)"):
         varlen.JaggedTensor.from_padded(padded, torch.tensor([1, 1], device=device))
     with pytest.raises(TypeError, match="lengths: dtype float32 is not supported"):

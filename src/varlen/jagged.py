@@ -10,7 +10,7 @@ to size its launch grid.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -220,6 +220,9 @@ class JaggedTensor:
             trusted = max_len is not None and not checks_metadata(lengths.device)
             host = None if trusted else read_on_host(lengths, "lengths", _FROM_PADDED_OUTSIDE)
         else:
+            if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+                raise TypeError(f"lengths: expected a list of ints or an integer tensor of shape ({B},), got "
+                                f"{type(lengths).__name__}")
             lengths = list(lengths)
             for b, n in enumerate(lengths):
                 if isinstance(n, bool) or not isinstance(n, numbers.Integral):
@@ -305,7 +308,8 @@ def jagged(tensors: Sequence[torch.Tensor], *, device=None, dtype=None,
         if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
             raise ValueError(f"tensors[{i}]: dtype/device {t.dtype}/{t.device} differ from tensors[0]'s "
                              f"{tensors[0].dtype}/{tensors[0].device}")
-    check_dtype("offsets_dtype", torch.empty(0, dtype=offsets_dtype), INDEX_DTYPES)
+    if offsets_dtype not in INDEX_DTYPES:
+        raise TypeError(f"offsets_dtype: expected one of {', '.join(map(str, INDEX_DTYPES))}, got {offsets_dtype!r}")
     lengths = [t.shape[0] for t in tensors]
     host_offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
     values = torch.cat(list(tensors), dim=0).to(device=device, dtype=dtype)
