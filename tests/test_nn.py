@@ -325,8 +325,13 @@ def test_mha_bad_inputs():
         mha(x, torch.randn(2, 3, E, device=DEVICE))
     with pytest.raises(ValueError, match="key: is None but value is given"):
         mha(x, None, x)
-    with pytest.raises(ValueError, match="k: batch size 3 differs from q's 2"):
+    with pytest.raises(ValueError, match="key: batch size 3 differs from query.s 2"):
         mha(x, random_jagged([1, 1, 1], (E,)))
+    with pytest.raises(ValueError, match="value: batch size 3 differs from key.s 2"):
+        mha(x, x, random_jagged([1, 1, 1], (E,)))
+    dense = torch.randn(2, 3, E, device=DEVICE)
+    with pytest.raises(ValueError, match="key: batch size 1 differs from query.s 2"):
+        mha(dense, dense[:1])
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

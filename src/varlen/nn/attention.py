@@ -116,8 +116,8 @@ class MultiheadAttention(nn.Module):
         Returns ``(B, j, E)`` jagged with query's offsets (dense input: ``(B, Sq, E)``).
 
         Raises TypeError for a non-tensor input, mixed layouts or a dtype other than the parameters';
-        ValueError for shapes (the last dim must be ``embed_dim``); ``varlen.attention``'s errors for
-        the rest (batch sizes, ``attn_bias``).
+        ValueError for shapes (the last dim must be ``embed_dim``, the batch sizes query's);
+        ``varlen.attention``'s errors for the rest (key and value lengths, ``attn_bias``).
         """
         dtype = self.in_proj_weight.dtype
         query = _layout.as_input(query, "query", self.embed_dim, dtype)
@@ -135,6 +135,8 @@ class MultiheadAttention(nn.Module):
             if _layout.is_jagged(key) != _layout.is_jagged(query):
                 raise TypeError("key: its layout (jagged or dense) differs from query's; pass both jagged or "
                                 "both dense")
+            if _batch(key) != _batch(query):
+                raise ValueError(f"key: batch size {_batch(key)} differs from query's {_batch(query)}")
             (q,) = self._heads(self._project(query, 0, E), (E,))
             if value is None or value is key:
                 k, v = self._heads(self._project(key, E, E + 2 * kv), (kv, kv))
@@ -142,6 +144,8 @@ class MultiheadAttention(nn.Module):
                 value = _layout.as_input(value, "value", E, dtype)
                 if _layout.is_jagged(value) != _layout.is_jagged(key):
                     raise TypeError("value: its layout (jagged or dense) differs from key's")
+                if _batch(value) != _batch(key):
+                    raise ValueError(f"value: batch size {_batch(value)} differs from key's {_batch(key)}")
                 (k,) = self._heads(self._project(key, E, E + kv), (kv,))
                 (v,) = self._heads(self._project(value, E + kv, E + 2 * kv), (kv,))
             if rotary is not None:
@@ -169,3 +173,8 @@ class MultiheadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"dropout={self.dropout}, causal={self.causal}{window}{rotary}, "
                 f"bias={self.in_proj_bias is not None}")
+
+
+def _batch(x) -> int:
+    """The batch size of a (jagged or dense) input."""
+    return x.batch_size if _layout.is_jagged(x) else x.shape[0]
