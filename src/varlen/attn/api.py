@@ -106,12 +106,12 @@ def attention(
         The output in q's layout with head dim ``Dv`` (a JaggedTensor for jagged inputs), and the lse
         when ``return_lse``. A query that sees no key gets output 0, lse -inf and zero gradient.
     """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     call = prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
                     deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend,
                     query_offset=query_offset)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     return run(call, return_lse)
 
 
@@ -327,7 +327,7 @@ def _per_sequence(name: str, value, problem: Problem, device: torch.device,
         return None
     top = INT32_MAX if largest is None else largest
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0 or value > top and largest is not None:
+        if value < 0 or (largest is not None and value > largest):
             raise ValueError(f"{name}: got {value}; must be in [0, {top}]")
         return torch.full((problem.batch,), min(value, top), dtype=torch.int32, device=device)
     check_tensor(name, value, kind="an int or an integer tensor of shape (B,)")
@@ -336,8 +336,10 @@ def _per_sequence(name: str, value, problem: Problem, device: torch.device,
         raise ValueError(f"{name}: expected shape ({problem.batch},) (one per sequence), got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name}: on device {value.device}, but q is on {device}")
-    if checks_metadata(device) and bool(((value < 0) | (value > top if largest is not None else False)).any()):
-        raise ValueError(f"{name}: got {value.tolist()}; each must be in [0, {top}]")
+    if checks_metadata(device):
+        outside = (value < 0) if largest is None else (value < 0) | (value > largest)
+        if bool(outside.any()):
+            raise ValueError(f"{name}: got {value.tolist()}; each must be in [0, {top}]")
     return value.clamp(min=0, max=top).to(torch.int32)
 
 
