@@ -521,6 +521,37 @@ def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_backward_of_one_row_sequences_with_an_lse_gradient(monkeypatch, D, deterministic):
+    """Sequences of one query and one key, the loss on the output and the lse: stop 59's GPU fuzz (H200) saw a dQ
+    entry that wasn't finite from the Gluon backward at D96 in deterministic mode (fp16, B5, GQA 4/2, no mask, scale
+    1.0), where the Triton kernels were right; not yet reproduced or explained (bench/NOTES.md, stop 59)."""
+    launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
+    g = torch.Generator().manual_seed(zlib.crc32(f"one row {D} {deterministic}".encode()))
+    q, k, v = (torch.randn(5, 1, heads, D, generator=g).to("cuda", torch.float16) for heads in (4, 2, 2))
+    dout = torch.randn(5, 1, 4, D, generator=g).cuda()
+    dlse = torch.randn(5, 4, 1, generator=g).cuda()
+
+    def grads(dtype, run):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out, lse = run(*leaves)
+        loss = (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    ref = grads(torch.float64, lambda a, b, c: attention_reference(a, b, c, scale=1.0))
+    low = grads(torch.float16, lambda a, b, c: attention_reference(a, b, c, scale=1.0))
+    got = grads(torch.float16, lambda a, b, c: varlen.attention(a, b, c, scale=1.0, deterministic=deterministic,
+                                                               return_lse=True))
+    assert launches, "the Gluon backward did not run"
+    for name, x, lo, r in zip(("dq", "dk", "dv"), got, low, ref, strict=True):
+        assert torch.isfinite(x).all(), f"{name}: not finite at {(~torch.isfinite(x)).nonzero().tolist()}"
+        err = (x.double() - r).abs().max().item()
+        allowed = 2 * (lo.double() - r).abs().max().item() + 1e-5 * r.abs().max().item()
+        assert err <= allowed, f"{name}: error {err:.3e} > {allowed:.3e} (2x PyTorch's at float16)"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 @pytest.mark.parametrize("case", [
     (torch.float16, "jagged", 4, "causal", 0.0, None), (torch.bfloat16, "dense", 4, "causal", 0.17, None),
     (torch.bfloat16, "jagged", 2, "causal", 0.17, None), (torch.bfloat16, "dense_batch", 4, "right_window", 0.17, None),
