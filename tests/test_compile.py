@@ -177,6 +177,42 @@ def test_ragged_ops_new_lengths_recompile_at_most_once():
     assert counts == [1] + [2] * (len(BATCHES) - 1)
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_max_lengths_passed_as_ints_recompile_at_most_once(dynamic):
+    """flash_attn_varlen_func's max_seqlen (the transformers packed path passes it) and pad_input's sizes are host
+    ints: symbolic under torch.compile, they stay symbolic (host_int fixed them to each batch's value, and every new
+    max length compiled a graph of its own, 7 for 7 batches: stop 59's compile fuzz)."""
+    from varlen.bert_padding import pad_input
+    from varlen.flash_attn_interface import flash_attn_varlen_func
+
+    def fn(q, cu, longest, indices, rows):
+        out = flash_attn_varlen_func(q, q, q, cu, cu, longest, longest, causal=True)
+        return pad_input(out, indices, rows, 1)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=dynamic)
+    counts = []
+    for lengths in BATCHES + [[8, 1], [10, 3]]:
+        total = sum(lengths)
+        cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
+        q = torch.randn(total, HEADS, 4, device=DEVICE)
+        indices = torch.arange(total, device=DEVICE)
+        got = compiled(q, cu, max(lengths), indices, total)
+        assert_close(got, fn(q, cu, max(lengths), indices, total))
+        counts.append(counter.frame_count)
+    assert counts[2:] == [counts[1]] * (len(counts) - 2), counts  # (nothing after the second batch)
+
+
+def test_a_changing_scale_keeps_one_graph():
+    """A softmax scale that changes between calls (symbolic from the second call on, as a module's float attribute is
+    under dynamic shapes) is checked without math.isfinite, which broke the graph there (fullgraph=True raised)."""
+    compiled = torch.compile(lambda x, scale: varlen.attention(x, x, x, scale=scale).values, fullgraph=True,
+                             backend="aot_eager")
+    x = random_jagged([3, 5], (HEADS, 4))
+    for scale in (0.3, 0.4, 1.5):
+        assert_close(compiled(x, scale), varlen.attention(x, x, x, scale=scale).values)
+
+
 # ------------------------------------------------------------------------------- dropout compiled
 def test_compiled_dropout_backward_replays_the_forward_mask():
     """out = A v for the dropped attention matrix A, so <out, dout> = <v, dv> exactly when the backward

@@ -143,8 +143,8 @@ def check_scale(name: str, value, *, allow_none: bool = False) -> float | None:
     if value is None and allow_none:
         return None
     expected = f"{'None or ' if allow_none else ''}a nonzero finite float"
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or value == 0):
+    # (Comparisons, not math.isfinite, which torch.compile can't trace on a symbolic float: a module's scale.)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -math.inf < value < math.inf or value == 0:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     if not SCALE_RANGE[0] <= abs(value) <= SCALE_RANGE[1]:
         raise ValueError(f"{name}: expected {expected}, got {value!r}: its magnitude must lie in [2**-100, 2**100] "
@@ -178,7 +178,9 @@ def host_int(name: str, value) -> int:
             raise TypeError(f"{name}: expected an int, got Tensor of shape {tuple(value.shape)} and dtype "
                             f"{value.dtype}")
         value = int(value)
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    elif isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+        # (Python ints, symbolic ones under torch.compile among them, pass as they are: operator.index would fix a
+        # symbolic max length to this batch's value, and every new one recompiled.)
         value = operator.index(value)
     return check_int(name, value, minimum=0)
 
