@@ -247,15 +247,18 @@ def test_bad_per_sequence_ints(name, value, error, match):
     dict(window=(2**40, 0), query_offset=5),
     dict(window=(1, 2**31 - 1), query_offset=3),
     dict(window=(2**31 - 1, 2**31 - 1), align="bottom_right"),
-], ids=["offset", "offset-left", "right-bottom-right", "left-2**40", "right-offset", "both"])
+    dict(window=(2**29 - 1, 0), query_offset="largest"),
+    dict(window=(0, 2**29 - 1), query_offset="largest"),
+], ids=["offset", "offset-left", "right-bottom-right", "left-2**40", "right-offset", "both", "left-below-the-cut",
+        "right-below-the-cut"])
 def test_positions_near_the_int32_limit(backend, options, device):
     """Key positions that int32 arithmetic would overflow (``i + shift`` plus a window side) give the reference's
     masks: the sides that reach past every key are cut to a reach that does too, and ``query_offset`` stops where a
     position plus that reach still fits (the Triton kernels masked wrongly past 2**31 - Lq, an invalid-input fuzz
-    found); one more raises."""
+    found); one more raises. Under the largest offset, a right side just below the cut: (2**29 - 1, 0)."""
     q, k, v = (t.to(device) for t in _qkv())
     q = q[:, 1:]  # (Lq < Lk: bottom-right shifts are nonzero)
-    largest = 2**31 - 1 - 2 * (q.shape[1] + k.shape[1])
+    largest = api.LARGEST_QUERY_OFFSET
     if options.get("query_offset") == "largest":
         options = dict(options, query_offset=largest)
     out = varlen.attention(q, k, v, **options, backend=backend)

@@ -89,9 +89,8 @@ def attention(
         query_offset: an int or an integer tensor ``(B,)``, instead of ``align``: query i of sequence b sits
             at key position ``query_offset[b] + i`` (shift = query_offset[b]) for the masks, ALiBi and the
             dropout mask's rows. For queries that are a slice of a longer sequence whose keys are all given
-            (chunked prefill, context parallelism): the result is that slice's rows of the whole. At most
-            ``2**31 - 1 - 2 (max_q + max_k)`` (the kernels' positions are int32; larger unchecked GPU values are
-            cut to it).
+            (chunked prefill, context parallelism): the result is that slice's rows of the whole. At most 2**29
+            (the kernels' positions are int32; larger unchecked GPU values are cut to it).
         return_lse: also return the logsumexp of the scores (natural log; float32, float64 for float64 inputs):
             ``(B, H, Sq)`` dense, ``(H, total_q)`` jagged; -inf for a query that sees no key.
         backend: ``"auto"`` (Triton on CUDA, PyTorch on CPU), ``"triton"`` or ``"torch"``; None (the
@@ -228,7 +227,7 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
                             prefix_len=_per_sequence("prefix_len", prefix_len, problem, qt.device),
                             documents=_documents(document_ids, problem, qt.device),
                             query_offset=_per_sequence("query_offset", query_offset, problem, qt.device,
-                                                       largest=_largest_query_offset(problem)),
+                                                       largest=LARGEST_QUERY_OFFSET),
                             dropout_sequences=dropout_sequences)
     bias = _check_bias(bias, problem, qt.dtype)
     alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
@@ -298,23 +297,21 @@ def _check_bias(bias, problem: Problem, dtype: torch.dtype):
     return bias
 
 
-# The kernels compute key positions (``i + shift``, a window's edges) in int32: the numbers that enter them are bounded
-# so that none overflows.
+# The kernels compute key positions (``i + shift``, a window's edges) in int32. For sequences shorter than 2**28 none
+# overflows while query_offset is at most 2**29 and a window side of 2**29 or more is cut as _reach cuts it (host
+# constants: nothing here guards on a compiled call's symbolic lengths).
+LARGEST_QUERY_OFFSET = 2**29
+
+
 def _reach(window_left: int, window_right: int, problem: Problem) -> tuple[int, int]:
-    """The window's sides with the ones that reach past every key cut to a reach that does so too (the same mask):
-    a right side of ``max_q + max_k`` reaches every key from any shift (>= -max_q), a left side of
-    ``INT32_MAX - max_q - 2 max_k`` from any shift up to :func:`_largest_query_offset` + max_q."""
-    if window_right >= 0:
+    """The window's sides, those of ``LARGEST_QUERY_OFFSET`` or more cut to a reach that still sees every key from any
+    shift (the same mask): on the right ``max_q + max_k`` (shifts are at least -max_q), on the left
+    ``LARGEST_QUERY_OFFSET + max_q`` (shifts are at most ``LARGEST_QUERY_OFFSET``, or max_k)."""
+    if window_right >= LARGEST_QUERY_OFFSET:
         window_right = min(window_right, problem.max_q + problem.max_k)
-    if window_left >= 0:
-        window_left = min(window_left, max(INT32_MAX - problem.max_q - 2 * problem.max_k, 0))
+    if window_left >= LARGEST_QUERY_OFFSET:
+        window_left = min(window_left, LARGEST_QUERY_OFFSET + problem.max_q)
     return window_left, window_right
-
-
-def _largest_query_offset(problem: Problem) -> int:
-    """The largest ``query_offset`` the kernels take: a query's position plus a window's reach (:func:`_reach`) stays
-    within int32."""
-    return max(INT32_MAX - 2 * (problem.max_q + problem.max_k), 0)
 
 
 def _per_sequence(name: str, value, problem: Problem, device: torch.device,
