@@ -25,7 +25,7 @@ Sequences and heads: per-sequence TMA descriptors made on the device, over rows 
 is less than the tile's: ``common.head_descriptor``), clip every
 load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
 another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
-of K and V (their P is finite, but their dQ term is dS times a zero row, and their dK/dV rows are never
+of K and V, whose P each warpgroup sets to 0 on the key block that crosses the end (their dK/dV rows are never
 stored). Dense calls whose lengths are whole numbers of tiles take descriptors made once on the host over all
 rows instead (:func:`host_descriptors`): making seven descriptors, each behind a GPU-scope fence, delayed every
 program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; ``bench/NOTES.md``).
@@ -556,11 +556,13 @@ if HAVE_GLUON:
                         queries = m0 + gl.arange(0, BM, layout=q_axis)  # (not kept live)
                         ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                         pt = gl.where(ok, pt, 0.0)
-                    if BIAS and not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
-                        # Keys past the sequence's (_plane): their bias (a jagged bias may hold anything
-                        # there, NaN included) must not count, and their dS, written through the gradient's box into
-                        # the row's rest (its keys a multiple of 8: bias_aligned), must be 0. (Masked calls check
-                        # them above.)
+                    if not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
+                        # Keys past the sequence's: zero rows of K, whose score 0 gives P = exp(-lse). Where the lse
+                        # lies far below 0, their dS overflows its 16-bit form (fp16: an lse below about -11), and
+                        # dS times their zero row of K made NaN in dQ (stop 59's GPU fuzz). With a bias
+                        # (_plane): their bias (a jagged bias may hold anything there, NaN included) must not count,
+                        # and their dS, written through the gradient's box into the row's rest (its keys a multiple
+                        # of 8: bias_aligned), must be 0. (Masked calls zero them above.)
                         pt = gl.where(keys[:, None] < Lk, pt, 0.0)
                     if DROPOUT:
                         # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
