@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_tensor, checks_metadata
+from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_real, check_tensor, checks_metadata
 from .offsets import check_offsets, check_offsets_tensor, read_on_host, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
 
@@ -191,9 +191,7 @@ class JaggedTensor:
         Differentiable: its backward gathers the gradient of the valid positions.
         """
         width = self.max_len if max_len is None else check_int("max_len", max_len, minimum=self.max_len)
-        if isinstance(padding_value, bool) or not isinstance(padding_value, numbers.Real):
-            raise TypeError(f"padding_value: expected a real number, got {type(padding_value).__name__} "
-                            f"{padding_value!r}")
+        check_real("padding_value", padding_value)
         return jagged_to_padded(self.values, self.offsets, width, padding_value)
 
     @classmethod

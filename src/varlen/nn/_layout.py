@@ -46,6 +46,11 @@ def is_jagged(x) -> bool:
     return isinstance(x, JaggedTensor)
 
 
+def batch_size(x) -> int:
+    """The batch size of a (jagged or dense) input."""
+    return x.batch_size if is_jagged(x) else x.shape[0]
+
+
 def rowwise(x, fn):
     """``fn`` applied to the tokens: a jagged tensor's flat values, or the dense tensor itself."""
     return x.with_values(fn(x.values)) if is_jagged(x) else fn(x)

@@ -135,8 +135,9 @@ class MultiheadAttention(nn.Module):
             if _layout.is_jagged(key) != _layout.is_jagged(query):
                 raise TypeError("key: its layout (jagged or dense) differs from query's; pass both jagged or "
                                 "both dense")
-            if _batch(key) != _batch(query):
-                raise ValueError(f"key: batch size {_batch(key)} differs from query's {_batch(query)}")
+            batch = _layout.batch_size(query)
+            if _layout.batch_size(key) != batch:
+                raise ValueError(f"key: batch size {_layout.batch_size(key)} differs from query's {batch}")
             (q,) = self._heads(self._project(query, 0, E), (E,))
             if value is None or value is key:
                 k, v = self._heads(self._project(key, E, E + 2 * kv), (kv, kv))
@@ -144,8 +145,8 @@ class MultiheadAttention(nn.Module):
                 value = _layout.as_input(value, "value", E, dtype)
                 if _layout.is_jagged(value) != _layout.is_jagged(key):
                     raise TypeError("value: its layout (jagged or dense) differs from key's")
-                if _batch(value) != _batch(key):
-                    raise ValueError(f"value: batch size {_batch(value)} differs from key's {_batch(key)}")
+                if _layout.batch_size(value) != batch:
+                    raise ValueError(f"value: batch size {_layout.batch_size(value)} differs from key's {batch}")
                 (k,) = self._heads(self._project(key, E, E + kv), (kv,))
                 (v,) = self._heads(self._project(value, E + kv, E + 2 * kv), (kv,))
             if rotary is not None:
@@ -173,8 +174,3 @@ class MultiheadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"dropout={self.dropout}, causal={self.causal}{window}{rotary}, "
                 f"bias={self.in_proj_bias is not None}")
-
-
-def _batch(x) -> int:
-    """The batch size of a (jagged or dense) input."""
-    return x.batch_size if _layout.is_jagged(x) else x.shape[0]
