@@ -526,12 +526,15 @@ def test_deterministic_backward_matches_reference(monkeypatch, D, layout, mask):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("D", [64, 96, 128])
 @pytest.mark.parametrize("lengths", [[1] * 5, [1, 17, 0, 70]], ids=["one-row", "jagged"])
-def test_backward_keys_past_the_end_where_the_lse_is_far_below_zero(monkeypatch, lengths, D, dtype, deterministic):
+@pytest.mark.parametrize("scale", [1.0, -1.0])
+def test_backward_keys_past_the_end_where_the_lse_is_far_below_zero(monkeypatch, scale, lengths, D, dtype,
+                                                                    deterministic):
     """Unmasked calls whose last key block runs past the sequence's end, with a query whose scores (so its lse) lie far
     below 0: the keys past the end are zero rows of K, their score 0 and P = exp(-lse), whose dS overflowed its 16-bit
     form (inf in fp16 at an lse below about -11; inf in float32 below -88) and made NaN in dQ (stop 59's GPU fuzz: D96,
     fp16, deterministic, sequences of one key; the Triton kernels mask those keys). Sequence 0's first query and key
-    score -100 here; the loss also takes the lse."""
+    score -100 here; the loss also takes the lse. A negative scale too: the lean form (D96, D128) starts those keys'
+    products at +inf there, in units of S."""
     launches = _route(monkeypatch, gluon_backward, "launch_kv", "launch_backward", True)
     g = torch.Generator().manual_seed(zlib.crc32(f"past the end {lengths} {D} {dtype} {deterministic}".encode()))
     dense = len(set(lengths)) == 1
@@ -539,9 +542,9 @@ def test_backward_keys_past_the_end_where_the_lse_is_far_below_zero(monkeypatch,
     q, k, v = (torch.randn(*rows, heads, D, generator=g) for heads in (4, 2, 2))
     first = (0, 0) if dense else (0,)
     direction = torch.randn(D, generator=g)
-    direction *= 10 / direction.norm()  # (q . k = -100 for query 0 and key 0 of sequence 0, head 0)
+    direction *= 10 / direction.norm()  # (a score of -100 for query 0 and key 0 of sequence 0, head 0)
     q[first + (0,)] = direction
-    k[first + (0,)] = -direction
+    k[first + (0,)] = -scale * direction
     q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
     dout = torch.randn(*rows, 4, D, generator=g).cuda()
     offsets = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
@@ -555,9 +558,9 @@ def test_backward_keys_past_the_end_where_the_lse_is_far_below_zero(monkeypatch,
         loss = (out.double() * dout.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0).double() * dlse).sum()
         return torch.autograd.grad(loss, leaves)
 
-    ref = grads(torch.float64, lambda a, b, c: attention_reference(a, b, c, scale=1.0))
-    low = grads(dtype, lambda a, b, c: attention_reference(a, b, c, scale=1.0))
-    got = grads(dtype, lambda a, b, c: varlen.attention(a, b, c, scale=1.0, deterministic=deterministic,
+    ref = grads(torch.float64, lambda a, b, c: attention_reference(a, b, c, scale=scale))
+    low = grads(dtype, lambda a, b, c: attention_reference(a, b, c, scale=scale))
+    got = grads(dtype, lambda a, b, c: varlen.attention(a, b, c, scale=scale, deterministic=deterministic,
                                                        return_lse=True))
     assert launches, "the Gluon backward did not run"
     for name, x, lo, r in zip(("dq", "dk", "dv"), got, low, ref, strict=True):

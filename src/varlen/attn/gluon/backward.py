@@ -22,11 +22,12 @@ blocks (``PAIRS``, below), three partitions (``gl.warp_specialize``):
   matmul is asynchronous, waited where it is used.
 
 Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D) (3-D where the head dim
-is less than the tile's: ``common.head_descriptor``), clip every
-load at the sequence's last row (zeros beyond), and every store and reduce there too, so no tile touches
-another sequence. Rows past the last query get ``lse2 = +inf`` (P = 0); keys past the last key are zero rows
-of K and V, whose P each warpgroup sets to 0 on the key block that crosses the end (their dK/dV rows are never
-stored). Dense calls whose lengths are whole numbers of tiles take descriptors made once on the host over all
+is less than the tile's: ``common.head_descriptor``), clip every load at the sequence's last row (zeros beyond), and
+every store and reduce there too, so no tile touches another sequence. Rows past the last query get ``lse2 = +inf``
+(P = 0); keys past the last key are zero rows of K and V, whose P must be 0 (their score 0 would give P = exp(-lse),
+whose dS overflows where the lse lies far below 0, and dS times their zero row of K is then NaN in dQ): the lean form
+starts their products at -inf, the other forms zero P on the key block that crosses the end. Their dK/dV rows are
+never stored. Dense calls whose lengths are whole numbers of tiles take descriptors made once on the host over all
 rows instead (:func:`host_descriptors`): making seven descriptors, each behind a GPU-scope fence, delayed every
 program's first loads (H100: 1.06-1.26x at S1k, 1.02-1.07x on causal S4k rows; ``bench/NOTES.md``).
 
@@ -498,6 +499,10 @@ if HAVE_GLUON:
             # starting value is a value of its own. Equal values would become register copies made after the
             # products' fence, and ptxas then waits for the product in flight before the next one.
             row_zeros = keys.to(gl.float32) * 0.0
+            if LEAN and not BIAS:
+                # Sᵀ's start (in units of S, before -lse): -inf for keys past the sequence's end, whose P is then 0
+                # with no work in the tile loop (+inf where the scale is negative; supports() takes no zero scale).
+                row_start = gl.where(keys < Lk, row_zeros, float("-inf") * qk_scale)
             mbarrier.wait(kv_bar.index(item), 0)
             for g in range(GROUP):
                 h = hk * GROUP + g
@@ -515,7 +520,7 @@ if HAVE_GLUON:
                         if BIAS:  # (the start holds the bias: -lse + bias / scale, in units of S)
                             st = _bias_tile(bias_ring, stage, WG, KEYS, kq_layout) * inv_scale - lse[None, :]
                         else:
-                            st = row_zeros[:, None] - lse[None, :]
+                            st = row_start[:, None] - lse[None, :]
                         if not DROPOUT:  # (with dropout, dS needs dP itself: see below)
                             dpt = row_zeros[:, None] - delta_ring.index(stage).load(q_axis)[None, :]
                         q_tile = q_ring.index(stage)
@@ -556,13 +561,15 @@ if HAVE_GLUON:
                         queries = m0 + gl.arange(0, BM, layout=q_axis)  # (not kept live)
                         ok = in_band(keys[:, None] < Lk, queries[None, :], keys[:, None], shift, WL, R, HAS_R, HAS_WL)
                         pt = gl.where(ok, pt, 0.0)
-                    if not (HAS_R or HAS_WL) and (n0 + WG * KEYS + KEYS > Lk):
+                    if not (HAS_R or HAS_WL) and (BIAS or not LEAN) and (n0 + WG * KEYS + KEYS > Lk):
                         # Keys past the sequence's: zero rows of K, whose score 0 gives P = exp(-lse). Where the lse
                         # lies far below 0, their dS overflows its 16-bit form (fp16: an lse below about -11), and
                         # dS times their zero row of K made NaN in dQ (stop 59's GPU fuzz). With a bias
                         # (_plane): their bias (a jagged bias may hold anything there, NaN included) must not count,
                         # and their dS, written through the gradient's box into the row's rest (its keys a multiple
-                        # of 8: bias_aligned), must be 0. (Masked calls zero them above.)
+                        # of 8: bias_aligned), must be 0. (Masked calls zero them above; the lean form without a
+                        # bias starts their products at -inf: row_start, free where this branch in its tile loop
+                        # cost 1-3.5% on jagged D128 and D96 rows, H200.)
                         pt = gl.where(keys[:, None] < Lk, pt, 0.0)
                     if DROPOUT:
                         # Pᵀ carries the keep bit in its sign (P >= 0: -P where dropped); dV takes the kept P (the keep
