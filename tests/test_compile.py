@@ -203,6 +203,25 @@ def test_max_lengths_passed_as_ints_recompile_at_most_once(dynamic):
     assert counts[2:] == [counts[1]] * (len(counts) - 2), counts  # (nothing after the second batch)
 
 
+def test_rows_marked_unbacked_keep_one_graph_for_batches_of_zero_and_one_row():
+    """torch.compile gives sizes 0 and 1 graphs of their own (its 0/1 specialization) unless the size is marked
+    unbacked. With the values' rows marked so, batches of 0 and 1 rows reuse the graph (the attention's int32 bound on
+    the rows, which compared the unbacked total on the host and raised, is checked as the graph runs)."""
+    params = [p.requires_grad_() for p in _attention_params(torch.float32)]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: attention_block(x, *params), fullgraph=True, backend=counter, dynamic=True)
+    counts = []
+    for lengths in ([3, 5, 2], [1], [0, 0], [4, 9]):
+        x = random_jagged(lengths, (E,), requires_grad=True)
+        torch._dynamo.decorators.mark_unbacked(x.values, 0)
+        outs = compiled(x)
+        for got, want in zip(outs, attention_block(x, *params), strict=True):
+            assert_close(_values(got), _values(want))
+        _loss(outs, [1.0] * len(outs)).backward()
+        counts.append(counter.frame_count)
+    assert counts == [counts[0]] * len(counts), counts
+
+
 def test_a_changing_scale_keeps_one_graph():
     """A softmax scale that changes between calls (symbolic from the second call on, as a module's float attribute is
     under dynamic shapes) is checked without math.isfinite, which broke the graph there (fullgraph=True raised)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import _amp
 from .._checks import (
@@ -263,9 +264,13 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     fused CPU path keeps its plan per offsets tensor (``cpu_fused``), so a new copy per call rebuilt the plan for
     every layer. (On a GPU each call converts: a cached copy would have to be kept alive for CUDA graphs and
     across streams.)"""
-    if x.total > INT32_MAX:
+    # (A total that torch.compile holds unbacked, torch._dynamo.mark_unbacked on the values' rows so that batches of
+    # 0 or 1 rows compile no graph of their own, can't be compared here: it is checked when the graph runs.)
+    if guard_or_false(x.total > INT32_MAX):
         raise ValueError(f"{name}: {x.total} rows overflow the int32 offsets the attention kernels use "
                          f"(at most {INT32_MAX} rows)")
+    torch._check(x.total <= INT32_MAX, lambda: f"{name}: more rows than the int32 offsets the attention kernels use "
+                 f"hold (at most {INT32_MAX})")
     offsets = x.offsets
     if offsets.dtype == torch.int32:
         return offsets

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .. import _amp, capabilities
 from .._backend import scoped
@@ -135,7 +136,7 @@ def normalize(values: torch.Tensor, shape: tuple[int, ...], weight: torch.Tensor
         resolved = "torch"
     if centered and eps is None:
         eps = 1e-5
-    if resolved == "torch" or values.numel() == 0:
+    if resolved == "torch" or guard_or_false(values.numel() == 0):  # (unbacked rows: the kernels take 0 rows)
         if centered:
             return F.layer_norm(values, shape, weight, bias, eps)
         return F.rms_norm(values, shape, weight, eps)
