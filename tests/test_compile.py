@@ -222,6 +222,21 @@ def test_rows_marked_unbacked_keep_one_graph_for_batches_of_zero_and_one_row():
     assert counts == [counts[0]] * len(counts), counts
 
 
+def test_a_jagged_bias_wider_than_the_longest_sequence_keeps_the_graph():
+    """A jagged call's bias may be wider than its longest sequence. Checking its width against max_len as "equal, or
+    wider where jagged" guarded on the equality: one graph for a bias as wide as max_len, another for a wider one."""
+    compiled = torch.compile(lambda x, bias: varlen.attention(x, x, x, bias=bias).values, fullgraph=True,
+                             backend=(counter := CompileCounterWithBackend("aot_eager")))
+    counts = []
+    for lengths, extra in (([3, 5, 2], 0), ([4, 6, 1, 2], 0), ([2, 7, 3], 2), ([5, 3], 0), ([6, 2, 2, 1, 4], 3)):
+        x = random_jagged(lengths, (HEADS, 4))
+        width = max(lengths) + extra
+        bias = torch.randn(len(lengths), HEADS, width, width, device=DEVICE)
+        assert_close(compiled(x, bias), varlen.attention(x, x, x, bias=bias).values)
+        counts.append(counter.frame_count)
+    assert counts[2:] == [counts[1]] * (len(counts) - 2), counts  # (nothing after the second batch)
+
+
 def test_a_changing_scale_keeps_one_graph():
     """A softmax scale that changes between calls (symbolic from the second call on, as a module's float attribute is
     under dynamic shapes) is checked without math.isfinite, which broke the graph there (fullgraph=True raised)."""
