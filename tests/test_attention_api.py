@@ -8,6 +8,7 @@ import torch
 import varlen
 from utils import record_calls
 from varlen.attn import api, cpu_fused
+from varlen.attn.options import AttentionOptions, Problem
 from varlen.attn.reference import attention_reference
 from varlen.jagged import JaggedTensor
 
@@ -381,6 +382,19 @@ def test_int64_cpu_offsets_converted_once(monkeypatch):
     want = torch.cat([varlen.attention_reference(s[None], s[None], s[None])[0][0] for s in (values[:5], values[5:])])
     torch.testing.assert_close(got, want)
     assert len(plans) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_fused_cpu_kernel_declines_queries_and_keys_that_are_not_finite(where, value, dtype):
+    """The fused CPU kernel gives a query whose scores hold a NaN the output 0 and the lse 0: calls with a NaN or an
+    infinity in q or k take the chunked path. (One non-finite entry among many rows: the check sums each tensor.)"""
+    q, k = torch.randn(2, 300, 4, 16, dtype=dtype), torch.randn(2, 300, 2, 16, dtype=dtype)
+    problem, opts = Problem(2, 4, 2, 16, 16, 300, 300, True), AttentionOptions(scale=0.25, causal=True)
+    assert cpu_fused.takes(q, k, None, None, problem, opts)
+    (q if where == "q" else k)[1, 250, 1, 5] = value
+    assert not cpu_fused.takes(q, k, None, None, problem, opts)
 
 
 def test_cpu_plans_kept_for_self_and_cross_attention(monkeypatch):
