@@ -340,6 +340,15 @@ ERRORS = [  # (id, call, exception, message)
 ]
 
 
+def test_pad_input_takes_distinct_indices_in_any_order():
+    """Distinct indices that don't increase (unpad_input's do) scatter each row to its place; repeats raise (above)."""
+    x = torch.arange(6.0).view(3, 2)
+    out = pad_input(x, torch.tensor([4, 0, 2]), 2, 3)
+    want = torch.zeros(2, 3, 2)
+    want.view(6, 2)[torch.tensor([4, 0, 2])] = x
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("call,exc,message", [pytest.param(*e[1:], id=e[0]) for e in ERRORS])
 def test_invalid_inputs(call, exc, message):
     with pytest.raises(exc, match=re.escape(message)):

@@ -234,8 +234,9 @@ def _check_indices(indices, rows: torch.Tensor, rows_name: str, bound: int, dist
     outside = (indices < 0) | (indices >= bound)
     if bool(outside.any()):
         raise ValueError(f"indices: {indices[outside][:5].tolist()} lie outside [0, {bound})")
-    # (bincount: one pass over the indices and the bound, where unique sorts them: 55 against 398 us at 32k indices)
-    if distinct and bool(torch.bincount(indices, minlength=bound).max() > 1):
+    # (unpad_input's indices increase: one comparison pass shows them distinct, where unique sorts them, 36 against
+    # 398 us at 32k indices; other orders are sorted)
+    if distinct and not bool((indices[1:] > indices[:-1]).all()) and indices.unique().numel() != indices.numel():
         raise ValueError(f"indices: repeat a row ({_repeated(indices)}); the rows they scatter to must be distinct")
 
 

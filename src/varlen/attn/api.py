@@ -269,8 +269,8 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     if guard_or_false(x.total > INT32_MAX):
         raise ValueError(f"{name}: {x.total} rows overflow the int32 offsets the attention kernels use "
                          f"(at most {INT32_MAX} rows)")
-    torch._check(x.total <= INT32_MAX, lambda: f"{name}: more rows than the int32 offsets the attention kernels use "
-                 f"hold (at most {INT32_MAX})")
+    torch._check(x.total <= INT32_MAX, lambda: f"{name}: the rows overflow the int32 offsets the attention kernels "
+                 f"use (at most {INT32_MAX} rows)")
     offsets = x.offsets
     if offsets.dtype == torch.int32:
         return offsets
