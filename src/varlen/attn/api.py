@@ -264,13 +264,14 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     fused CPU path keeps its plan per offsets tensor (``cpu_fused``), so a new copy per call rebuilt the plan for
     every layer. (On a GPU each call converts: a cached copy would have to be kept alive for CUDA graphs and
     across streams.)"""
-    # (A total that torch.compile holds unbacked, torch._dynamo.mark_unbacked on the values' rows so that batches of
-    # 0 or 1 rows compile no graph of their own, can't be compared here: it is checked when the graph runs.)
+    if not isinstance(x.total, int):
+        # A total that torch.compile holds unbacked (torch._dynamo.mark_unbacked on the values' rows, so that batches of
+        # 0 or 1 rows compile no graph of their own) can't be compared here: it is checked when the graph runs.
+        torch._check(x.total <= INT32_MAX, lambda: f"{name}: the rows overflow the int32 offsets the attention kernels "
+                     f"use (at most {INT32_MAX} rows)")
     if guard_or_false(x.total > INT32_MAX):
         raise ValueError(f"{name}: {x.total} rows overflow the int32 offsets the attention kernels use "
                          f"(at most {INT32_MAX} rows)")
-    torch._check(x.total <= INT32_MAX, lambda: f"{name}: the rows overflow the int32 offsets the attention kernels "
-                 f"use (at most {INT32_MAX} rows)")
     offsets = x.offsets
     if offsets.dtype == torch.int32:
         return offsets
