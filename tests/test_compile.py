@@ -203,21 +203,49 @@ def test_max_lengths_passed_as_ints_recompile_at_most_once(dynamic):
     assert counts[2:] == [counts[1]] * (len(counts) - 2), counts  # (nothing after the second batch)
 
 
+def _unbacked(x):
+    """``x`` with its rows and its offsets marked unbacked for torch.compile (README, "torch.compile")."""
+    torch._dynamo.decorators.mark_unbacked(x.values, 0)
+    torch._dynamo.decorators.mark_unbacked(x.offsets, 0)
+    return x
+
+
+UNBACKED_BATCHES = ([3, 5, 2], [1], [0, 0], [7], [4, 9])  # (10 rows, 1 row, none, one sequence, 13 rows)
+
+
 def test_rows_marked_unbacked_keep_one_graph_for_batches_of_zero_and_one_row():
     """torch.compile gives sizes 0 and 1 graphs of their own (its 0/1 specialization) unless the size is marked
-    unbacked. With the values' rows marked so, batches of 0 and 1 rows reuse the graph (the attention's int32 bound on
-    the rows, which compared the unbacked total on the host and raised, is checked as the graph runs)."""
+    unbacked. With the values' rows and the offsets marked so, batches of 0 and 1 rows and of one sequence reuse the
+    graph (the attention's int32 bound on the rows, which compared the unbacked total on the host and raised, is
+    checked as the graph runs)."""
     params = [p.requires_grad_() for p in _attention_params(torch.float32)]
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda x: attention_block(x, *params), fullgraph=True, backend=counter, dynamic=True)
     counts = []
-    for lengths in ([3, 5, 2], [1], [0, 0], [4, 9]):
-        x = random_jagged(lengths, (E,), requires_grad=True)
-        torch._dynamo.decorators.mark_unbacked(x.values, 0)
+    for lengths in UNBACKED_BATCHES:
+        x = _unbacked(random_jagged(lengths, (E,), requires_grad=True))
         outs = compiled(x)
         for got, want in zip(outs, attention_block(x, *params), strict=True):
             assert_close(_values(got), _values(want))
         _loss(outs, [1.0] * len(outs)).backward()
+        counts.append(counter.frame_count)
+    assert counts == [counts[0]] * len(counts), counts
+
+
+@pytest.mark.parametrize("name", ["sum", "alibi"])
+def test_sums_and_alibi_keep_one_graph_for_one_sequence_where_the_offsets_are_unbacked(name):
+    """A sum over the ragged dim and (H,) ALiBi slopes broadcast over the batch: a batch of one sequence compiles a
+    graph of its own (torch's 0/1 specialization of the batch size, as in its own ops), unless the offsets too are
+    marked unbacked."""
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE)
+    fns = {"sum": lambda x: varlen.sum(x, 1),
+           "alibi": lambda x: varlen.attention(x, x, x, alibi_slopes=slopes).values}
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fns[name], fullgraph=True, backend=counter, dynamic=True)
+    counts = []
+    for lengths in UNBACKED_BATCHES:
+        x = _unbacked(random_jagged(lengths, (HEADS, 16)))  # (16: no size of the first batch's, for duck sizing)
+        assert_close(compiled(x), fns[name](x))
         counts.append(counter.frame_count)
     assert counts == [counts[0]] * len(counts), counts
 
