@@ -550,6 +550,21 @@ def test_nan_inputs_give_the_references_nan(backend, jagged, where, device):
                                                                                 ref_lse == float("-inf"))
 
 
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float64)])
+def test_reference_takes_a_bias_of_another_dtype(dtypes, device):
+    """varlen.attention takes a float bias of another dtype than q's; the reference computes in the inputs' dtype with
+    it too (its scores took the bias's dtype, and the product with v raised), and the bias's gradient comes back in
+    the bias's dtype."""
+    dtype, bias_dtype = dtypes
+    q, k, v = (torch.randn(2, 5, 4, 8, device=device, dtype=dtype) for _ in range(3))
+    bias = torch.randn(1, 4, 5, 1, device=device, dtype=bias_dtype, requires_grad=True)
+    out, lse = attention_reference(q, k, v, bias=bias, causal=True)
+    same, _ = attention_reference(q, k, v, bias=bias.detach().to(dtype), causal=True)
+    assert out.dtype == dtype and torch.equal(out, same)
+    (grad,) = torch.autograd.grad(out.float().sum() + lse.float().sum(), bias)
+    assert grad.dtype == bias_dtype and torch.isfinite(grad).all()
+
+
 def test_reference_takes_an_empty_dense_batch(device):
     """B = 0 gives empty results of varlen.attention's shapes (torch.stack of no sequence raised)."""
     q, k, v = (torch.randn(0, 5, 4, 8, device=device), torch.randn(0, 6, 2, 8, device=device),

@@ -87,7 +87,8 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
             shift = Lk - Lq if align == "bottom_right" else 0
         if bias is not None:
             bb = bias[b if bias.shape[0] > 1 else 0]
-            s = s + bb[:, :Lq if bb.shape[1] > 1 else 1, :Lk if bb.shape[2] > 1 else 1]
+            # (in the inputs' dtype, whatever the bias's: varlen.attention takes a bias of another float dtype)
+            s = s + bb[:, :Lq if bb.shape[1] > 1 else 1, :Lk if bb.shape[2] > 1 else 1].to(s.dtype)
         if alibi_slopes is not None:
             s = s - alibi_slopes[b].to(s.dtype).view(H, 1, 1) * (i + shift - j).abs()
         visible = torch.ones(Lq, Lk, dtype=torch.bool, device=qb.device)
