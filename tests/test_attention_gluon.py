@@ -726,6 +726,31 @@ def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, 
 
 
 @pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
+def test_gluon_forward_query_in_registers_repeats_bitwise(monkeypatch):
+    """In tiles of 192 each query warpgroup reads its Q block into registers and releases Q's buffer at once, and the
+    loader refills it by TMA with the next item's Q: without a proxy fence between the generic reads and the release,
+    the refill could land under the reads (22-45 of 2,000 calls gave wrong rows with the GPU shared by 12 processes;
+    bench/NOTES.md). A persistent schedule of 5 programs walking many items, called 500 times: every call bitwise as
+    the first, which is checked against the float64 reference (which program takes which item doesn't change the
+    result)."""
+    launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
+    monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 5)
+    monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: 2)
+    g = torch.Generator().manual_seed(zlib.crc32(b"persistent cross causal_window 5 192"))
+    q, k, v = _inputs("cross", torch.bfloat16, 8, 2, 192, g)
+    _check_forward(q, k, v, MASKS["causal_window"], torch.bfloat16)
+    assert launches and gluon_forward.query_in_registers(192, 192, 2), "Q was not read into registers"
+    q, k, v = (_to(t, "cuda", torch.bfloat16) for t in (q, k, v))
+    first_out, first_lse = (_values(t).clone() for t in varlen.attention(q, k, v, return_lse=True,
+                                                                         **MASKS["causal_window"]))
+    differing = 0
+    for _ in range(500):
+        out, lse = (_values(t) for t in varlen.attention(q, k, v, return_lse=True, **MASKS["causal_window"]))
+        differing += int(not torch.equal(out, first_out) or not torch.equal(lse.nan_to_num(), first_lse.nan_to_num()))
+    assert differing == 0, f"{differing} of 500 calls differ from the first"
+
+
+@pytest.mark.skipif(not _hopper(), reason="the Gluon kernel needs an sm_90 GPU")
 def test_gluon_forward_declines_gapped_batches():
     """Dense tensors whose sequences don't follow one another in memory (a slice along the sequence axis) are
     not the Gluon forward's: its descriptors span all rows."""

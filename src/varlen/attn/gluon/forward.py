@@ -515,6 +515,10 @@ if HAVE_GLUON:
                             if Q_REGS:  # (query_in_registers)
                                 q_a = q_w.load(q_operand)
                                 q_ha = q_hw.load(q_operand)
+                                # The loader refills Q's buffer by TMA (the async proxy) once this warpgroup releases
+                                # it; without the proxy fence the refill could land under these generic reads (seen:
+                                # 22-45 of 2,000 calls under load gave wrong rows, none with it; bench/NOTES.md).
+                                fence_async_shared()
                                 gl.thread_barrier()  # every thread has read its Q before the loader refills it
                                 mbarrier.arrive(q_empty)
                             else:
