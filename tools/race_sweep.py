@@ -1,17 +1,23 @@
-"""Hunt for intermittent races in the Hopper attention kernels (GPU): each case runs forward and backward once, then
-N more times, and counts the calls whose outputs differ bit for bit from the first.
+"""Hunt for intermittent races in the Hopper kernels that coordinate programs or warps (GPU): each case runs forward
+and backward once, then N more times, and counts the calls whose outputs moved from the first call's.
 
     PYTHONPATH=src python3 tools/race_sweep.py N [FILTER]
 
-Bitwise-repeatable outputs: out and lse (each query block is one program's work, whichever program takes it), dK and
-dV (each key block one program's, a kv head's query heads in order), and dQ and the bias gradient in deterministic
-mode only (elsewhere they are added in whatever order the programs come). Every case runs twice: with the persistent
-kernels' programs as many as the SMs, and forced to 5, so that each walks many work items (ring positions, buffers
-and barrier phases carried across items). FILTER: only the cases whose name contains it. Run several processes side
-by side to load the GPU: a race shows more often under load. A line starting ``RACE`` names the outputs that moved.
-Found the Q-in-registers race of tiles of 192 (``gluon/forward.py``, fixed in 9bc9bac: 6-9 of 300 calls of the
+Outputs a call must repeat bit for bit: attention's out and lse (each query block is one program's work, whichever
+program takes it), dK and dV (each key block one program's, a kv head's query heads in order), a full-shape bias's
+gradient (each tile stored once), and, in deterministic mode, dQ and a broadcast bias's gradient; the jagged softmax
+forward and backward (its cooperative programs combine a sequence's chunks in chunk order). Outputs added in whatever
+order the programs come (dQ and a broadcast bias's gradient otherwise) must stay within 2% of their largest value of
+the first call's: a race there (a lost or doubled add, a flag read too early) moves them by far more. Attention
+cases run twice: with the persistent kernels' programs as many as the SMs, and forced to 5, so that each walks many
+work items (ring positions, buffers and barrier phases carried across items). FILTER: only the cases whose name
+contains it. Run several processes side by side to load the GPU: a race shows more often under load. A line starting
+``RACE`` counts, per output, the calls that moved.
+
+Found the Q-in-registers race of tiles of 192 (``attn/gluon/forward.py``, fixed in 9bc9bac: 6-9 of 300 calls of the
 cross-window D192 case at 5 programs, 1 of 300 at the SM count); bench/NOTES.md has the runs.
 """
+
 import sys
 import zlib
 
@@ -23,25 +29,17 @@ from varlen.attn.gluon import forward as gluon_forward
 
 LENGTHS = [0, 1, 17, 1000, 300, 2500, 64, 129, 700]
 KEYS = [5, 0, 40, 900, 333, 2600, 64, 1, 800]
+SOFTMAX_LENGTHS = [1, 17, 5000, 0, 40000, 3, 120000]  # (the long ones in the cooperative plan's chunks)
+NEAR = 2e-2  # (outputs summed in any order: the largest change allowed, relative to the largest value)
 
-
-def rand(g, *shape):
-    return torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
-
-
-def make(layout, H, HKV, D, DV, g):
-    if layout == "dense":
-        return [rand(g, 2, 1500, h, d) for h, d in ((H, D), (HKV, D), (HKV, DV))]
-    kl = KEYS if layout == "cross" else LENGTHS
-    return [varlen.jagged([rand(g, L, H, D) for L in LENGTHS]),
-            *(varlen.jagged([rand(g, L, HKV, d) for L in kl]) for d in (D, DV))]
-
-
-CASES = {  # name: (layout, H, HKV, D, DV, attention options)
+ATTENTION = {  # name: (layout, H, HKV, D, DV, attention options; "bias": "full" (B,H,S,S) or "broadcast" (1,H,S,S),
+    # dense S 1024 there (the Gluon backward takes a bias whose rows are a multiple of 8 elements), else 1500)
     "D64 dense causal": ("dense", 8, 2, 64, 64, dict(causal=True)),
     "D64 jagged": ("jagged", 8, 8, 64, 64, {}),
     "D64 dense dropout": ("dense", 4, 4, 64, 64, dict(dropout_p=0.1)),
-    "D64 dense bias grad det": ("dense", 4, 4, 64, 64, dict(bias=True, deterministic=True)),
+    "D64 dense broadcast bias grad": ("dense", 4, 4, 64, 64, dict(bias="broadcast")),
+    "D64 dense broadcast bias grad deterministic": ("dense", 4, 4, 64, 64, dict(bias="broadcast", deterministic=True)),
+    "D128 dense full bias grad causal": ("dense", 4, 4, 128, 128, dict(bias="full", causal=True)),
     "D96 jagged window": ("jagged", 8, 2, 96, 96, dict(window=(200, 0))),
     "D128 dense": ("dense", 8, 2, 128, 128, {}),
     "D128 jagged causal": ("jagged", 8, 2, 128, 128, dict(causal=True)),
@@ -55,53 +53,96 @@ CASES = {  # name: (layout, H, HKV, D, DV, attention options)
     "D256 jagged causal deterministic": ("jagged", 4, 4, 256, 256, dict(causal=True, deterministic=True)),
     "MLA 192/128 jagged causal": ("jagged", 8, 8, 192, 128, dict(causal=True)),
 }
+SOFTMAX = {"softmax bf16": torch.bfloat16, "softmax fp16": torch.float16, "softmax fp32": torch.float32}
+
+
+def rand(g, *shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=g).to("cuda", dtype)
 
 
 def flat(x):
     return x.values if isinstance(x, varlen.JaggedTensor) else x
 
 
-def run(q, k, v, bias, dout, opts):
-    prep = [varlen.JaggedTensor(t.values.detach().requires_grad_(), t.offsets, t.max_len)
-            if isinstance(t, varlen.JaggedTensor) else t.detach().requires_grad_() for t in (q, k, v)]
-    b = bias.detach().requires_grad_() if bias is not None else None
-    if opts.get("dropout_p"):
-        opts = dict(opts, generator=torch.Generator("cuda").manual_seed(7))
-    out, lse = varlen.attention(*prep, bias=b, return_lse=True, **opts)
-    leaves = [flat(t) for t in prep] + ([b] if b is not None else [])
-    grads = torch.autograd.grad(flat(out), leaves, dout)
-    return [flat(out), flat(lse).nan_to_num()] + list(grads)
+def leaf(t):
+    if isinstance(t, varlen.JaggedTensor):
+        return varlen.JaggedTensor(t.values.detach().requires_grad_(), t.offsets, t.max_len)
+    return t.detach().requires_grad_()
+
+
+def attention_case(name, g):
+    """A function running the case's forward and backward, returning [(output name, tensor, bitwise)]."""
+    layout, H, HKV, D, DV, opts = ATTENTION[name]
+    opts = dict(opts)
+    bias_shape = opts.pop("bias", None)
+    S = 1024 if bias_shape else 1500
+    if layout == "dense":
+        q, k, v = (rand(g, 2, S, h, d) for h, d in ((H, D), (HKV, D), (HKV, DV)))
+    else:
+        kl = KEYS if layout == "cross" else LENGTHS
+        q = varlen.jagged([rand(g, L, H, D) for L in LENGTHS])
+        k, v = (varlen.jagged([rand(g, L, HKV, d) for L in kl]) for d in (D, DV))
+    bias = rand(g, 2 if bias_shape == "full" else 1, H, S, S) if bias_shape else None
+    det = opts.get("deterministic", False)
+    dout = rand(g, *flat(q).shape[:-1], DV)
+
+    def call():
+        prep, b = [leaf(t) for t in (q, k, v)], (leaf(bias) if bias is not None else None)
+        drop = dict(generator=torch.Generator("cuda").manual_seed(7)) if opts.get("dropout_p") else {}
+        out, lse = varlen.attention(*prep, bias=b, return_lse=True, **opts, **drop)
+        grads = torch.autograd.grad(flat(out), [flat(t) for t in prep] + ([b] if b is not None else []), dout)
+        named = [("out", flat(out), True), ("lse", flat(lse).nan_to_num(), True), ("dq", grads[0], det),
+                 ("dk", grads[1], True), ("dv", grads[2], True)]
+        if b is not None:
+            named.append(("dbias", grads[3], det or bias_shape == "full"))
+        return named
+
+    return call
+
+
+def softmax_case(name, g):
+    dtype = SOFTMAX[name]
+    x = varlen.jagged([rand(g, L, 64, dtype=dtype) for L in SOFTMAX_LENGTHS])
+    dy = rand(g, *x.values.shape, dtype=dtype)
+
+    def call():
+        xl = leaf(x)
+        y = varlen.softmax(xl, 1)
+        (dx,) = torch.autograd.grad(y.values, [xl.values], dy)
+        return [("y", y.values, True), ("dx", dx, True)]
+
+    return call
+
+
+def moved(again, first, bitwise):
+    if bitwise:
+        return not torch.equal(again, first)
+    return (again.float() - first.float()).abs().max().item() > NEAR * first.float().abs().max().item()
+
+
+def sweep(call, n_calls):
+    first = call()
+    counts = {name: 0 for name, _, _ in first}
+    for _ in range(n_calls):
+        for (name, again, bitwise), (_, was, _) in zip(call(), first, strict=True):
+            counts[name] += moved(again, was, bitwise)
+    torch.cuda.synchronize()
+    return counts
 
 
 def main():
     n_calls = int(sys.argv[1])
     only = sys.argv[2] if len(sys.argv) > 2 else ""
-    names = ["out", "lse", "dq", "dk", "dv", "dbias"]
-    for programs in ("real", 5):
-        for name, (layout, H, HKV, D, DV, opts) in CASES.items():
-            if only not in name:
-                continue
-            if programs != "real":
-                gluon_forward.sm_count = gluon_dq.sm_count = lambda device, programs=programs: programs
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            q, k, v = make(layout, H, HKV, D, DV, g)
-            opts = dict(opts)
-            bias = None
-            if opts.pop("bias", False):
-                bias = rand(g, 1, H, 1500, 1500)
-            det = opts.get("deterministic", False)
-            dout = rand(g, *flat(q).shape[:-1], DV)
-            first = run(q, k, v, bias, dout, opts)
-            checked = [n for n in names[:len(first)] if det or n not in ("dq", "dbias")]
-            bad = {n: 0 for n in checked}
-            for _ in range(n_calls):
-                again = run(q, k, v, bias, dout, opts)
-                for n, a, f in zip(names, again, first, strict=False):
-                    if n in bad and not torch.equal(a, f):
-                        bad[n] += 1
-            torch.cuda.synchronize()
-            flag = "RACE" if any(bad.values()) else "ok"
-            print(f"{flag}\tprograms={programs}\t{name}\t{n_calls} calls\t{bad}", flush=True)
+    runs = [(name, "real", attention_case) for name in ATTENTION]
+    runs += [(name, 5, attention_case) for name in ATTENTION] + [(name, "real", softmax_case) for name in SOFTMAX]
+    for name, programs, make in runs:
+        if only not in name:
+            continue
+        if programs != "real":
+            gluon_forward.sm_count = gluon_dq.sm_count = lambda device, programs=programs: programs
+        counts = sweep(make(name, torch.Generator().manual_seed(zlib.crc32(name.encode()))), n_calls)
+        flag = "RACE" if any(counts.values()) else "ok"
+        print(f"{flag}\tprograms={programs}\t{name}\t{n_calls} calls\t{counts}", flush=True)
 
 
 if __name__ == "__main__":
