@@ -10,9 +10,12 @@ forward and backward (its cooperative programs combine a sequence's chunks in ch
 order the programs come (dQ and a broadcast bias's gradient otherwise) must stay within 2% of their largest value of
 the first call's: a race there (a lost or doubled add, a flag read too early) moves them by far more. Attention
 cases run twice: with the persistent kernels' programs as many as the SMs, and forced to 5, so that each walks many
-work items (ring positions, buffers and barrier phases carried across items). FILTER: only the cases whose name
-contains it. Run several processes side by side to load the GPU: a race shows more often under load. A line starting
-``RACE`` counts, per output, the calls that moved.
+work items (ring positions, buffers and barrier phases carried across items). Each case alternates two batches (other
+values, and jagged lengths in another order), each call against its own batch's first: a kernel that read a
+descriptor or a flag left by the other batch's call (the descriptors the kernels make on the device sit at
+addresses the next call reuses) would move. FILTER: only the cases whose name contains it. Run several processes
+side by side to load the GPU: a race shows more often under load. A line starting ``RACE`` counts, per output, the
+calls that moved (N calls of each batch: 2N per case).
 
 Found the Q-in-registers race of tiles of 192 (``attn/gluon/forward.py``, fixed in 9bc9bac: 6-9 of 300 calls of the
 cross-window D192 case at 5 programs, 1 of 300 at the SM count); bench/NOTES.md has the runs.
@@ -70,8 +73,9 @@ def leaf(t):
     return t.detach().requires_grad_()
 
 
-def attention_case(name, g):
-    """A function running the case's forward and backward, returning [(output name, tensor, bitwise)]."""
+def attention_case(name, g, batch):
+    """A function running the case's forward and backward on its ``batch``-th batch (0 or 1: jagged lengths rotated
+    by that much), returning [(output name, tensor, bitwise)]."""
     layout, H, HKV, D, DV, opts = ATTENTION[name]
     opts = dict(opts)
     bias_shape = opts.pop("bias", None)
@@ -79,8 +83,9 @@ def attention_case(name, g):
     if layout == "dense":
         q, k, v = (rand(g, 2, S, h, d) for h, d in ((H, D), (HKV, D), (HKV, DV)))
     else:
-        kl = KEYS if layout == "cross" else LENGTHS
-        q = varlen.jagged([rand(g, L, H, D) for L in LENGTHS])
+        ql = LENGTHS[batch:] + LENGTHS[:batch]
+        kl = KEYS[batch:] + KEYS[:batch] if layout == "cross" else ql
+        q = varlen.jagged([rand(g, L, H, D) for L in ql])
         k, v = (varlen.jagged([rand(g, L, HKV, d) for L in kl]) for d in (D, DV))
     bias = rand(g, 2 if bias_shape == "full" else 1, H, S, S) if bias_shape else None
     det = opts.get("deterministic", False)
@@ -100,9 +105,9 @@ def attention_case(name, g):
     return call
 
 
-def softmax_case(name, g):
+def softmax_case(name, g, batch):
     dtype = SOFTMAX[name]
-    x = varlen.jagged([rand(g, L, 64, dtype=dtype) for L in SOFTMAX_LENGTHS])
+    x = varlen.jagged([rand(g, L, 64, dtype=dtype) for L in SOFTMAX_LENGTHS[batch:] + SOFTMAX_LENGTHS[:batch]])
     dy = rand(g, *x.values.shape, dtype=dtype)
 
     def call():
@@ -120,12 +125,14 @@ def moved(again, first, bitwise):
     return (again.float() - first.float()).abs().max().item() > NEAR * first.float().abs().max().item()
 
 
-def sweep(call, n_calls):
-    first = call()
-    counts = {name: 0 for name, _, _ in first}
+def sweep(calls, n_calls):
+    """Per output, the calls of the alternated ``calls`` that moved from their own first call's."""
+    firsts = [call() for call in calls]
+    counts = {name: 0 for name, _, _ in firsts[0]}
     for _ in range(n_calls):
-        for (name, again, bitwise), (_, was, _) in zip(call(), first, strict=True):
-            counts[name] += moved(again, was, bitwise)
+        for call, first in zip(calls, firsts, strict=True):
+            for (name, again, bitwise), (_, was, _) in zip(call(), first, strict=True):
+                counts[name] += moved(again, was, bitwise)
     torch.cuda.synchronize()
     return counts
 
@@ -140,7 +147,8 @@ def main():
             continue
         if programs != "real":
             gluon_forward.sm_count = gluon_dq.sm_count = lambda device, programs=programs: programs
-        counts = sweep(make(name, torch.Generator().manual_seed(zlib.crc32(name.encode()))), n_calls)
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        counts = sweep([make(name, g, batch) for batch in (0, 1)], n_calls)
         flag = "RACE" if any(counts.values()) else "ok"
         print(f"{flag}\tprograms={programs}\t{name}\t{n_calls} calls\t{counts}", flush=True)
 
