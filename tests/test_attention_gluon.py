@@ -729,10 +729,10 @@ def test_gluon_forward_persistent_programs(monkeypatch, layout, mask, programs, 
 def test_gluon_forward_query_in_registers_repeats_bitwise(monkeypatch):
     """In tiles of 192 each query warpgroup reads its Q block into registers and releases Q's buffer at once, and the
     loader refills it by TMA with the next item's Q: without a proxy fence between the generic reads and the release,
-    the refill could land under the reads (22-45 of 2,000 calls gave wrong rows with the GPU shared by 12 processes;
-    bench/NOTES.md). A persistent schedule of 5 programs walking many items, called 500 times: every call bitwise as
-    the first, which is checked against the float64 reference (which program takes which item doesn't change the
-    result)."""
+    the refill could land under the reads (before the fence this test failed 4 of 4 runs on an H200, 113-500 of its
+    500 calls moving; bench/NOTES.md). A persistent schedule of 5 programs walking many items, called 500 times: every
+    call bitwise as the first, which is checked against the float64 reference (which program takes which item doesn't
+    change the result)."""
     launches = _route(monkeypatch, gluon_forward, "launch", "launch_forward", True)
     monkeypatch.setattr(gluon_forward, "sm_count", lambda device: 5)
     monkeypatch.setattr(gluon_forward, "query_warpgroups", lambda *args: 2)

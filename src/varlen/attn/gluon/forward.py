@@ -516,8 +516,9 @@ if HAVE_GLUON:
                                 q_a = q_w.load(q_operand)
                                 q_ha = q_hw.load(q_operand)
                                 # The loader refills Q's buffer by TMA (the async proxy) once this warpgroup releases
-                                # it; without the proxy fence the refill could land under these generic reads (seen:
-                                # 22-45 of 2,000 calls under load gave wrong rows, none with it; bench/NOTES.md).
+                                # it; without the proxy fence the refill could land under these generic reads (seen
+                                # on an H200: wrong rows in up to a quarter of the calls of a test's case; none with
+                                # it: bench/NOTES.md, stop 61).
                                 fence_async_shared()
                                 gl.thread_barrier()  # every thread has read its Q before the loader refills it
                                 mbarrier.arrive(q_empty)
