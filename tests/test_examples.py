@@ -10,7 +10,7 @@ from conftest import DEVICE
 from varlen.examples import train
 
 TINY = ["--steps", "4", "--batch-size", "4", "--max-len", "9", "--d-model", "16", "--heads", "2", "--layers", "1",
-        "--bench-steps", "2", "--device", str(DEVICE)]
+        "--bench-steps", "2", "--bench-rounds", "2", "--device", str(DEVICE)]
 
 
 @pytest.mark.parametrize("options", [[], ["--dropout", "0.1"]], ids=["plain", "dropout"])
@@ -23,6 +23,7 @@ def test_train_runs_and_prints_the_comparison_table(options):
     assert "step     0" in out and "step     4" in out and "token accuracy" in out
     assert "| batches" in out and "tokens/s (real tokens)" in out and "peak memory (MiB)" in out
     assert "| jagged: varlen" in out and "| padded: torch.nn + key padding mask" in out
+    assert "the median of 2 rounds, alternated" in out
     assert "|logit difference| between the two on real tokens" in out
     assert "memory: peak" in out
 
@@ -30,6 +31,7 @@ def test_train_runs_and_prints_the_comparison_table(options):
 @pytest.mark.parametrize("argv, match", [
     (["--d-model", "10", "--heads", "4"], "--d-model 10 must be a multiple of --heads 4"),
     (["--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["--bench-rounds", "0"], "--bench-rounds: must be >= 1, got 0"),
 ])
 def test_bad_options_exit_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit):
