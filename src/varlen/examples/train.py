@@ -274,7 +274,8 @@ def _timed(loss_fn, model, batches: list[Batch], device: torch.device, precision
     see :func:`_cpu_peak_memory`). With ``warm_up``, untimed steps first: on CUDA every batch once, so that every
     kernel (and, with --compile, every graph) is compiled before the clock starts; on the CPU one step."""
     cuda = device.type == "cuda"
-    for batch in (batches if cuda else batches[:1]) if warm_up else ():
+    warm_up_batches = (batches if cuda else batches[:1]) if warm_up else []
+    for batch in warm_up_batches:
         _step(loss_fn, model, batch, precision)
     if cuda:
         torch.cuda.synchronize(device)
