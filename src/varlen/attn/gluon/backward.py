@@ -21,8 +21,9 @@ blocks (``PAIRS``, below), three partitions (``gl.warp_specialize``):
   to 1.04-1.29x (H100, ``bench/NOTES.md``). The band mask is applied on the tiles that cross it only. Every
   matmul is asynchronous, waited where it is used.
 
-Sequences and heads: per-sequence TMA descriptors made on the device, over rows x (heads x D) (3-D where the head dim
-is less than the tile's: ``common.head_descriptor``), clip every load at the sequence's last row (zeros beyond), and
+Sequences and heads: per-sequence TMA descriptors made on the device, each by the partition that copies through it
+(``common.sequence_descriptor``), over rows x (heads x D) (3-D where the head dim is less than the tile's:
+``common.head_descriptor``), clip every load at the sequence's last row (zeros beyond), and
 every store and reduce there too, so no tile touches another sequence. Rows past the last query get ``lse2 = +inf``
 (P = 0); keys past the last key are zero rows of K and V, whose P must be 0 (their score 0 would give P = exp(-lse),
 whose dS overflows where the lse lies far below 0, and dS times their zero row of K is then NaN in dQ): the lean form
@@ -96,11 +97,11 @@ from .common import (
     fence_async_shared,
     gl,
     gluon,
-    head_descriptor,
     ir,
     load_head_tile,
     mbarrier,
     query_vector,
+    sequence_descriptor,
     store_head_tile,
     tma,
     warpgroup_mma,
@@ -212,9 +213,9 @@ if HAVE_GLUON:
         mbarrier.arrive(dq_full)
 
     @gluon.jit
-    def _dq_writer(dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, Lq, Lk, shift, R, q_row, hk, items: Items,
-                   HAS_R: gl.constexpr, D: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   LEAN: gl.constexpr, DQC: gl.constexpr):
+    def _dq_writer(dq_smem, dq_full, dq_empty, dq_src, turns, n_q_tiles, Lq, Lk, shift, R, q_row, hk, items: Items,
+                   HAS_R: gl.constexpr, D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr, HOST: gl.constexpr):
         """(``DET``: one warp) Adds the key warpgroups' dQ tiles into the accumulator, each query tile's in a fixed
         order across the sequence's key blocks: the last visiting block first (``masks.key_blocks_after``; a later
         block starts its tiles two tiles earlier, so it reaches a tile first anyway, and the grid starts it first).
@@ -227,7 +228,10 @@ if HAVE_GLUON:
         holds each block a tile behind the next, which adds up along the sequence (bench/NOTES.md, "Deterministic
         calls without a mask": +15-20%).
         (FA3 writes dQ from a warp of its own too; done by the key warpgroups themselves, the waits and the release
-        cost 20-26% of the kernel: bench/NOTES.md, "dQ's adds in a fixed order".)"""
+        cost 20-26% of the kernel: bench/NOTES.md, "dQ's adds in a fixed order".) ``dq_src``: where dQ's descriptor
+        comes from (:func:`common.sequence_descriptor`)."""
+        dq_host, dq_ptr, dq_stride = dq_src
+        dq_desc = sequence_descriptor(dq_host, dq_ptr, Lq, H, dq_stride, BM, DQC, D, D, HOST)
         n0 = _item(items.n0, 0)
         t_lo = _item(items.t_lo, 0)
         n_tiles = _item(items.n_tiles, 0)
@@ -358,12 +362,12 @@ if HAVE_GLUON:
                                               [sh, sh, sq, 1], [1, 1, BM, KEYS], layout), 0
 
     @gluon.jit
-    def _load_tiles(k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring, bias_ring,
-                    lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row,
-                    k_row, hk, bias_b, bias_h_step, flags, stored, storer, items: Items, ITEMS: gl.constexpr,
-                    VARLEN: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr,
-                    GROUP: gl.constexpr, BM: gl.constexpr,
-                    BN: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr):
+    def _load_tiles(load_src, bias_src, k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, kv_bar,
+                    ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, Lk, q_row, k_row, hk, bias_h_step, flags,
+                    stored, storer, items: Items, ITEMS: gl.constexpr, VARLEN: gl.constexpr, D: gl.constexpr,
+                    HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr, HOST: gl.constexpr,
+                    HOST_BIAS: gl.constexpr):
         """The producer warp: each key block's K and V at once (one buffer each), then the (Q, dO) tiles of
         every head, block after block, through the two-stage ring, each stage refilled once both warpgroups
         released it; with ``BIAS``, each tile's bias (its queries x the block's keys) in the same stage. Each stage
@@ -375,8 +379,23 @@ if HAVE_GLUON:
         blocks a program takes (:func:`_blocks_taken`). With ``DB`` 3 each tile has a flag in ``flags`` (key
         blocks x heads x query tiles): the first sequence's loader (``storer``) raises it once the key
         warpgroups' gradient stores of the tile are complete (``stored``; checked two tiles later, when the stage
-        comes back), and the other sequences' loaders load a tile only once its flag is up."""
+        comes back), and the other sequences' loaders load a tile only once its flag is up. ``load_src``,
+        ``bias_src``: where the descriptors come from (:func:`common.sequence_descriptor`, :func:`_plane`; ``HOST``,
+        ``HOST_BIAS``: made on the host)."""
+        QD, dOD, KD, VD, q_ptr, do_ptr, k_ptr, v_ptr, q_stride, do_stride, k_stride, v_stride = load_src
+        HKV: gl.constexpr = H // GROUP
+        q_desc = sequence_descriptor(QD, q_ptr, Lq, H, q_stride, BM, D, D, HEAD_D, HOST)
+        do_desc = sequence_descriptor(dOD, do_ptr, Lq, H, do_stride, BM, D, D, HEAD_D, HOST)
+        k_desc = sequence_descriptor(KD, k_ptr, Lk, HKV, k_stride, BN, D, D, HEAD_D, HOST)
+        v_desc = sequence_descriptor(VD, v_ptr, Lk, HKV, v_stride, BN, D, D, HEAD_D, HOST)
         dtype: gl.constexpr = k_desc.dtype
+        if BIAS:
+            BiasD, Bias, bias_sb, bias_sh, bias_sq, bias_b_step = bias_src
+            bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, BN // 2], dtype)
+            bias_desc, bias_b = _plane(BiasD, Bias, bias_sb, bias_sh, bias_sq, b, bias_b_step, bias_h_step, H, Lq, Lk,
+                                       BM, BN // 2, bias_layout, HOST_BIAS)
+        else:
+            bias_desc, bias_b = q_desc, 0  # (a placeholder, unused)
         for item in range(_blocks_taken(items, ITEMS)):
             n0 = _item(items.n0, item)
             mbarrier.expect(kv_bar.index(item), 2 * BN * D * dtype.primitive_bitwidth // 8)
@@ -435,12 +454,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _key_warpgroup(k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem, dq_smem, kv_bar,
-                       ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc, dbias_desc, dbias_b, dbias_h_step,
-                       stored, storer, dq_full, dq_empty, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items,
-                       scale, qk_scale, seed, offset_lo, threshold, keep_scale, ITEMS: gl.constexpr,
-                       HAS_R: gl.constexpr, HAS_WL: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
-                       DB: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
-                       BM: gl.constexpr, LEAN: gl.constexpr, DQC: gl.constexpr, DET: gl.constexpr, WG: gl.constexpr):
+                       ready, empty, ds_ready, ds_free, store_src, dbias_src, dbias_h_step, stored, storer, dq_full,
+                       dq_empty, b, Lq, Lk, shift, WL, R, q_row, k_row, hk, items: Items, scale, qk_scale, seed,
+                       offset_lo, threshold, keep_scale, ITEMS: gl.constexpr, HAS_R: gl.constexpr,
+                       HAS_WL: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr, DB: gl.constexpr,
+                       D: gl.constexpr, HEAD_D: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
+                       LEAN: gl.constexpr, DQC: gl.constexpr, DET: gl.constexpr, HOST: gl.constexpr,
+                       HOST_BIAS: gl.constexpr, WG: gl.constexpr):
         """One consumer warpgroup: keys ``n0 + 64 WG ..`` (+64) of each of the program's key blocks (``items``),
         over every query tile of every head of the group: dK and dV in registers; dQ over the block's 128 keys
         added by TMA reduces: all of it every other tile, or (LEAN) half its columns every tile. Tiles in
@@ -457,9 +477,24 @@ if HAVE_GLUON:
         took the D128 backward to 205 TFLOP/s from 440 without a gradient, H100: the reductions held the memory
         pipe the few spilled registers reload through; bench/NOTES.md.)
         ``DET`` (deterministic mode): the warpgroup hands each dQ tile to the dQ writer (:func:`_dq_writer`) through
-        its dQ buffer (``dq_full`` / ``dq_empty``, this warpgroup's), which adds the tiles in a fixed order."""
+        its dQ buffer (``dq_full`` / ``dq_empty``, this warpgroup's), which adds the tiles in a fixed order.
+        ``store_src``, ``dbias_src``: where the descriptors of dQ, dK, dV and the bias's gradient come from
+        (:func:`common.sequence_descriptor`, :func:`_plane`; ``HOST``, ``HOST_BIAS``: made on the host)."""
         dtype: gl.constexpr = k_smem.dtype
         KEYS: gl.constexpr = 64
+        dQD, dKD, dVD, dq_ptr, dk_ptr, dv_ptr, dq_stride, dk_stride, dv_stride = store_src
+        HKV: gl.constexpr = H // GROUP
+        dq_desc = sequence_descriptor(dQD, dq_ptr, Lq, H, dq_stride, BM, DQC, D, D, HOST)
+        dk_desc = sequence_descriptor(dKD, dk_ptr, Lk, HKV, dk_stride, KEYS, D, D, HEAD_D, HOST)
+        dv_desc = sequence_descriptor(dVD, dv_ptr, Lk, HKV, dv_stride, KEYS, D, D, HEAD_D, HOST)
+        if DB != 0:
+            dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, dbias_b_step = dbias_src
+            dbias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, KEYS],
+                                                                              dBias.dtype.element_ty)
+            dbias_desc, dbias_b = _plane(dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, b, dbias_b_step, dbias_h_step, H,
+                                         Lq, Lk, BM, KEYS, dbias_layout, HOST_BIAS)
+        else:
+            dbias_desc, dbias_b = dq_desc, 0  # (a placeholder, unused)
         kq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BM, 16])
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -744,10 +779,7 @@ if HAVE_GLUON:
         k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
         dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, DQC], gl.float32)
-        # The bias's and its gradient's descriptors' boxes (one warpgroup's keys), and a bias tile in the ring.
-        bias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, BN // 2], dtype)
-        dbias_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BM, BN // 2],
-                                                                          dBias.dtype.element_ty)
+        # A bias tile in the ring (one warpgroup's keys).
         bias_tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN // 2], dtype)
 
         gl.static_assert(not (PAIRS and LEAN), "pairs of key blocks: D64 only (two K and V buffers)")
@@ -770,38 +802,40 @@ if HAVE_GLUON:
             n0_second = n0_first
             if n0_first >= seq.Lk:
                 return
+        # Where each partition makes its descriptors from (common.sequence_descriptor, _plane). (Placeholders for what a
+        # call doesn't have: a partition's argument can't be None.)
         if HOST_DESCS:
             # Over all B x S rows; no tile crosses a sequence (host_descriptors).
-            q_desc, do_desc, dq_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, dQD, KD, VD, dKD, dVD
+            load_src = (QD, dOD, KD, VD, Q.ptr, dO.ptr, K.ptr, V.ptr, Q.stride_s, dO.stride_s, K.stride_s, V.stride_s)
+            store_src = (dQD, dKD, dVD, dQ.ptr, dK.ptr, dV.ptr, dQ.stride_s, dK.stride_s, dV.stride_s)
             q_row = seq.b * max_q
             k_row = seq.b * max_k
         else:
             # One descriptor per tensor and sequence, over its rows x heads (common.head_descriptor): boxes clip at
-            # the sequence's end.
-            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D, D, HEAD_D)
-            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, D, D, HEAD_D)
-            # (dQ's accumulator has heads of D columns whatever HEAD_D: triton.backward's head_block)
-            dq_desc = head_descriptor(base(dQ, seq.b, seq.q_start, 0), seq.Lq, H, dQ.stride_s, BM, DQC, D, D)
-            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D, D, HEAD_D)
-            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, D, D, HEAD_D)
-            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN // 2, D, D,
-                                      HEAD_D)
-            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN // 2, D, D,
-                                      HEAD_D)
+            # the sequence's end. (dQ's accumulator has heads of D columns whatever HEAD_D: triton.backward's
+            # head_block.)
+            q_ptr = base(Q, seq.b, seq.q_start, 0)
+            k_ptr = base(K, seq.b, seq.k_start, 0)
+            load_src = (q_ptr, q_ptr, q_ptr, q_ptr, q_ptr, base(dO, seq.b, seq.q_start, 0), k_ptr,
+                        base(V, seq.b, seq.k_start, 0), Q.stride_s, dO.stride_s, K.stride_s, V.stride_s)
+            store_src = (q_ptr, q_ptr, q_ptr, base(dQ, seq.b, seq.q_start, 0), base(dK, seq.b, seq.k_start, 0),
+                         base(dV, seq.b, seq.k_start, 0), dQ.stride_s, dK.stride_s, dV.stride_s)
             q_row = 0
             k_row = 0
-        # The bias's and its gradient's descriptors (placeholders where there is none: a partition's argument can't
-        # be None), and their batch coordinates.
-        bias_desc, bias_b = q_desc, 0
-        dbias_desc, dbias_b = dq_desc, 0
+        bias_src = (Q.ptr, )
+        dbias_src = (Q.ptr, )
         if F.HAS_BIAS:
-            bias_desc, bias_b = _plane(BiasD, Bias, bias_sb, bias_sh, bias_sq, seq.b, bias_b_step, bias_h_step, H,
-                                       seq.Lq, seq.Lk, BM, BN // 2, bias_layout, HOST_BIAS)
+            if HOST_BIAS:
+                bias_src = (BiasD, Bias, bias_sb, bias_sh, bias_sq, bias_b_step)
+            else:
+                bias_src = (Bias, Bias, bias_sb, bias_sh, bias_sq, bias_b_step)
+        if DB != 0:
+            if HOST_BIAS:
+                dbias_src = (dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, dbias_b_step)
+            else:
+                dbias_src = (dBias, dBias, dbias_sb, dbias_sh, dbias_sq, dbias_b_step)
         # (DB 3) The first sequence's programs store the gradient, the others add (each tile once its flag is up).
         storer = seq.b == 0
-        if DB != 0:
-            dbias_desc, dbias_b = _plane(dBiasD, dBias, dbias_sb, dbias_sh, dbias_sq, seq.b, dbias_b_step,
-                                         dbias_h_step, H, seq.Lq, seq.Lk, BM, BN // 2, dbias_layout, HOST_BIAS)
 
         k_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
         v_smem = gl.allocate_shared_memory(dtype, [ITEMS, BN, D], k_layout)
@@ -850,44 +884,45 @@ if HAVE_GLUON:
         if DET:
             gl.warp_specialize([
                 (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
-                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
-                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
-                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 0)),
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, store_src, dbias_src,
+                                  dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq, seq.Lk, m.shift,
+                                  m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo,
+                                  dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL, F.DROPOUT,
+                                  F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, HOST_DESCS, HOST_BIAS, 0)),
                 (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
-                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
-                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
-                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 1)),
-                (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring,
-                               bias_ring, lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q,
-                               seq.b, seq.q_start, seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored,
-                               storer, items, ITEMS, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, store_src, dbias_src,
+                                  dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq, seq.Lk, m.shift,
+                                  m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo,
+                                  dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL, F.DROPOUT,
+                                  F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, HOST_DESCS, HOST_BIAS, 1)),
+                (_load_tiles, (load_src, bias_src, k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring,
+                               delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                               seq.Lq, seq.Lk, q_row, k_row, hk, bias_h_step, Flags, stored, storer, items, ITEMS,
+                               F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB, HOST_DESCS, HOST_BIAS)),
                 # (its own warp: the waits for each tile's turn and the releases stay off the key warpgroups'
                 # path)
-                (_dq_writer, (dq_smem, dq_full, dq_empty, dq_desc, turns, n_q_tiles, seq.Lq, seq.Lk, m.shift, m.R,
-                              q_row, hk, items, F.HAS_R, D, GROUP, BM, BN, LEAN, DQC)),
+                (_dq_writer, (dq_smem, dq_full, dq_empty, (store_src[0], store_src[3], store_src[6]), turns,
+                              n_q_tiles, seq.Lq, seq.Lk, m.shift, m.R, q_row, hk, items, F.HAS_R, D, H, GROUP, BM,
+                              BN, LEAN, DQC, HOST_DESCS)),
             ], [4, 1, 1], [common.CONSUMER_REGS, common.LOADER_REGS, common.LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
-                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
-                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
-                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 0)),
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, store_src, dbias_src,
+                                  dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq, seq.Lk, m.shift,
+                                  m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo,
+                                  dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL, F.DROPOUT,
+                                  F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, HOST_DESCS, HOST_BIAS, 0)),
                 (_key_warpgroup, (k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring, delta_ring, ds_smem,
-                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                                  dbias_desc, dbias_b, dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq,
-                                  seq.Lk, m.shift, m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed,
-                                  offset_lo, dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL,
-                                  F.DROPOUT, F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, 1)),
-                (_load_tiles, (k_desc, v_desc, q_desc, do_desc, bias_desc, k_smem, v_smem, q_ring, do_ring,
-                               bias_ring, lse2_ring, delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q,
-                               seq.b, seq.q_start, seq.Lq, q_row, k_row, hk, bias_b, bias_h_step, Flags, stored,
-                               storer, items, ITEMS, F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB)),
+                                  dq_smem, kv_bar, ready, empty, ds_ready, ds_free, store_src, dbias_src,
+                                  dbias_h_step, stored, storer, dq_full, dq_empty, seq.b, seq.Lq, seq.Lk, m.shift,
+                                  m.WL, m.R, q_row, k_row, hk, items, scale, qk_scale, seed, offset_lo,
+                                  dropout.threshold, dropout.keep_scale, ITEMS, F.HAS_R, F.HAS_WL, F.DROPOUT,
+                                  F.HAS_BIAS, DB, D, HEAD_D, H, GROUP, BM, LEAN, DQC, DET, HOST_DESCS, HOST_BIAS, 1)),
+                (_load_tiles, (load_src, bias_src, k_smem, v_smem, q_ring, do_ring, bias_ring, lse2_ring,
+                               delta_ring, kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start,
+                               seq.Lq, seq.Lk, q_row, k_row, hk, bias_h_step, Flags, stored, storer, items, ITEMS,
+                               F.VARLEN, D, HEAD_D, H, GROUP, BM, BN, F.HAS_BIAS, DB, HOST_DESCS, HOST_BIAS)),
             ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         for i in gl.static_range(ITEMS):
             mbarrier.invalidate(kv_bar.index(i))

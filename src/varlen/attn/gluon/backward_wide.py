@@ -53,10 +53,10 @@ from .common import (
     fence_async_shared,
     gl,
     gluon,
-    head_descriptor,
     load_head_tile,
     mbarrier,
     query_vector,
+    sequence_descriptor,
     store_head_tile,
     tma,
     warpgroup_mma,
@@ -74,17 +74,34 @@ PROGRAMS_PER_SM = 8
 
 if HAVE_GLUON:
     @gluon.jit
-    def _load_tiles(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar,
-                    ready, empty, LSE2, DELTA, total_q, max_q, b, q_start, Lq, q_row, k_row, hk, n0, t_lo, n_tiles,
-                    his, VARLEN: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr,
-                    DV: gl.constexpr, HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
-                    BM: gl.constexpr, BN: gl.constexpr):
+    def _parts(host, host_hi, ptr, rows, heads, row_stride, BOX_ROWS: gl.constexpr, D: gl.constexpr,
+               HI: gl.constexpr, HEAD_D: gl.constexpr, HOST: gl.constexpr):
+        """A tile's two descriptors (``common.sequence_descriptor``: ``host`` and ``host_hi`` where ``HOST``), of its
+        first ``D - HI`` columns and, where ``HI`` is 64, of its last 64 (else the first's again, unused)."""
+        desc = sequence_descriptor(host, ptr, rows, heads, row_stride, BOX_ROWS, D - HI, D, HEAD_D, HOST)
+        desc_hi = sequence_descriptor(host_hi, ptr, rows, heads, row_stride, BOX_ROWS, HI, D, HEAD_D,
+                                      HOST) if HI > 0 else desc
+        return desc, desc_hi
+
+    @gluon.jit
+    def _load_tiles(load_src, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar, ready, empty, LSE2,
+                    DELTA, total_q, max_q, b, q_start, Lq, Lk, q_row, k_row, hk, n0, t_lo, n_tiles, his,
+                    VARLEN: gl.constexpr, D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, DV: gl.constexpr,
+                    HIV: gl.constexpr, HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr,
+                    BM: gl.constexpr, BN: gl.constexpr, HOST: gl.constexpr):
         """The producer warp: the block's K and V at once, then the (Q, dO) tiles of every head of the group through
         the two-stage ring, each stage refilled once both warpgroups released it, with the tile's lse (log2 units;
         +inf past ``Lq``) and delta, loaded by this warp's threads. ``q_row``, ``k_row``: the sequence's first rows in
-        the descriptors. ``his``: the second parts' descriptors and tiles (``_bwd_kv_wide_hopper``), loaded where
-        ``HI`` (Q's and K's) or ``HIV`` (V's and dO's) is 64."""
-        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
+        the descriptors. ``his``: the second parts' tiles (``_bwd_kv_wide_hopper``), loaded where ``HI`` (Q's and
+        K's) or ``HIV`` (V's and dO's) is 64. ``load_src``: where the descriptors come from (:func:`_parts`)."""
+        (KD, VD, QD, dOD, KH, VH, QH, dOH, k_ptr, v_ptr, q_ptr, do_ptr, k_stride, v_stride, q_stride,
+         do_stride) = load_src
+        k_hi, v_hi, q_hi, do_hi = his
+        HKV: gl.constexpr = H // GROUP
+        k_desc, k_desc_hi = _parts(KD, KH, k_ptr, Lk, HKV, k_stride, BN, D, HI, HEAD_D, HOST)
+        v_desc, v_desc_hi = _parts(VD, VH, v_ptr, Lk, HKV, v_stride, BN, DV, HIV, HEAD_DV, HOST)
+        q_desc, q_desc_hi = _parts(QD, QH, q_ptr, Lq, H, q_stride, BM, D, HI, HEAD_D, HOST)
+        do_desc, do_desc_hi = _parts(dOD, dOH, do_ptr, Lq, H, do_stride, BM, DV, HIV, HEAD_DV, HOST)
         dtype: gl.constexpr = k_desc.dtype
         mbarrier.expect(kv_bar.index(0), BN * (D + DV) * dtype.primitive_bitwidth // 8)
         load_head_tile(k_desc, k_row + n0, hk, kv_bar.index(0), k_smem, D, HEAD_D)
@@ -118,19 +135,21 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _score_warpgroup(k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready, p_free,
-                         dv_desc, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
+                         dv_src, b, Lk, shift, WL, R, k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed,
                          offset_lo, threshold, keep_scale, his, HAS_R: gl.constexpr, HAS_WL: gl.constexpr,
                          DROPOUT: gl.constexpr, HI: gl.constexpr, DV: gl.constexpr, HIV: gl.constexpr,
                          HEAD_DV: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr,
-                         BN: gl.constexpr, kq_layout: gl.constexpr):
+                         BN: gl.constexpr, kq_layout: gl.constexpr, HOST: gl.constexpr):
         """Sᵀ = K Qᵀ, Pᵀ (the band applied on the tiles outside ``[u_lo, u_hi)``), handed to the gradient warpgroup,
         and dV += Pᵀ dO over every query tile of every head of the group; then dV out through V's buffer, once the
         gradient warpgroup's last product has read V. With ``DROPOUT`` the tile's keep bits are drawn before its
         product is issued (``backward.py``'s draw, of its 64-key tiles) and ride in Pᵀ's sign bits (-P where
         dropped): dV takes the kept P (``relu_low``; the keep scale at the end), and the gradient warpgroup the
         signed Pᵀ. In a tile of 192 (``HI``, ``HIV``: 64) Sᵀ is two products, and dV two accumulators (128 and 64
-        columns)."""
-        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
+        columns). ``dv_src``: where dV's descriptors come from (:func:`_parts`)."""
+        k_hi, v_hi, q_hi, do_hi = his
+        dVD, dVH, dv_ptr, dv_stride = dv_src
+        dv_desc, dv_desc_hi = _parts(dVD, dVH, dv_ptr, Lk, H // GROUP, dv_stride, BN, DV, HIV, HEAD_DV, HOST)
         dtype: gl.constexpr = k_smem.dtype
         q_axis: gl.constexpr = gl.SliceLayout(0, kq_layout)
         kdv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -204,16 +223,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gradient_warpgroup(k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                            p_free, dk_desc, k_row, hk, n0, n_tiles, scale, keep_scale, his, DROPOUT: gl.constexpr,
+                            p_free, dk_src, Lk, k_row, hk, n0, n_tiles, scale, keep_scale, his, DROPOUT: gl.constexpr,
                             D: gl.constexpr, HI: gl.constexpr, HEAD_D: gl.constexpr, HIV: gl.constexpr,
-                            GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, kq_layout: gl.constexpr):
+                            H: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                            kq_layout: gl.constexpr, HOST: gl.constexpr):
         """dPᵀ = V dOᵀ, dSᵀ = Pᵀ (dPᵀ - delta) with the score warpgroup's Pᵀ, and dK += dSᵀ Q over every query tile
         of every head of the group; then dK (times the softmax scale) out through K's buffer, once the score
         warpgroup's last product has read K (before it made its last Pᵀ ready). With ``DROPOUT`` (Pᵀ signed where
         dropped), dSᵀ as ``backward.py`` makes it, times 2 / keep_scale: (Pᵀ + |Pᵀ|) dPᵀ - |Pᵀ| 2 delta / keep_scale;
         dK takes the factor back at the end. In a tile of 192 (``HI``, ``HIV``: 64) dPᵀ is two products, and dK two
-        accumulators (128 and 64 columns)."""
-        (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi) = his
+        accumulators (128 and 64 columns). ``dk_src``: where dK's descriptors come from (:func:`_parts`)."""
+        k_hi, v_hi, q_hi, do_hi = his
+        dKD, dKH, dk_ptr, dk_stride = dk_src
+        dk_desc, dk_desc_hi = _parts(dKD, dKH, dk_ptr, Lk, H // GROUP, dk_stride, BN, D, HI, HEAD_D, HOST)
         dtype: gl.constexpr = k_smem.dtype
         kd_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, D - HI, 16])
@@ -308,43 +330,32 @@ if HAVE_GLUON:
         n0 = block * BN
         if n0 >= seq.Lk:
             return
+        # Where each partition makes its descriptors from (_parts). (Placeholders for what a call doesn't have: a
+        # partition's argument can't be None.)
         if HOST_DESCS:
             # Over all B x S rows; no tile crosses a sequence (host_descriptors).
-            q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc = QD, dOD, KD, VD, dKD, dVD
-            q_desc_hi, do_desc_hi, k_desc_hi, v_desc_hi, dk_desc_hi, dv_desc_hi = QH, dOH, KH, VH, dKH, dVH
+            q_ptr, do_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr = Q.ptr, dO.ptr, K.ptr, V.ptr, dK.ptr, dV.ptr
+            q_host, do_host, k_host, v_host, dk_host, dv_host = QD, dOD, KD, VD, dKD, dVD
+            q_host_hi, k_host_hi, dk_host_hi = (QH, KH, dKH) if HI > 0 else (QD, KD, dKD)
+            do_host_hi, v_host_hi, dv_host_hi = (dOH, VH, dVH) if HIV > 0 else (dOD, VD, dVD)
             q_row = seq.b * max_q
             k_row = seq.b * max_k
         else:
-            # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end. (The
-            # second parts' after the first parts', so that each takes the next slot of the device scratch and tiles
-            # of 256 compile as before tiles of 192 existed.)
-            q_desc = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, D - HI, D, HEAD_D)
-            do_desc = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, DV - HIV, DV,
-                                      HEAD_DV)
-            k_desc = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
-            v_desc = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, DV - HIV, DV,
-                                     HEAD_DV)
-            dk_desc = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, D - HI, D,
-                                      HEAD_D)
-            dv_desc = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, DV - HIV, DV,
-                                      HEAD_DV)
-            q_desc_hi, k_desc_hi, dk_desc_hi = q_desc, k_desc, dk_desc  # (stand-ins where HI is 0, unused)
-            do_desc_hi, v_desc_hi, dv_desc_hi = do_desc, v_desc, dv_desc
-            if HI > 0:
-                q_desc_hi = head_descriptor(base(Q, seq.b, seq.q_start, 0), seq.Lq, H, Q.stride_s, BM, HI, D, HEAD_D)
-                k_desc_hi = head_descriptor(base(K, seq.b, seq.k_start, 0), seq.Lk, HKV, K.stride_s, BN, HI, D,
-                                            HEAD_D)
-                dk_desc_hi = head_descriptor(base(dK, seq.b, seq.k_start, 0), seq.Lk, HKV, dK.stride_s, BN, HI, D,
-                                             HEAD_D)
-            if HIV > 0:
-                do_desc_hi = head_descriptor(base(dO, seq.b, seq.q_start, 0), seq.Lq, H, dO.stride_s, BM, HIV, DV,
-                                             HEAD_DV)
-                v_desc_hi = head_descriptor(base(V, seq.b, seq.k_start, 0), seq.Lk, HKV, V.stride_s, BN, HIV, DV,
-                                            HEAD_DV)
-                dv_desc_hi = head_descriptor(base(dV, seq.b, seq.k_start, 0), seq.Lk, HKV, dV.stride_s, BN, HIV, DV,
-                                             HEAD_DV)
+            # One descriptor per tensor and sequence (common.head_descriptor): boxes clip at the sequence's end.
+            q_ptr = base(Q, seq.b, seq.q_start, 0)
+            do_ptr = base(dO, seq.b, seq.q_start, 0)
+            k_ptr = base(K, seq.b, seq.k_start, 0)
+            v_ptr = base(V, seq.b, seq.k_start, 0)
+            dk_ptr = base(dK, seq.b, seq.k_start, 0)
+            dv_ptr = base(dV, seq.b, seq.k_start, 0)
+            unused = q_ptr  # (in place of the host descriptors)
+            q_host, do_host, k_host, v_host, dk_host, dv_host = unused, unused, unused, unused, unused, unused
+            q_host_hi, do_host_hi, k_host_hi, v_host_hi, dk_host_hi, dv_host_hi = (unused, unused, unused, unused,
+                                                                                  unused, unused)
             q_row = 0
             k_row = 0
+        load_src = (k_host, v_host, q_host, do_host, k_host_hi, v_host_hi, q_host_hi, do_host_hi, k_ptr, v_ptr, q_ptr,
+                    do_ptr, K.stride_s, V.stride_s, Q.stride_s, dO.stride_s)
 
         k_smem = gl.allocate_shared_memory(dtype, [BN, D - HI], tile_layout)
         v_smem = gl.allocate_shared_memory(dtype, [BN, DV - HIV], value_layout)
@@ -362,7 +373,7 @@ if HAVE_GLUON:
             do_hi = gl.allocate_shared_memory(dtype, [2, BM, HIV], hiv_layout)
         else:
             v_hi, do_hi = v_smem, do_ring
-        his = (k_desc_hi, v_desc_hi, q_desc_hi, do_desc_hi, dk_desc_hi, dv_desc_hi, k_hi, v_hi, q_hi, do_hi)
+        his = (k_hi, v_hi, q_hi, do_hi)
         p_smem = gl.allocate_shared_memory(gl.float32, [2, BN, BM], p_layout)  # Pᵀ of a tile, double-buffered
         vector_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         lse2_ring = gl.allocate_shared_memory(gl.float32, [2, BM], vector_layout)
@@ -384,15 +395,17 @@ if HAVE_GLUON:
         n_tiles = (t_hi - t_lo + BM - 1) // BM
         gl.warp_specialize([
             (_score_warpgroup, (k_smem, v_smem, q_ring, do_ring, lse2_ring, p_smem, kv_bar, ready, empty, p_ready,
-                                p_free, dv_desc, seq.b, seq.Lk, m.shift, m.WL, m.R, k_row, hk, n0, t_lo, n_tiles, u_lo,
-                                u_hi, qk_scale, seed, offset_lo, dropout.threshold, dropout.keep_scale, his, F.HAS_R,
-                                F.HAS_WL, F.DROPOUT, HI, DV, HIV, HEAD_DV, H, GROUP, BM, BN, kq_layout)),
+                                p_free, (dv_host, dv_host_hi, dv_ptr, dV.stride_s), seq.b, seq.Lk, m.shift, m.WL, m.R,
+                                k_row, hk, n0, t_lo, n_tiles, u_lo, u_hi, qk_scale, seed, offset_lo, dropout.threshold,
+                                dropout.keep_scale, his, F.HAS_R, F.HAS_WL, F.DROPOUT, HI, DV, HIV, HEAD_DV, H, GROUP,
+                                BM, BN, kq_layout, HOST_DESCS)),
             (_gradient_warpgroup, (k_smem, v_smem, q_ring, do_ring, delta_ring, p_smem, kv_bar, ready, empty, p_ready,
-                                   p_free, dk_desc, k_row, hk, n0, n_tiles, scale, dropout.keep_scale, his, F.DROPOUT,
-                                   D, HI, HEAD_D, HIV, GROUP, BM, BN, kq_layout)),
-            (_load_tiles, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring,
-                           kv_bar, ready, empty, LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, q_row, k_row,
-                           hk, n0, t_lo, n_tiles, his, F.VARLEN, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BM, BN)),
+                                   p_free, (dk_host, dk_host_hi, dk_ptr, dK.stride_s), seq.Lk, k_row, hk, n0, n_tiles,
+                                   scale, dropout.keep_scale, his, F.DROPOUT, D, HI, HEAD_D, HIV, H, GROUP, BM, BN,
+                                   kq_layout, HOST_DESCS)),
+            (_load_tiles, (load_src, k_smem, v_smem, q_ring, do_ring, lse2_ring, delta_ring, kv_bar, ready, empty,
+                           LSE2, DELTA, total_q, max_q, seq.b, seq.q_start, seq.Lq, seq.Lk, q_row, k_row, hk, n0, t_lo,
+                           n_tiles, his, F.VARLEN, D, HI, HEAD_D, DV, HIV, HEAD_DV, H, GROUP, BM, BN, HOST_DESCS)),
         ], [4, 1], [common.CONSUMER_REGS, common.LOADER_REGS])
         mbarrier.invalidate(kv_bar.index(0))
         for i in gl.static_range(2):

@@ -51,7 +51,8 @@ __all__ = ["DATA_DEPENDENT", "GLUON_TRITON", "HAVE_GLUON", "TensorDescriptor", "
            "gluon", "ir", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait", "TILE_HEAD_DIMS",
            "tile_head_dim", "wide_tile_head_dim", "same_tile_head_dims", "wide_tile_head_dims",
            "plain_call", "hopper_layout",
-           "host_head_descriptor", "head_descriptor", "load_head_tile", "store_head_tile", "query_vector",
+           "host_head_descriptor", "head_descriptor", "sequence_descriptor", "load_head_tile", "store_head_tile",
+           "query_vector",
            "sequences_adjacent", "shared_layout", "gluon_api_supported"]
 
 # Registers per thread: a kernel's 384 threads (two warpgroups of consumers and the loader's warp, padded to
@@ -187,6 +188,25 @@ if HAVE_GLUON:
                                               gl.NVMMASharedLayout.get_default_for([BOX_ROWS, 1, BOX_COLUMNS], dtype))
 
     @gluon.jit
+    def sequence_descriptor(host_desc, ptr, rows, heads, row_stride, BOX_ROWS: gl.constexpr,
+                            BOX_COLUMNS: gl.constexpr, D: gl.constexpr, HEAD_D: gl.constexpr, HOST: gl.constexpr):
+        """``host_desc`` (``HOST``: made on the host over all B x S rows), or a :func:`head_descriptor` made here over
+        the ``rows`` rows of a sequence from ``ptr``, its first (boxes clip at the sequence's end). The Gluon backward
+        kernels call this in each partition for the descriptors that partition copies through. A descriptor written on
+        the device reaches TMA through an acquire fence, which Triton runs in the first warp of the partition that makes
+        it, then a barrier of the partition; NVIDIA acquires in each warp that issues copies. Made in the partitions, a
+        one-warp loader acquires what it loads through; a warpgroup's stores and reduces rely on that barrier where
+        Triton splits a box into copies from several of its warps (its rows past the 128-byte swizzle: in the PTX, warps
+        0 and 1 at 128 bf16 columns), as every Triton kernel that makes descriptors on the device does. (Made before the
+        partitions, only the default partition's first warp acquired, and every other partition relied on the barriers
+        across the partitions' start. Made in the partitions, the seven descriptors of the backward are also made side
+        by side, not one after another: bench/NOTES.md, "Descriptors made by the partitions".)"""
+        if HOST:
+            return host_desc
+        else:
+            return head_descriptor(ptr, rows, heads, row_stride, BOX_ROWS, BOX_COLUMNS, D, HEAD_D)
+
+    @gluon.jit
     def head_box(smem, desc, FIRST_ROW: gl.constexpr):
         """Rows ``FIRST_ROW..`` (as many as ``desc``'s box has) of a 2-D shared-memory tile, as the destination or
         source of ``desc``'s box: where that is 3-D (a middle dim of 1), the whole tile reinterpreted (the same
@@ -225,4 +245,4 @@ if HAVE_GLUON:
 
 
 else:  # pragma: no cover - depends on the installed Triton
-    head_descriptor = load_head_tile = store_head_tile = query_vector = None
+    head_descriptor = sequence_descriptor = load_head_tile = store_head_tile = query_vector = None
