@@ -151,7 +151,7 @@ def main():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         counts = sweep([make(name, g, batch) for batch in (0, 1)], n_calls)
         flag = "RACE" if any(counts.values()) else "ok"
-        print(f"{flag}\tprograms={programs}\t{name}\t{n_calls} calls\t{counts}", flush=True)
+        print(f"{flag}\tprograms={programs}\t{name}\t{n_calls} calls x 2 batches\t{counts}", flush=True)
 
 
 if __name__ == "__main__":
