@@ -219,36 +219,29 @@ if HAVE_GLUON:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
         # One descriptor per tensor over all its rows (the forward's: a tile past a sequence's end reads the next
-        # sequence's rows, masked out of P, or computed and never stored).
-        q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
+        # sequence's rows, masked out of P, or computed and never stored). As in the forward, the loader makes the
+        # ones it copies through (Q, dO, K, V) and dQ's is made here, as the forward's O.
         dq_desc = head_descriptor(dQ.ptr, q_rows, H, dQ.stride_s, 64, D - HI, D, HEAD_D)
-        do_desc = head_descriptor(dO.ptr, q_rows, H, dO.stride_s, 64, DV - HIV, DV, HEAD_DV)
-        k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
-        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, DV - HIV, DV, HEAD_DV)
+        dq_desc_hi = head_descriptor(dQ.ptr, q_rows, H, dQ.stride_s, 64, HI, D, HEAD_D) if HI > 0 else dq_desc
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
         do_smem = gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], do_layout)
         k_ring = gl.allocate_shared_memory(dtype, [KS, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
         # The second parts (the first parts stand in for them where HI or HIV is 0, unused).
         if HI > 0:
-            q_desc_hi = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, HI, D, HEAD_D)
-            dq_desc_hi = head_descriptor(dQ.ptr, q_rows, H, dQ.stride_s, 64, HI, D, HEAD_D)
-            k_desc_hi = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, HI, D, HEAD_D)
             qh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HI], dtype)
             kh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HI], dtype)
             q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], qh_layout)
             k_hi = gl.allocate_shared_memory(dtype, [KS, BN, HI], kh_layout)
         else:
-            q_desc_hi, dq_desc_hi, k_desc_hi, q_hi, k_hi = q_desc, dq_desc, k_desc, q_smem, k_ring
+            q_hi, k_hi = q_smem, k_ring
         if HIV > 0:
-            do_desc_hi = head_descriptor(dO.ptr, q_rows, H, dO.stride_s, 64, HIV, DV, HEAD_DV)
-            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HIV, DV, HEAD_DV)
             doh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HIV], dtype)
             vh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HIV], dtype)
             do_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HIV], doh_layout)
             v_hi = gl.allocate_shared_memory(dtype, [2, BN, HIV], vh_layout)
         else:
-            do_desc_hi, v_desc_hi, do_hi, v_hi = do_desc, v_desc, do_smem, v_ring
+            do_hi, v_hi = do_smem, v_ring
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
@@ -275,10 +268,10 @@ if HAVE_GLUON:
                    item_ready, item_free, dq_desc, dq_desc_hi, dQ.ptr, dQ.stride_s, LSE2, DELTA, seqs.cu_q, seqs.cu_k,
                    total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale,
                    q_hi, k_hi, v_hi, do_hi)
-        load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
-                     max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
-                     k_hi, v_hi, do_desc, do_desc_hi, do_smem, do_hi)
+        load_args = (Q.ptr, Q.stride_s, K.ptr, K.stride_s, V.ptr, V.stride_s, q_rows, k_rows, q_smem, k_ring, v_ring,
+                     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item, item_ready, item_free, counter,
+                     seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
+                     mask.right, q_hi, k_hi, v_hi, dO.ptr, dO.stride_s, do_smem, do_hi)
         gl.static_assert(WGS == 2)
         gl.warp_specialize([(_dq_warpgroup, (wg_args, F, D, HI, HEAD_D, HIV, H, BN, KS, WGS, 0)),
                             (_dq_warpgroup, (wg_args, F, D, HI, HEAD_D, HIV, H, BN, KS, WGS, 1)),

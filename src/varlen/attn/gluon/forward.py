@@ -31,15 +31,16 @@ block starts under this one's last products and its output's TMA store. (With on
 program's prologue and epilogue idled the tensor cores: 0.69-0.98x this speed at D128, ``bench/NOTES.md``.)
 
 Tiles load through one TMA descriptor per tensor over all its rows (rows x (heads x D), or 3-D over (rows, heads,
-head dim) where the head dim is less than the tile's: ``common.head_descriptor``), made once per
-program. A tile past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys
-there are masked out of the scores (the last tile is always a masked one), queries there are computed and
-never stored; their P is exactly 0, so their V rows add nothing unless they hold inf or NaN (which would
-turn the row NaN; the Triton kernel's per-sequence descriptors read zeros there). Query rows before a sequence's
-start (``ALIGN_END``'s partial first block) read the last sequence's rows, or zeros before the buffer (TMA takes
-negative coordinates), and are never stored either. The output goes through a TMA store where a warpgroup's 64
-rows lie in the sequence, by masked stores at its first or last rows. Scores stay
-raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
+head dim) where the head dim is less than the tile's: ``common.head_descriptor``), made once per program: Q's, K's
+and V's by the loader that copies through them (``common.sequence_descriptor`` says why), O's before the partitions
+(made in each query warpgroup it cost 4.5% at D64: ``bench/NOTES.md``, "Descriptors made by the partitions"). A tile
+past a sequence's end reads the next sequence's rows (zeros past the buffer's end): keys there are masked out of the
+scores (the last tile is always a masked one), queries there are computed and never stored; their P is exactly 0, so
+their V rows add nothing unless they hold inf or NaN (which would turn the row NaN; the Triton kernel's per-sequence
+descriptors read zeros there). Query rows before a sequence's start (``ALIGN_END``'s partial first block) read the
+last sequence's rows, or zeros before the buffer (TMA takes negative coordinates), and are never stored either. The
+output goes through a TMA store where a warpgroup's 64 rows lie in the sequence, by masked stores at its first or
+last rows. Scores stay raw (q·k), the scale folded into ``exp2`` (``launch.raw_scores``), as the Triton kernel with
 ``RAW_SCORES``; the lse is stored in natural log, -inf (and the output 0) where a query sees no key.
 
 Dropout: each query warpgroup draws a tile's keep bits after its softmax (``gluon/dropout.py``: 4 Philox calls per
@@ -252,10 +253,27 @@ if HAVE_GLUON:
         Ring positions count on across work items, so the next item's first tiles load under this one's last
         products. ``args``: the loader's tensors and values (``_attn_fwd_hopper``; in a tile of 192, ``HI`` = 64 (V's:
         ``HIV``), the last 64 columns through their own descriptors into their own tiles). ``WITH_DO``: the block's dO
-        too, with its Q (``gluon/backward_dq.py``: V's head dims); ``K_STAGES``: the K ring's slots (V's: two)."""
-        (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item,
-         item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, WL, R,
-         q_desc_hi, k_desc_hi, v_desc_hi, q_hi, k_hi, v_hi, do_desc, do_desc_hi, do_smem, do_hi) = args
+        too, with its Q (``gluon/backward_dq.py``: V's head dims); ``K_STAGES``: the K ring's slots (V's: two).
+        The loader makes its own descriptors (``common.head_descriptor``: over ``q_rows`` and ``k_rows`` rows), so that
+        the fence that makes each one visible to TMA runs in the warp that loads through it."""
+        (Q, q_stride, K, k_stride, V, v_stride, q_rows, k_rows, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
+         k_empty, v_ready, v_empty, item, item_ready, item_free, counter, cu_q, cu_k, total_q, total_k, max_q, max_k,
+         n_items, n_blocks, WL, R, q_hi, k_hi, v_hi, dO, do_stride, do_smem, do_hi) = args
+        HKV: gl.constexpr = H // GROUP
+        q_desc = head_descriptor(Q, q_rows, H, q_stride, 64, D - HI, D, HEAD_D)
+        k_desc = head_descriptor(K, k_rows, HKV, k_stride, BN, D - HI, D, HEAD_D)
+        v_desc = head_descriptor(V, k_rows, HKV, v_stride, BN, DV - HIV, DV, HEAD_DV)
+        if HI > 0:
+            q_desc_hi = head_descriptor(Q, q_rows, H, q_stride, 64, HI, D, HEAD_D)
+            k_desc_hi = head_descriptor(K, k_rows, HKV, k_stride, BN, HI, D, HEAD_D)
+        else:
+            q_desc_hi, k_desc_hi = q_desc, k_desc
+        v_desc_hi = head_descriptor(V, k_rows, HKV, v_stride, BN, HIV, DV, HEAD_DV) if HIV > 0 else v_desc
+        if WITH_DO:
+            do_desc = head_descriptor(dO, q_rows, H, do_stride, 64, DV - HIV, DV, HEAD_DV)
+            do_desc_hi = head_descriptor(dO, q_rows, H, do_stride, 64, HIV, DV, HEAD_DV) if HIV > 0 else do_desc
+        else:
+            do_desc, do_desc_hi = q_desc, q_desc  # (stand-ins, unused)
         dtype: gl.constexpr = q_desc.dtype
         half_bytes: gl.constexpr = 64 * (D + (DV if WITH_DO else 0)) * dtype.primitive_bitwidth // 8
         k_bytes: gl.constexpr = BN * D * dtype.primitive_bitwidth // 8
@@ -680,36 +698,23 @@ if HAVE_GLUON:
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, DV - HIV], dtype)
         o_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DV - HIV], dtype)
         # One descriptor per tensor over all its rows (clipped only at the buffer's end: a tile past a
-        # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring).
+        # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring). Q's, K's
+        # and V's are made by the loader (_load), which copies through them; O's here, before the partitions (the
+        # module docstring says why).
         if F.VARLEN:
             q_rows = total_q
             k_rows = total_k
         else:
             q_rows = n_seqs * max_q
             k_rows = n_seqs * max_k
-        # (With O_IN_Q the output is staged in each warpgroup's part of Q: output_in_q. The descriptors keep their
-        # order, q, o, k, v, then the second parts': each takes the next slot of the device scratch, so tiles up to 128
-        # compile as before wider ones existed.)
-        q_desc = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, D - HI, D, HEAD_D)
+        # (With O_IN_Q the output is staged in each warpgroup's part of Q: output_in_q.)
         o_desc = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, DV - HIV, DV, HEAD_DV)
-        k_desc = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, D - HI, D, HEAD_D)
-        v_desc = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, DV - HIV, DV, HEAD_DV)
-
+        o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HIV, DV, HEAD_DV) if HIV > 0 else o_desc
         q_smem = gl.allocate_shared_memory(dtype, [WGS, 64, D - HI], q_layout)
         o_smem = q_smem if O_IN_Q else gl.allocate_shared_memory(dtype, [WGS, 64, DV - HIV], o_smem_layout)
         k_ring = gl.allocate_shared_memory(dtype, [2, BN, D - HI], k_layout)
         v_ring = gl.allocate_shared_memory(dtype, [2, BN, DV - HIV], v_layout)
         # The second parts (the first parts stand in for them where HI or HIV is 0, unused).
-        # (The descriptors of Q's, K's and V's second parts are made one after another, then the tiles allocated: in
-        # another order the compiler placed the descriptors' barriers otherwise, and the SASS of tiles of 192 changed.)
-        if HI > 0:
-            q_desc_hi = head_descriptor(Q.ptr, q_rows, H, Q.stride_s, 64, HI, D, HEAD_D)
-            k_desc_hi = head_descriptor(K.ptr, k_rows, HKV, K.stride_s, BN, HI, D, HEAD_D)
-        else:
-            q_desc_hi, k_desc_hi = q_desc, k_desc
-        v_desc_hi = v_desc
-        if HIV > 0:
-            v_desc_hi = head_descriptor(V.ptr, k_rows, HKV, V.stride_s, BN, HIV, DV, HEAD_DV)
         if HI > 0:
             hi_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HI], dtype)
             q_hi = gl.allocate_shared_memory(dtype, [WGS, 64, HI], hi_layout)
@@ -719,10 +724,9 @@ if HAVE_GLUON:
         if HIV > 0:
             hiv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, HIV], dtype)
             v_hi = gl.allocate_shared_memory(dtype, [2, BN, HIV], hiv_layout)
-            o_desc_hi = head_descriptor(O.ptr, q_rows, H, O.stride_s, 64, HIV, DV, HEAD_DV)
             o_hi_smem = gl.allocate_shared_memory(dtype, [WGS, 64, HIV], hiv_layout)
         else:
-            v_hi, o_desc_hi, o_hi_smem = v_ring, o_desc, o_smem
+            v_hi, o_hi_smem = v_ring, o_smem
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -752,10 +756,10 @@ if HAVE_GLUON:
                    item_ready, item_free, o_desc, O.ptr, O.stride_s, LSE, seqs.cu_q, seqs.cu_k, total_q, total_k,
                    max_q, max_k, n_items, n_blocks, mask.window_left, mask.right, scale, qk_scale, seed, offset_lo,
                    dropout.threshold, dropout.keep_scale, q_hi, k_hi, v_hi, o_desc_hi, o_hi_smem)
-        load_args = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, k_empty, v_ready,
-                     v_empty, item, item_ready, item_free, counter, seqs.cu_q, seqs.cu_k, total_q, total_k, max_q,
-                     max_k, n_items, n_blocks, mask.window_left, mask.right, q_desc_hi, k_desc_hi, v_desc_hi, q_hi,
-                     k_hi, v_hi, q_desc, q_desc, q_smem, q_smem)  # (no dO: WITH_DO is off, stand-ins)
+        load_args = (Q.ptr, Q.stride_s, K.ptr, K.stride_s, V.ptr, V.stride_s, q_rows, k_rows, q_smem, k_ring, v_ring,
+                     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, item, item_ready, item_free, counter,
+                     seqs.cu_q, seqs.cu_k, total_q, total_k, max_q, max_k, n_items, n_blocks, mask.window_left,
+                     mask.right, q_hi, k_hi, v_hi, Q.ptr, Q.stride_s, q_smem, q_smem)  # (no dO: WITH_DO off, stand-ins)
         if WGS == 3:
             gl.warp_specialize([(_query_warpgroup, (wg_args, F, D, HI, DV, HIV, HEAD_DV, H, BN, PINGPONG, WGS,
                                                     ALIGN_END, O_IN_Q, Q_REGS, 0)),
