@@ -9,8 +9,8 @@ import triton.language as tl
 
 import varlen
 from attention_cases import AttnCase, backend_params, main_dtype, run_attention
-from utils import assert_close, record_calls
-from varlen.attn import api, function
+from utils import assert_close, record_args, record_calls
+from varlen.attn import api, function, torch_backend
 from varlen.attn.dropout import (
     PHILOX_ROUNDS,
     attention_dropout_mask,
@@ -20,6 +20,7 @@ from varlen.attn.dropout import (
     keep_mask_block,
     philox4x32,
 )
+from varlen.attn.options import AttentionOptions, DropoutSeed, Problem
 from varlen.attn.reference import attention_reference
 from varlen.attn.triton.scores import HeadDropout, keep_tile
 
@@ -329,3 +330,93 @@ def test_dropout_mask_validation():
         dropout_keep_mask(1, 1, 2, 2.0, 0.1, seed=0, offset=0)
     with pytest.raises(ValueError, match="dropout_p"):
         dropout_keep_mask(1, 1, 2, 2, -0.1, seed=0, offset=0)
+
+
+# ------------------------------------------------------------------ the CPU backward takes the forward's masks
+def _kept_mask_call(monkeypatch, rows_per_chunk: int = 4):
+    """A jagged causal call with dropout on the CPU (several length buckets, several query chunks each) and what
+    it drew: ``run(retain)`` gives ``[out, grads, draws in the forward, draws in the backward]``, every run from the
+    same generator state (``retain``: then a second backward through the same graph, its grads and draws too); also
+    the masks drawn (the last run's) and the backend's forward calls' arguments."""
+    monkeypatch.setattr(torch_backend, "SCORE_BLOCK_ELEMENTS", rows_per_chunk * 6 * 4 * 40)
+    monkeypatch.setattr(torch_backend, "BUCKET_COST", 1.0)  # (a bucket per length, here)
+    draws = record_calls(monkeypatch, torch_backend, "keep_mask_block")
+    parts = record_calls(monkeypatch, torch_backend, "_parts")
+    forward_calls = record_args(monkeypatch, torch_backend, "forward")
+    torch.manual_seed(0)
+    q = varlen.jagged([torch.randn(n, 4, 16) for n in (3, 17, 1, 0, 40, 9)]).requires_grad_()
+    k = varlen.jagged([torch.randn(n, 2, 16) for n in (17, 0, 5, 9, 33, 2)]).requires_grad_()
+    v = varlen.jagged([torch.randn(n, 2, 8) for n in (17, 0, 5, 9, 33, 2)]).requires_grad_()
+    leaves = (q.values, k.values, v.values)
+    dout = torch.randn(q.values.shape[0], 4, 8)
+
+    def run(retain: bool = False):
+        draws.clear()
+        out = varlen.attention(q, k, v, causal=True, dropout_p=0.3, generator=torch.Generator().manual_seed(5),
+                               backend="torch")
+        forward_draws = len(draws)
+        grads = torch.autograd.grad(out.values, leaves, dout, retain_graph=retain)
+        assert len(parts[-1]) > 2  # (several buckets: their chunks start at the same rows)
+        result = [out.values, grads, forward_draws, len(draws) - forward_draws]
+        if retain:
+            before = len(draws)
+            result += [torch.autograd.grad(out.values, leaves, dout), len(draws) - before]
+        return result
+
+    return run, draws, forward_calls
+
+
+def test_cpu_backward_takes_the_forwards_masks(monkeypatch):
+    """On the CPU the forward keeps each chunk's keep bits for its backward, which draws none and gives the gradients
+    of a backward that draws them all again, bit for bit; the memo is empty once the backward is done."""
+    run, _, forward_calls = _kept_mask_call(monkeypatch)
+    out, grads, forward_draws, backward_draws = run()
+    assert forward_draws > 2 and backward_draws == 0  # (several buckets and chunks)
+    assert forward_calls[-1][-1].kept == {}  # (the call's DropoutSeed)
+    monkeypatch.setattr(torch_backend, "KEPT_MASK_BYTES", -1)  # (none kept, not even an empty one)
+    out_drawn, grads_drawn, forward_again, backward_again = run()
+    assert forward_again == backward_again == forward_draws
+    assert torch.equal(out, out_drawn)
+    for a, b in zip(grads, grads_drawn, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cpu_kept_masks_stay_within_their_budget(monkeypatch):
+    """A chunk's mask is kept where the call's kept bytes stay within ``KEPT_MASK_BYTES`` with it: with room for the
+    first two chunks' but a byte, the backward draws the second again, and those later ones that don't fit; a second
+    backward through the same graph (the memo spent) draws them all; gradients are the same bits each time."""
+    run, draws, _ = _kept_mask_call(monkeypatch)
+    _, grads, forward_draws, _ = run()
+    budget = draws[0].untyped_storage().nbytes() + draws[1].untyped_storage().nbytes() - 1
+    monkeypatch.setattr(torch_backend, "KEPT_MASK_BYTES", budget)
+    _, grads_partly, _, backward_draws, grads_again, second_draws = run(retain=True)
+    total, kept = 0, 0
+    for mask in draws[:forward_draws]:
+        if total + mask.untyped_storage().nbytes() <= budget:
+            total, kept = total + mask.untyped_storage().nbytes(), kept + 1
+    assert 2 <= kept < forward_draws  # (the second chunk's mask among those drawn again)
+    assert backward_draws == forward_draws - kept and second_draws == forward_draws
+    for a, b, c in zip(grads, grads_partly, grads_again, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_no_masks_are_kept_without_a_backward(monkeypatch):
+    """A call under no_grad, or with no input requiring a gradient, gets no memo (nothing to keep its masks for)."""
+    calls = record_args(monkeypatch, torch_backend, "forward")
+    q = varlen.jagged([torch.randn(n, 2, 8) for n in (3, 5)])
+    with torch.no_grad():
+        varlen.attention(q.requires_grad_(), q, q, dropout_p=0.3, backend="torch")
+    varlen.attention(q.detach(), q.detach(), q.detach(), dropout_p=0.3, backend="torch")
+    assert len(calls) == 2 and all(call[-1].kept is None for call in calls)
+
+
+def test_a_kept_mask_of_another_shape_is_drawn_again():
+    """A memo entry under a chunk's key but of another shape (buckets cut otherwise than in the forward) is not used:
+    the backward draws the chunk's own mask."""
+    problem = Problem(2, 4, 2, 8, 8, 6, 5, True, None, None)
+    opts = AttentionOptions(scale=0.5, dropout_p=0.3)
+    like = torch.empty(2, 2, 2, 4, 5)  # (B, Hkv, G, rows, Sk)
+    seed = DropoutSeed(7, 0, kept={(0, 0, 4): torch.ones(1, 4, 4, 5, dtype=torch.bool)})
+    keep = torch_backend._chunk_keep(seed, problem, (0, 4), opts, like, 0, forward=False)
+    drawn = keep_mask_block(7, 0, 2, 4, (0, 4), 5, 0.3).reshape(like.shape)
+    assert torch.equal(keep, drawn.to(like.dtype) * dropout_keep_scale(0.3)) and seed.kept == {}

@@ -92,6 +92,19 @@ def record_calls(monkeypatch, module, name: str) -> list:
     return results
 
 
+def record_args(monkeypatch, module, name: str) -> list:
+    """The positional arguments of every call of ``module.<name>`` from now on (it keeps working), in a list."""
+    calls = []
+    function = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 def rotary_reference(part: torch.Tensor, base: float) -> torch.Tensor:
     """One sequence ``(S, ..., D)`` rotated in float64, positions 0..S-1: the pair (x[i], x[i + D/2]) as the
     complex number x[i] + 1j x[i + D/2], times exp(1j * position * base ** (-2 i / D))."""

@@ -4,7 +4,9 @@ Backend calling convention (a backend is a module of ``backends.py``):
     forward(q, k, v, bias, alibi, problem, opts, seed) -> (out, lse)
     backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, needs_grad)
         -> (dq, dk, dv, dbias)
-``seed`` is a ``DropoutSeed`` or None (no dropout); ``needs_grad`` is ``(q, k, v, bias)`` booleans;
+``seed`` is a ``DropoutSeed`` or None (no dropout): the same object in an eager call's forward and backward, whose
+``kept`` memo carries what the forward drew to the backward (``options.DropoutSeed``); ``needs_grad`` is ``(q, k, v,
+bias)`` booleans;
 ``dlse`` is None when the caller didn't use the lse (eager; a compiled graph may pass zeros instead);
 ``dbias`` has the bias's own shape and dtype (None when not needed). Layouts are those of ``options.py``.
 
@@ -66,6 +68,15 @@ def run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem: Prob
     return tuple(g.contiguous() if need else None for g, need in zip(grads, needs, strict=True))
 
 
+def _eager_seed(seed: Tensor | None, inputs: tuple) -> DropoutSeed | None:
+    """The ``DropoutSeed`` of an eager call, with an empty ``kept`` memo where a backward will follow (grad mode on and
+    one of ``inputs`` requiring a gradient): its forward and backward get this one object."""
+    drawn = _seed(seed)
+    if drawn is None or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        return drawn
+    return dataclasses.replace(drawn, kept={})
+
+
 def _functorch_wrapped(t) -> bool:
     """Whether ``t`` is a tensor wrapped by a ``torch.func`` transform."""
     check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -95,7 +106,8 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, bias, alibi, problem, opts, impl, seed):
-        return run_forward(impl, q, k, v, bias, alibi, problem, opts, _seed(seed))
+        """``seed``: the call's ``DropoutSeed`` (:func:`_eager_seed`), or None."""
+        return run_forward(impl, q, k, v, bias, alibi, problem, opts, seed)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -103,7 +115,7 @@ class _EagerAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(q, k, v, *output, bias, alibi)
-        ctx.call = (problem, opts, impl, _seed(seed))
+        ctx.call = (problem, opts, impl, seed)
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -280,6 +292,6 @@ def attention_function(q, k, v, bias, alibi, problem: Problem, opts: AttentionOp
     ``impl`` is the backend module; ``seed`` comes from :func:`dropout_seed`.
     """
     if not torch.compiler.is_compiling():
-        return _EagerAttention.apply(q, k, v, bias, alibi, problem, opts, impl, seed)
+        return _EagerAttention.apply(q, k, v, bias, alibi, problem, opts, impl, _eager_seed(seed, (q, k, v, bias)))
     extras, primitives = flatten(alibi, problem, opts, impl.NAME, seed)
     return torch.ops.varlen.attention_forward(q, k, v, bias, extras, *primitives)

@@ -95,7 +95,13 @@ class DropoutSeed:
 
     ``seed`` is an int drawn on the host, or, where the call can't read one there (inside a captured CUDA graph, or
     a compiled graph on a GPU), a one-element int64 tensor drawn on the call's device, which the kernels load (each
-    replay of the graph draws it anew); ``offset`` is then 0."""
+    replay of the graph draws it anew); ``offset`` is then 0.
+
+    ``kept``: where one forward and its backward share this object (an eager call that will have a backward,
+    ``function._EagerAttention``), a memo the backend's forward may fill for its backward, which must give the same
+    result without it (the PyTorch backend's CPU keep masks, ``torch_backend._chunk_keep``); None elsewhere. Not part
+    of the key: equality and hashing ignore it."""
 
     seed: int | torch.Tensor
     offset: int
+    kept: dict | None = dataclasses.field(default=None, compare=False, repr=False)

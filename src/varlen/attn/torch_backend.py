@@ -10,7 +10,9 @@ Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with 
 the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
 chunks of rows sized so that one ``(B, H, rows, max_k)`` score block stays under
 ``SCORE_BLOCK_ELEMENTS``; every chunk holds whole rows, so the softmax of a chunk is exact and nothing
-``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores.
+``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores; its dropout
+keep masks it takes from the forward where the call kept them (on the CPU, up to ``KEPT_MASK_BYTES`` a call:
+:func:`_chunk_keep`), and draws them again otherwise.
 
 Half-precision inputs are computed in float32, float32 in float32 and float64 in float64.
 
@@ -37,6 +39,12 @@ NAME = "torch"
 
 # Elements of one (B, H, rows, max_k) score block; a handful of blocks of this size live at once.
 SCORE_BLOCK_ELEMENTS = 1 << 22
+
+# Bytes of dropout keep masks (one a weight) a CPU forward keeps for its backward, per call (``DropoutSeed.kept``):
+# the draw is about a third of a dropout call's forward + backward there (bench/NOTES.md, "The CPU backward takes
+# the forward's dropout masks"); past this, chunks draw their masks again, so a call's memory stays bounded (4x a
+# score block's elements).
+KEPT_MASK_BYTES = 4 * SCORE_BLOCK_ELEMENTS
 
 
 # Every option, float dtype and head dim, on the CPU and CUDA.
@@ -65,16 +73,18 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
     if _bucketed(q, problem):
         out = q.new_zeros(q.shape[0], problem.heads, problem.head_dim_v)
         lse = torch.full((problem.heads, q.shape[0]), float("-inf"), dtype=accumulate_dtype(q.dtype), device=q.device)
-        for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
+        for index, part in enumerate(_parts(problem, opts, alibi, (q.shape[0], k.shape[0]))):
             out[part.q_rows], lse[:, part.q_rows] = _forward_padded(
                 q[part.q_rows], k[part.k_rows], v[part.k_rows], _part_bias(bias, part), part.alibi, part.problem,
-                part.opts, seed)
+                part.opts, seed, index)
         return out, lse
     return _forward_padded(q, k, v, bias, alibi, problem, opts, seed)
 
 
-def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None):
-    """The chunked forward over the whole batch padded to ``(B, max_q, ...)``."""
+def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None,
+                    part: int = 0):
+    """The chunked forward over the whole batch padded to ``(B, max_q, ...)``; ``part``: the length bucket's index
+    (it names the chunks' kept masks)."""
     batch = _prepare(q, k, v, problem)
     B, H, Sq = problem.batch, problem.heads, problem.max_q
     out = batch.q.new_empty(B, problem.kv_heads, problem.group, Sq, problem.head_dim_v)
@@ -83,7 +93,7 @@ def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptio
         rows = (i0, min(i0 + batch.chunk, Sq))
         s, _ = _scores(batch, rows, bias, alibi, problem, opts)
         p, lse_rows = _softmax(s)
-        keep = _keep_scale(seed, problem, rows, opts, s)
+        keep = _chunk_keep(seed, problem, rows, opts, s, part, forward=True)
         if keep is not None:
             p = p * keep
         out[:, :, :, rows[0]:rows[1]] = p @ batch.v.unsqueeze(2)
@@ -113,13 +123,13 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
         # cast once: each bucket gets its bias in that dtype, so that it returns its gradient in it too.
         ct = accumulate_dtype(q.dtype)
         dbias = torch.zeros(bias.shape, dtype=ct, device=bias.device) if need_bias else None
-        for part in _parts(problem, opts, alibi, (q.shape[0], k.shape[0])):
+        for index, part in enumerate(_parts(problem, opts, alibi, (q.shape[0], k.shape[0]))):
             qr, kr = part.q_rows, part.k_rows
             part_bias = _part_bias(bias, part)
             part_bias = None if part_bias is None else part_bias.to(ct)
             *part_grads, part_dbias = _backward_padded(
                 dout[qr], None if dlse is None else dlse[:, qr], q[qr], k[kr], v[kr], out[qr], lse[:, qr],
-                part_bias, part.alibi, part.problem, part.opts, seed, needs_grad)
+                part_bias, part.alibi, part.problem, part.opts, seed, needs_grad, index)
             for total, grad, rows in zip(grads, part_grads, (qr, kr, kr), strict=True):
                 if total is not None:
                     total[rows] = grad
@@ -130,8 +140,9 @@ def backward(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts:
 
 
 def _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Problem, opts: AttentionOptions,
-                     seed: DropoutSeed | None, needs_grad):
-    """The chunked backward over the whole batch padded to ``(B, max_q, ...)``."""
+                     seed: DropoutSeed | None, needs_grad, part: int = 0):
+    """The chunked backward over the whole batch padded to ``(B, max_q, ...)``; ``part``: as
+    :func:`_forward_padded`'s."""
     need_q, need_k, need_v, need_bias = needs_grad
     batch = _prepare(q, k, v, problem)
     Sq, ct = problem.max_q, batch.q.dtype
@@ -149,7 +160,7 @@ def _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Proble
         q_c, do_c = batch.q[:, :, :, i0:rows[1]], do[:, :, :, i0:rows[1]]
         s, capped = _scores(batch, rows, bias, alibi, problem, opts)
         p, _ = _softmax(s)
-        keep = _keep_scale(seed, problem, rows, opts, s)
+        keep = _chunk_keep(seed, problem, rows, opts, s, part, forward=False)
         dp = do_c @ batch.v.unsqueeze(2).transpose(-1, -2)  # (B, Hkv, G, n, Sk): d(dropped P)
         if keep is not None:
             dp = dp * keep
@@ -375,14 +386,29 @@ def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, lse.squeeze(-1)
 
 
-def _keep_scale(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
-                like: torch.Tensor) -> torch.Tensor | None:
-    """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None."""
+def _chunk_keep(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
+                like: torch.Tensor, part: int, forward: bool) -> torch.Tensor | None:
+    """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None.
+
+    The forward keeps its keep bits in ``seed.kept`` (under the length bucket's index ``part`` and the chunk's rows)
+    where the call has that memo, on the CPU, while the call's kept bits stay within ``KEPT_MASK_BYTES``; the
+    backward, which cuts the same buckets and chunks, takes them from there (and lets them go), or draws them again:
+    the same bits either way, a pure function of the Philox key. The memo lives with the call's autograd node, outside
+    its saved tensors (activation checkpointing doesn't drop it)."""
     if seed is None or opts.dropout_p == 0.0:
         return None
-    keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
-                           opts.dropout_p, like.device, row_offset=opts.query_offset,
-                           sequences=opts.dropout_sequences)
+    key = (part, *rows)
+    keep = None if forward or seed.kept is None else seed.kept.pop(key, None)
+    if keep is not None and keep.shape != (problem.batch, problem.heads, rows[1] - rows[0], problem.max_k):
+        keep = None  # (not this chunk's: the buckets were cut otherwise)
+    if keep is None:
+        keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
+                               opts.dropout_p, like.device, row_offset=opts.query_offset,
+                               sequences=opts.dropout_sequences)
+        if forward and seed.kept is not None and keep.device.type == "cpu" and (
+                sum(kept.untyped_storage().nbytes() for kept in seed.kept.values())
+                + keep.untyped_storage().nbytes() <= KEPT_MASK_BYTES):
+            seed.kept[key] = keep
     return keep.view(like.shape).to(like.dtype).mul_(dropout_keep_scale(opts.dropout_p))
 
 
