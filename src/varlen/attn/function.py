@@ -71,10 +71,10 @@ def run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem: Prob
 def _eager_seed(seed: Tensor | None, inputs: tuple) -> DropoutSeed | None:
     """The ``DropoutSeed`` of an eager call, with an empty ``kept`` memo where a backward will follow (grad mode on and
     one of ``inputs`` requiring a gradient): its forward and backward get this one object."""
-    drawn = _seed(seed)
-    if drawn is None or not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
-        return drawn
-    return dataclasses.replace(drawn, kept={})
+    if seed is None:
+        return None
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    return _seed(seed, {} if backward else None)
 
 
 def _functorch_wrapped(t) -> bool:
@@ -83,14 +83,14 @@ def _functorch_wrapped(t) -> bool:
     return t is not None and check is not None and check(t)
 
 
-def _seed(seed: Tensor | None) -> DropoutSeed | None:
+def _seed(seed: Tensor | None, kept: dict | None = None) -> DropoutSeed | None:
     """The ``DropoutSeed`` of :func:`dropout_seed`'s tensor: ``[seed, offset]`` on the host, or one key drawn on the
-    device, which stays there (read on the host, it would sync, and break a capture)."""
+    device, which stays there (read on the host, it would sync, and break a capture); ``kept``: its memo."""
     if seed is None:
         return None
     if seed.numel() == 1:  # (the only one-element form: a host seed always comes with its offset)
-        return DropoutSeed(seed=seed, offset=0)
-    return DropoutSeed(*seed.tolist())
+        return DropoutSeed(seed=seed, offset=0, kept=kept)
+    return DropoutSeed(*seed.tolist(), kept=kept)
 
 
 # --------------------------------------------------------------------------------- eager entry
