@@ -699,7 +699,7 @@ if HAVE_GLUON:
         o_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, DV - HIV], dtype)
         # One descriptor per tensor over all its rows (clipped only at the buffer's end: a tile past a
         # sequence's end reads the next sequence's rows, masked out of the scores; see the module docstring). Q's, K's
-        # and V's are made by the loader (_load), which copies through them; O's here, before the partitions (the
+        # and V's are made by the loader (_load_tiles), which copies through them; O's here, before the partitions (the
         # module docstring says why).
         if F.VARLEN:
             q_rows = total_q
