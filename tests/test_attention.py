@@ -313,6 +313,32 @@ def test_cpu_chunked_path_by_length_buckets(case, monkeypatch):
         assert_close(got, want, torch.float64, name=name)
 
 
+def test_cpu_buckets_are_cut_once_per_offsets(monkeypatch):
+    """The chunked path cuts its buckets once per offsets tensors (a model's layers, and each call's backward, reuse
+    them) and keeps no call's options with them: two calls on the same offsets with other ALiBi slopes and query
+    offsets each give the float64 reference's outputs and gradients; other offsets are cut anew."""
+    monkeypatch.setattr(torch_backend, "BUCKET_COST", 0.0)  # (a bucket per sequence)
+    cuts = record_calls(monkeypatch, torch_backend, "_cut_buckets")
+    torch.manual_seed(0)
+    q = varlen.jagged([torch.randn(n, 4, 8, dtype=torch.float64) for n in (3, 9, 1, 6)])
+    k, v = (q.with_values(torch.randn_like(q.values)) for _ in range(2))
+    for slopes, offset in ((torch.rand(4, 4, dtype=torch.float64), 0), (torch.rand(4, dtype=torch.float64), 5)):
+        leaves = [x.values.detach().requires_grad_() for x in (q, k, v)]
+        qj, kj, vj = (x.with_values(t) for x, t in zip((q, k, v), leaves, strict=True))
+        options = dict(causal=True, alibi_slopes=slopes, softcap=2.0, query_offset=torch.full((4,), offset))
+        out = varlen.attention(qj, kj, vj, backend="torch", **options)
+        grads = torch.autograd.grad(out.values.square().sum(), leaves)
+        ref, _ = attention_reference(qj, kj, vj, **options)
+        ref_grads = torch.autograd.grad(ref.values.square().sum(), leaves)
+        assert_close(out.values, ref.values, torch.float64, name="out")
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+            assert_close(got, want, torch.float64, name=name)
+    assert len(cuts) == 1 and len(cuts[0]) == 4
+    other = varlen.jagged([torch.randn(n, 4, 8, dtype=torch.float64) for n in (2, 5)])
+    varlen.attention(other, other, other, softcap=2.0, backend="torch")
+    assert len(cuts) == 2
+
+
 FLOAT32_GPU_CASES = [
     AttnCase(False, (300, 300), None, 4, 2, 64, 64, causal=True),
     AttnCase(True, (1000, 17, 0, 1, 513), None, 4, 4, 128, 128),

@@ -29,6 +29,7 @@ import dataclasses
 import torch
 
 from .._checks import FLOAT_DTYPES, accumulate_dtype
+from .._tensor_cache import TensorCache
 from ..capabilities import Capabilities
 from ..offsets import row_positions, sequence_bounds
 from . import cpu_fused
@@ -235,30 +236,61 @@ def _cut(bias: torch.Tensor, dim: int, length: int) -> slice:
     return slice(None, length) if bias.shape[dim] > 1 else slice(None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """The sequences of one length bucket and their rows, whatever a call's per-sequence options."""
+
+    members: torch.Tensor  # (n,) int64: its sequences' indices in the batch
+    q_rows: torch.Tensor  # (rows,) int64
+    k_rows: torch.Tensor
+    max_q: int  # its longest lengths
+    max_k: int
+    cu_q: torch.Tensor  # (n + 1,) int32 offsets of its rows
+    cu_k: torch.Tensor
+
+
+# Buckets by (cu_q, cu_k) pair, as cpu_fused's plans: a model's layers share their batch's offsets tensors, and a
+# backward cuts the buckets its forward cut (cut twice a call, they took 9% of a dropout call, B32 lengths 2-65 H4
+# D16: bench/NOTES.md, "The CPU path").
+_buckets = TensorCache(4)
+
+
 def _parts(problem: Problem, opts: AttentionOptions, alibi, rows: tuple[int, int]) -> list[_Part]:
     """The batch cut into buckets of sequences of similar lengths (``cpu_fused.bucket_members``), each padded only
     to its own longest lengths. Per-sequence options and ALiBi slopes follow their sequences, and each sequence's
-    dropout mask stays the one of its index in the whole batch (``dropout_sequences``)."""
-    q_start, q_len = sequence_bounds(problem.cu_q, rows[0], problem.max_q)
-    k_start, k_len = sequence_bounds(problem.cu_k, rows[1], problem.max_k)
-    seqs = (q_len > 0).nonzero().flatten()  # (a sequence without queries has no row to compute)
+    dropout mask stays the one of its index in the whole batch (``dropout_sequences``). The buckets are kept per
+    offsets tensors (:data:`_buckets`); the options are the call's."""
+    extra = (rows, problem.max_q, problem.max_k, problem.heads, problem.head_dim, opts.causal, BUCKET_COST)
     parts = []
-    for members in cpu_fused.bucket_members(problem, opts, q_len, k_len, seqs, BUCKET_COST):
-        lengths_q, lengths_k = q_len[members], k_len[members]
-        q_rows, q_valid = cpu_fused.padded_rows(q_start[members], lengths_q)
-        k_rows, k_valid = cpu_fused.padded_rows(k_start[members], lengths_k)
-        cu = [torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
-              for lengths in (lengths_q, lengths_k)]
-        part_problem = dataclasses.replace(problem, batch=len(members), max_q=int(lengths_q.max()),
-                                           max_k=int(lengths_k.max()), cu_q=cu[0], cu_k=cu[1])
+    for bucket in _buckets.get((problem.cu_q, problem.cu_k), extra, lambda: _cut_buckets(problem, opts, rows)):
+        members = bucket.members
+        part_problem = dataclasses.replace(problem, batch=len(members), max_q=bucket.max_q, max_k=bucket.max_k,
+                                           cu_q=bucket.cu_q, cu_k=bucket.cu_k)
         sequences = members if opts.dropout_sequences is None else opts.dropout_sequences[members]
         part_opts = dataclasses.replace(
             opts, dropout_sequences=sequences.to(torch.int32),
             **{name: getattr(opts, name)[members] for name in ("prefix_len", "query_offset")
                if getattr(opts, name) is not None})
-        parts.append(_Part(members, q_rows[q_valid], k_rows[k_valid], part_problem, part_opts,
+        parts.append(_Part(members, bucket.q_rows, bucket.k_rows, part_problem, part_opts,
                            None if alibi is None else alibi[members]))
     return parts
+
+
+def _cut_buckets(problem: Problem, opts: AttentionOptions, rows: tuple[int, int]) -> tuple[_Bucket, ...]:
+    """:func:`_parts`'s buckets for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
+    q_start, q_len = sequence_bounds(problem.cu_q, rows[0], problem.max_q)
+    k_start, k_len = sequence_bounds(problem.cu_k, rows[1], problem.max_k)
+    seqs = (q_len > 0).nonzero().flatten()  # (a sequence without queries has no row to compute)
+    buckets = []
+    for members in cpu_fused.bucket_members(problem, opts, q_len, k_len, seqs, BUCKET_COST):
+        lengths_q, lengths_k = q_len[members], k_len[members]
+        q_rows, q_valid = cpu_fused.padded_rows(q_start[members], lengths_q)
+        k_rows, k_valid = cpu_fused.padded_rows(k_start[members], lengths_k)
+        cu_q, cu_k = (torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+                      for lengths in (lengths_q, lengths_k))
+        buckets.append(_Bucket(members, q_rows[q_valid], k_rows[k_valid], int(lengths_q.max()),
+                               int(lengths_k.max()), cu_q, cu_k))
+    return tuple(buckets)
 
 
 # ---------------------------------------------------------------------------------------- layout
