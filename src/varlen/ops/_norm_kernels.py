@@ -76,8 +76,11 @@ def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_
         w = tl.load(weight + cols, mask=col_ok, other=0.0).to(ACC)
     weight_acc = tl.zeros([BLOCK_R, BLOCK_F], ACC)
     bias_acc = tl.zeros([BLOCK_R, BLOCK_F], ACC)
-    for r0 in range(tl.program_id(0).to(tl.int64) * BLOCK_R, n_rows, tl.num_programs(0) * BLOCK_R):  # (int64: no
-        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)  # wrap past 2**31 rows)
+    # (int64: no wrap past 2**31 rows.) Software-pipelined three deep (cp.async into shared memory): the next tiles'
+    # loads are in flight while this tile's math runs. Loaded one tile at a time, the programs kept too few bytes in
+    # flight for the H200's bandwidth: bf16 layer norm 77.5% of copy, 92.1% pipelined (bench/NOTES.md).
+    for r0 in tl.range(tl.program_id(0).to(tl.int64) * BLOCK_R, n_rows, tl.num_programs(0) * BLOCK_R, num_stages=3):
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
         row_ok = rows < n_rows
         mask = row_ok[:, None] & col_ok[None, :]
         v = tl.load(x + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(ACC)
@@ -126,13 +129,13 @@ def _norm_sum_parts_kernel(parts, first, second, n_parts, n_cols, BLOCK_P: tl.co
 # ----------------------------------------------------------------------------------- launchers
 # Elements of each input one program holds (whole rows) and per thread at most (so the warps grow with wider rows);
 # float64 half as many (two registers each). The forward's 4K-element tiles run at 97-99% of copy bandwidth (H100).
-# The backward: 2K-element tiles of 4 warps and 4 programs per SM, the best all-round of an H100 sweep (bench/NOTES.md:
-# tiles of 1-8 rows of 1024, 4/8 warps, 1-8 programs per SM, 1-3 stages) at 32768 x 768 and 133000 x 1024, bf16 and
-# float32: 80-98% of copy where 4K-element tiles of 8 warps gave 59-96%.
+# The backward, by the inputs' element size: (programs per SM, tile elements), the best all-round of an H200 sweep of
+# the pipelined kernel (bench/NOTES.md, "The norm backward pipelined": 2-8 programs per SM, tiles of 1K-4K elements,
+# at 142014 x 1024 and 131072 x 768, layer and RMS norm): 83-92% of copy in 16 bits, 93-96% in float32, 93-97% in
+# float64. 16 bits keep the plan that was the H100's best unpipelined (4, 2048).
 _FWD_TILE_ELEMS = 4096
-_BWD_TILE_ELEMS = 2048
 _THREAD_ELEMS = 16
-_BWD_PROGRAMS_PER_SM = 4
+_BWD_PLANS = {2: (4, 2048), 4: (4, 1024), 8: (2, 2048)}
 # The partial rows' sum: rows per load and columns per program.
 _SUM_ROWS, _SUM_COLS = 64, 32
 
@@ -214,8 +217,9 @@ def norm_bwd_triton(x: Tensor, weight: Tensor | None, grad: Tensor, mean: Tensor
     out_dtype = x.dtype if weight is None else weight.dtype
     d_weight, d_bias = (torch.empty(n_cols if wanted else 0, dtype=out_dtype, device=x.device)
                         for wanted in (weight_grad, bias_grad))
-    tiles = _tiles(n_cols, x.dtype, _BWD_TILE_ELEMS)
-    programs = max(1, min(cdiv(n_rows, tiles["BLOCK_R"]), _BWD_PROGRAMS_PER_SM * sm_count(x.device)))
+    programs_per_sm, tile_elems = _BWD_PLANS[x.element_size()]
+    tiles = _tiles(n_cols, x.dtype, tile_elems)
+    programs = max(1, min(cdiv(n_rows, tiles["BLOCK_R"]), programs_per_sm * sm_count(x.device)))
     # The programs' partial rows of the weight's gradient, then of the bias's (those asked for); zeros without rows.
     n_parts = weight_grad + bias_grad
     parts = (torch.empty if n_rows else torch.zeros)((n_parts, programs, n_cols), dtype=rstd.dtype, device=x.device)
