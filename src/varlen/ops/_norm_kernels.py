@@ -78,7 +78,7 @@ def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_
     bias_acc = tl.zeros([BLOCK_R, BLOCK_F], ACC)
     # (int64: no wrap past 2**31 rows.) Software-pipelined three deep (cp.async into shared memory): the next tiles'
     # loads are in flight while this tile's math runs. Loaded one tile at a time, the programs kept too few bytes in
-    # flight for the H200's bandwidth: bf16 layer norm 77.5% of copy, 92.1% pipelined (bench/NOTES.md).
+    # flight for the H200's bandwidth: bf16 layer norm 77.5% of copy, 92-93% pipelined (bench/NOTES.md).
     for r0 in tl.range(tl.program_id(0).to(tl.int64) * BLOCK_R, n_rows, tl.num_programs(0) * BLOCK_R, num_stages=3):
         rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
         row_ok = rows < n_rows
@@ -131,7 +131,7 @@ def _norm_sum_parts_kernel(parts, first, second, n_parts, n_cols, BLOCK_P: tl.co
 # float64 half as many (two registers each). The forward's 4K-element tiles run at 97-99% of copy bandwidth (H100).
 # The backward, by the inputs' element size: (programs per SM, tile elements), the best all-round of an H200 sweep of
 # the pipelined kernel (bench/NOTES.md, "The norm backward pipelined": 2-8 programs per SM, tiles of 1K-4K elements,
-# at 142014 x 1024 and 131072 x 768, layer and RMS norm): 83-92% of copy in 16 bits, 93-96% in float32, 93-97% in
+# at 142014 x 1024 and 131072 x 768, layer and RMS norm): 84-93% of copy in 16 bits, 96-97% in float32, 93-97% in
 # float64. 16 bits keep the plan that was the H100's best unpipelined (4, 2048).
 _FWD_TILE_ELEMS = 4096
 _THREAD_ELEMS = 16
