@@ -189,7 +189,8 @@ def test_layouts_and_partial_gradients(backend):
 def test_backward_programs_and_their_partial_sums(centered, monkeypatch):
     """The backward's programs each keep partial weight and bias gradients, summed after the launch in rows of 64:
     with many programs (a GPU's count; the interpreter's device has one SM), sums of 1 to 90 partial rows."""
-    monkeypatch.setattr(_norm_kernels, "sm_count", lambda device: 23)  # 92 programs
+    per_sm = _norm_kernels._BWD_PLANS[8][0]  # (float64's programs per SM)
+    monkeypatch.setattr(_norm_kernels, "sm_count", lambda device: 92 // per_sm)  # 92 programs
     for n_rows, n_cols in ((3, 5), (97, 1000), (400, 7)):
         x = torch.randn(n_rows, n_cols, dtype=torch.float64, device=DEVICE, requires_grad=True)
         w = torch.randn(n_cols, dtype=torch.float64, device=DEVICE, requires_grad=True)
