@@ -45,7 +45,7 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
     cols = tl.arange(0, BLOCK_V)
     m_lane = tl.full([BLOCK_V], float("-inf"), ACC)
     s_lane = tl.zeros([BLOCK_V], ACC)
-    for v0 in range(0, n_cols, BLOCK_V):
+    for v0 in tl.range(0, n_cols, BLOCK_V, num_stages=3):  # (pipelined: the next blocks' loads in flight)
         x = tl.load(base + v0 + cols, mask=v0 + cols < n_cols, other=float("-inf")).to(ACC)
         m_lane, s_lane = merge_max_sum(m_lane, s_lane, x, 1.0)
     m, total = reduce_max_sum(m_lane, s_lane)
