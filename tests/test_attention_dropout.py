@@ -420,3 +420,36 @@ def test_a_kept_mask_of_another_shape_is_drawn_again():
     keep = torch_backend._chunk_keep(seed, problem, (0, 4), opts, like, 0, forward=False)
     drawn = keep_mask_block(7, 0, 2, 4, (0, 4), 5, 0.3).reshape(like.shape)
     assert torch.equal(keep, drawn.to(like.dtype) * dropout_keep_scale(0.3)) and seed.kept == {}
+
+
+
+def test_cpu_backward_takes_the_forwards_probabilities(monkeypatch):
+    """On the CPU a dropout forward keeps each chunk's probabilities for its backward, which then computes no scores
+    and gives the gradients of a backward that computes them all again, bit for bit. Past ``KEPT_PROBS_BYTES`` the
+    backward recomputes the chunks whose probabilities didn't fit; under a softcap (whose derivative needs the capped
+    scores) it recomputes them all."""
+    run, _, forward_calls = _kept_mask_call(monkeypatch)
+    scores = record_calls(monkeypatch, torch_backend, "_scores")
+    monkeypatch.setattr(torch_backend, "KEPT_PROBS_BYTES", -1)  # (none kept)
+    out, grads, _, _ = run()
+    chunks = len(scores) // 2  # (the forward's first, then the backward's)
+    sizes = [s.numel() * s.element_size() for s, _ in scores[:chunks]]
+    for budget in (2**40, sizes[0] + sizes[1] - 1):
+        monkeypatch.setattr(torch_backend, "KEPT_PROBS_BYTES", budget)
+        scores.clear()
+        out_again, grads_again, _, _ = run()
+        total = kept = 0
+        for size in sizes:
+            if total + size <= budget:
+                total, kept = total + size, kept + 1
+        assert kept == chunks if budget == 2**40 else 1 <= kept < chunks
+        assert len(scores) == chunks + (chunks - kept) and forward_calls[-1][-1].kept == {}
+        assert torch.equal(out, out_again)
+        for a, b in zip(grads, grads_again, strict=True):
+            assert torch.equal(a, b)
+    x = varlen.jagged([torch.randn(n, 2, 8) for n in (5, 12)]).requires_grad_()
+    scores.clear()
+    out = varlen.attention(x, x, x, dropout_p=0.3, softcap=5.0, backend="torch")
+    in_forward = len(scores)
+    out.values.sum().backward()
+    assert in_forward > 0 and len(scores) == 2 * in_forward

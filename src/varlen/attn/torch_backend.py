@@ -10,9 +10,10 @@ Jagged batches are scattered once into a padded ``(B, max_len, ...)`` form with 
 the device offsets (no per-sequence loop, no host sync); lengths become masks. Queries are processed in
 chunks of rows sized so that one ``(B, H, rows, max_k)`` score block stays under
 ``SCORE_BLOCK_ELEMENTS``; every chunk holds whole rows, so the softmax of a chunk is exact and nothing
-``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores; its dropout
-keep masks it takes from the forward where the call kept them (on the CPU, up to ``KEPT_MASK_BYTES`` a call:
-:func:`_chunk_keep`), and draws them again otherwise.
+``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores, except in a
+dropout call on the CPU whose forward kept the chunk's probabilities (up to ``KEPT_PROBS_BYTES`` a call:
+:func:`_chunk_probs`); its dropout keep masks it takes from the forward where the call kept them (on the CPU, up to
+``KEPT_MASK_BYTES`` a call: :func:`_chunk_keep`), and draws them again otherwise.
 
 Half-precision inputs are computed in float32, float32 in float32 and float64 in float64.
 
@@ -46,6 +47,10 @@ SCORE_BLOCK_ELEMENTS = 1 << 22
 # the forward's dropout masks"); past this, chunks draw their masks again, so a call's memory stays bounded (4x a
 # score block's elements).
 KEPT_MASK_BYTES = 4 * SCORE_BLOCK_ELEMENTS
+# Bytes of softmax probabilities (the forward's, before dropout) a CPU dropout forward keeps for its backward, per call
+# in the same memo: a chunk's backward then skips its scores and softmax (bench/NOTES.md, "The CPU backward takes the
+# forward's probabilities"). As many bytes as the masks'.
+KEPT_PROBS_BYTES = KEPT_MASK_BYTES
 
 
 # Every option, float dtype and head dim, on the CPU and CUDA.
@@ -85,17 +90,19 @@ def forward(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed
 def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptions, seed: DropoutSeed | None,
                     part: int = 0):
     """The chunked forward over the whole batch padded to ``(B, max_q, ...)``; ``part``: the length bucket's index
-    (it names the chunks' kept masks)."""
+    (it names the chunks' kept masks and probabilities)."""
     batch = _prepare(q, k, v, problem)
     B, H, Sq = problem.batch, problem.heads, problem.max_q
     out = batch.q.new_empty(B, problem.kv_heads, problem.group, Sq, problem.head_dim_v)
     lse = torch.empty(B, problem.kv_heads, problem.group, Sq, dtype=accumulate_dtype(q.dtype), device=q.device)
     for i0 in range(0, Sq, batch.chunk):
         rows = (i0, min(i0 + batch.chunk, Sq))
-        s, _ = _scores(batch, rows, bias, alibi, problem, opts)
+        s, capped = _scores(batch, rows, bias, alibi, problem, opts)
         p, lse_rows = _softmax(s)
         keep = _chunk_keep(seed, problem, rows, opts, s, part, forward=True)
         if keep is not None:
+            if capped is None:  # (with a softcap the backward needs the capped scores too: it recomputes them)
+                _chunk_probs(seed, rows, part, kept=p)
             p = p * keep
         out[:, :, :, rows[0]:rows[1]] = p @ batch.v.unsqueeze(2)
         lse[:, :, :, rows[0]:rows[1]] = lse_rows
@@ -159,9 +166,11 @@ def _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Proble
     for i0 in range(0, Sq, batch.chunk):
         rows = (i0, min(i0 + batch.chunk, Sq))
         q_c, do_c = batch.q[:, :, :, i0:rows[1]], do[:, :, :, i0:rows[1]]
-        s, capped = _scores(batch, rows, bias, alibi, problem, opts)
-        p, _ = _softmax(s)
-        keep = _chunk_keep(seed, problem, rows, opts, s, part, forward=False)
+        p, capped = _chunk_probs(seed, rows, part, like=(*q_c.shape[:-1], batch.k.shape[-2])), None
+        if p is None:
+            s, capped = _scores(batch, rows, bias, alibi, problem, opts)
+            p, _ = _softmax(s)
+        keep = _chunk_keep(seed, problem, rows, opts, p, part, forward=False)
         dp = do_c @ batch.v.unsqueeze(2).transpose(-1, -2)  # (B, Hkv, G, n, Sk): d(dropped P)
         if keep is not None:
             dp = dp * keep
@@ -418,6 +427,31 @@ def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, lse.squeeze(-1)
 
 
+def _kept_bytes(kept: dict, probabilities: bool) -> int:
+    """Bytes of a call's memo held as keep masks (bool) or as probabilities (floating point)."""
+    return sum(t.untyped_storage().nbytes() for t in kept.values() if t.is_floating_point() == probabilities)
+
+
+def _chunk_probs(seed: DropoutSeed | None, rows: tuple[int, int], part: int, kept: torch.Tensor | None = None,
+                 like: tuple | None = None) -> torch.Tensor | None:
+    """A chunk's softmax probabilities (before dropout), from its forward to its backward.
+
+    The forward passes them as ``kept``: they go into ``seed.kept`` (under the masks' key and ``"probabilities"``) where
+    the call has that memo, on the CPU, while the call's kept probabilities stay within ``KEPT_PROBS_BYTES``. The
+    backward passes ``like``, the ``(B, Hkv, G, n, Sk)`` shape they must have, and gets them back (the same values its
+    own scores and softmax would give, which it then skips), or None."""
+    if seed is None or seed.kept is None:
+        return None
+    key = (part, *rows, "probabilities")
+    if kept is None:
+        probs = seed.kept.pop(key, None)
+        return probs if probs is not None and probs.shape == like else None
+    if kept.device.type == "cpu" and (_kept_bytes(seed.kept, True) + kept.untyped_storage().nbytes()
+                                      <= KEPT_PROBS_BYTES):
+        seed.kept[key] = kept
+    return None
+
+
 def _chunk_keep(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
                 like: torch.Tensor, part: int, forward: bool) -> torch.Tensor | None:
     """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None.
@@ -438,8 +472,7 @@ def _chunk_keep(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int
                                opts.dropout_p, like.device, row_offset=opts.query_offset,
                                sequences=opts.dropout_sequences)
         if forward and seed.kept is not None and keep.device.type == "cpu" and (
-                sum(kept.untyped_storage().nbytes() for kept in seed.kept.values())
-                + keep.untyped_storage().nbytes() <= KEPT_MASK_BYTES):
+                _kept_bytes(seed.kept, False) + keep.untyped_storage().nbytes() <= KEPT_MASK_BYTES):
             seed.kept[key] = keep
     return keep.view(like.shape).to(like.dtype).mul_(dropout_keep_scale(opts.dropout_p))
 
