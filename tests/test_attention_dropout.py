@@ -6,6 +6,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils.checkpoint import checkpoint
 
 import varlen
 from attention_cases import AttnCase, backend_params, main_dtype, run_attention
@@ -453,3 +454,32 @@ def test_cpu_backward_takes_the_forwards_probabilities(monkeypatch):
     in_forward = len(scores)
     out.values.sum().backward()
     assert in_forward > 0 and len(scores) == 2 * in_forward
+
+
+def test_no_memo_under_saved_tensor_hooks(monkeypatch):
+    """Under activation checkpointing or ``save_on_cpu`` (saved-tensor hooks) a CPU dropout forward keeps no masks or
+    probabilities for its backward, which would escape what the hooks do with its saved tensors; the gradients are
+    those of a plain call."""
+    calls = record_args(monkeypatch, torch_backend, "forward")
+    q = varlen.jagged([torch.randn(n, 2, 8) for n in (3, 17, 9)]).requires_grad_()
+
+    def attend():
+        return varlen.attention(q, q, q, causal=True, dropout_p=0.3, backend="torch").values
+
+    def grads(wrap):
+        torch.manual_seed(1)  # (checkpointing restores the default generator, which draws the seed)
+        calls.clear()
+        grad = torch.autograd.grad(wrap().sum(), q.values)[0]
+        return grad, [call[-1].kept for call in calls]
+
+    plain, plain_memos = grads(attend)
+    checkpointed, checkpointed_memos = grads(lambda: checkpoint(attend, use_reentrant=False))
+
+    def offloaded():
+        with torch.autograd.graph.save_on_cpu():
+            return attend()
+
+    offloaded_grad, offloaded_memos = grads(offloaded)
+    assert plain_memos == [{}]  # (a memo, spent by the backward)
+    assert len(checkpointed_memos) == 2 and all(memo is None for memo in checkpointed_memos + offloaded_memos)
+    assert torch.equal(plain, checkpointed) and torch.equal(plain, offloaded_grad)

@@ -70,11 +70,19 @@ def run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem: Prob
 
 def _eager_seed(seed: Tensor | None, inputs: tuple) -> DropoutSeed | None:
     """The ``DropoutSeed`` of an eager call, with an empty ``kept`` memo where a backward will follow (grad mode on and
-    one of ``inputs`` requiring a gradient): its forward and backward get this one object."""
+    one of ``inputs`` requiring a gradient) and no saved-tensor hooks are set: its forward and backward get this one
+    object. Under such hooks (activation checkpointing, ``save_on_cpu``) the caller has asked for what the backward
+    needs to be dropped, moved or recomputed; a memo would keep it beside them, so the backward recomputes it."""
     if seed is None:
         return None
     backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    return _seed(seed, {} if backward else None)
+    return _seed(seed, {} if backward and not _saved_tensor_hooks() else None)
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``: checkpointing, offloading)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
 
 
 def _functorch_wrapped(t) -> bool:
