@@ -82,7 +82,7 @@ def _eager_seed(seed: Tensor | None, inputs: tuple) -> DropoutSeed | None:
 def _saved_tensor_hooks() -> bool:
     """Whether saved-tensor hooks are set (``torch.autograd.graph.saved_tensors_hooks``: checkpointing, offloading)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
+    return top is not None and top(True) is not None
 
 
 def _functorch_wrapped(t) -> bool:
