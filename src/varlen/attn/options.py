@@ -99,8 +99,8 @@ class DropoutSeed:
 
     ``kept``: where one forward and its backward share this object (an eager call that will have a backward,
     ``function._EagerAttention``), a memo the backend's forward may fill for its backward, which must give the same
-    result without it (the PyTorch backend's CPU keep masks and softmax probabilities, ``torch_backend._chunk_keep``
-    and ``_chunk_probs``); None elsewhere. Not part of the key: equality and hashing ignore it."""
+    result without it (the PyTorch backend's CPU keep masks and softmax probabilities, ``torch_backend._remember``);
+    None elsewhere. Not part of the key: equality and hashing ignore it."""
 
     seed: int | torch.Tensor
     offset: int

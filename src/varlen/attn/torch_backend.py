@@ -12,7 +12,7 @@ chunks of rows sized so that one ``(B, H, rows, max_k)`` score block stays under
 ``SCORE_BLOCK_ELEMENTS``; every chunk holds whole rows, so the softmax of a chunk is exact and nothing
 ``(Sq, Sk)``-sized exists for the whole batch at once. The backward recomputes each chunk's scores, except in a
 dropout call on the CPU whose forward kept the chunk's probabilities (up to ``KEPT_PROBS_BYTES`` a call:
-:func:`_chunk_probs`); its dropout keep masks it takes from the forward where the call kept them (on the CPU, up to
+:func:`_remember`); its dropout keep masks it takes from the forward where the call kept them (on the CPU, up to
 ``KEPT_MASK_BYTES`` a call: :func:`_chunk_keep`), and draws them again otherwise.
 
 Half-precision inputs are computed in float32, float32 in float32 and float64 in float64.
@@ -102,7 +102,7 @@ def _forward_padded(q, k, v, bias, alibi, problem: Problem, opts: AttentionOptio
         keep = _chunk_keep(seed, problem, rows, opts, s, part, forward=True)
         if keep is not None:
             if capped is None:  # (with a softcap the backward needs the capped scores too: it recomputes them)
-                _chunk_probs(seed, rows, part, kept=p)
+                _remember(seed, (part, *rows, "probabilities"), p, KEPT_PROBS_BYTES)
             p = p * keep
         out[:, :, :, rows[0]:rows[1]] = p @ batch.v.unsqueeze(2)
         lse[:, :, :, rows[0]:rows[1]] = lse_rows
@@ -166,7 +166,8 @@ def _backward_padded(dout, dlse, q, k, v, out, lse, bias, alibi, problem: Proble
     for i0 in range(0, Sq, batch.chunk):
         rows = (i0, min(i0 + batch.chunk, Sq))
         q_c, do_c = batch.q[:, :, :, i0:rows[1]], do[:, :, :, i0:rows[1]]
-        p, capped = _chunk_probs(seed, rows, part, like=(*q_c.shape[:-1], batch.k.shape[-2])), None
+        # (the forward's probabilities, where it kept them: the same values these scores and softmax would give)
+        p, capped = _recall(seed, (part, *rows, "probabilities"), (*q_c.shape[:-1], batch.k.shape[-2])), None
         if p is None:
             s, capped = _scores(batch, rows, bias, alibi, problem, opts)
             p, _ = _softmax(s)
@@ -427,53 +428,44 @@ def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, lse.squeeze(-1)
 
 
-def _kept_bytes(kept: dict, probabilities: bool) -> int:
-    """Bytes of a call's memo held as keep masks (bool) or as probabilities (floating point)."""
-    return sum(t.untyped_storage().nbytes() for t in kept.values() if t.is_floating_point() == probabilities)
+def _remember(seed: DropoutSeed | None, key: tuple, value: torch.Tensor, budget: int) -> None:
+    """Keep a chunk's ``value`` (its keep mask, or its softmax probabilities before dropout) for the call's backward,
+    under ``key`` in ``seed.kept``: where the call has that memo, on the CPU, while the memo's tensors of its kind
+    (masks are bool, probabilities floating point) stay within ``budget`` bytes with it. The memo lives with the call's
+    autograd node, outside its saved tensors (so a call under saved-tensor hooks gets none:
+    ``function._eager_seed``)."""
+    if seed is None or seed.kept is None or value.device.type != "cpu":
+        return
+    kind = value.is_floating_point()
+    held = sum(t.untyped_storage().nbytes() for t in seed.kept.values() if t.is_floating_point() == kind)
+    if held + value.untyped_storage().nbytes() <= budget:
+        seed.kept[key] = value
 
 
-def _chunk_probs(seed: DropoutSeed | None, rows: tuple[int, int], part: int, kept: torch.Tensor | None = None,
-                 like: tuple | None = None) -> torch.Tensor | None:
-    """A chunk's softmax probabilities (before dropout), from its forward to its backward.
-
-    The forward passes them as ``kept``: they go into ``seed.kept`` (under the masks' key and ``"probabilities"``) where
-    the call has that memo, on the CPU, while the call's kept probabilities stay within ``KEPT_PROBS_BYTES``. The
-    backward passes ``like``, the ``(B, Hkv, G, n, Sk)`` shape they must have, and gets them back (the same values its
-    own scores and softmax would give, which it then skips), or None."""
-    if seed is None or seed.kept is None:
-        return None
-    key = (part, *rows, "probabilities")
-    if kept is None:
-        probs = seed.kept.pop(key, None)
-        return probs if probs is not None and probs.shape == like else None
-    if kept.device.type == "cpu" and (_kept_bytes(seed.kept, True) + kept.untyped_storage().nbytes()
-                                      <= KEPT_PROBS_BYTES):
-        seed.kept[key] = kept
-    return None
+def _recall(seed: DropoutSeed | None, key: tuple, shape: tuple) -> torch.Tensor | None:
+    """What the call's forward kept under ``key`` (:func:`_remember`), taken out of the memo, where it has ``shape``
+    (another shape is another chunk's: the buckets were cut otherwise); else None."""
+    kept = None if seed is None or seed.kept is None else seed.kept.pop(key, None)
+    return kept if kept is not None and kept.shape == shape else None
 
 
 def _chunk_keep(seed: DropoutSeed | None, problem: Problem, rows: tuple[int, int], opts: AttentionOptions,
                 like: torch.Tensor, part: int, forward: bool) -> torch.Tensor | None:
     """Dropout factor ``keep * dropout_keep_scale(p)`` of the chunk's ``(B, Hkv, G, n, Sk)`` weights, or None.
 
-    The forward keeps its keep bits in ``seed.kept`` (under the length bucket's index ``part`` and the chunk's rows)
-    where the call has that memo, on the CPU, while the call's kept bits stay within ``KEPT_MASK_BYTES``; the
-    backward, which cuts the same buckets and chunks, takes them from there (and lets them go), or draws them again:
-    the same bits either way, a pure function of the Philox key. The memo lives with the call's autograd node, outside
-    its saved tensors (activation checkpointing doesn't drop it)."""
+    The forward keeps its keep bits (:func:`_remember`, under the length bucket's index ``part`` and the chunk's rows,
+    up to ``KEPT_MASK_BYTES`` a call); the backward, which cuts the same buckets and chunks, takes them back
+    (:func:`_recall`), or draws them again: the same bits either way, a pure function of the Philox key."""
     if seed is None or opts.dropout_p == 0.0:
         return None
     key = (part, *rows)
-    keep = None if forward or seed.kept is None else seed.kept.pop(key, None)
-    if keep is not None and keep.shape != (problem.batch, problem.heads, rows[1] - rows[0], problem.max_k):
-        keep = None  # (not this chunk's: the buckets were cut otherwise)
+    keep = None if forward else _recall(seed, key, (problem.batch, problem.heads, rows[1] - rows[0], problem.max_k))
     if keep is None:
         keep = keep_mask_block(seed.seed, seed.offset, problem.batch, problem.heads, rows, problem.max_k,
                                opts.dropout_p, like.device, row_offset=opts.query_offset,
                                sequences=opts.dropout_sequences)
-        if forward and seed.kept is not None and keep.device.type == "cpu" and (
-                _kept_bytes(seed.kept, False) + keep.untyped_storage().nbytes() <= KEPT_MASK_BYTES):
-            seed.kept[key] = keep
+        if forward:
+            _remember(seed, key, keep, KEPT_MASK_BYTES)
     return keep.view(like.shape).to(like.dtype).mul_(dropout_keep_scale(opts.dropout_p))
 
 
