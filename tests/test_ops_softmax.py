@@ -136,6 +136,36 @@ def test_automatic_plan_choice(device):
         assert plan.chunk_rows * plan.block_f == softmax_ops.REREAD_CHUNK_ROWS * softmax_ops.COOPERATIVE_COLS
 
 
+@pytest.mark.parametrize("inputs", [1, 2], ids=["forward", "backward"])
+def test_single_tile_rows_wide_enough(inputs, monkeypatch):
+    """On a GPU a whole sequence takes one tile only where the tile's rows are at least SINGLE_MIN_ROW_BYTES per
+    input (or hold every column): 8K elements, 16K for float32 whose rows 8K would leave narrower; else the
+    cooperative plan. The 16-bit forward held in shared memory takes one tile only with every column. The plan of an
+    H100-sized GPU, chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 132)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: 132)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    for max_len, elem_size, block_f in ((128, 2, 64), (256, 2, 32), (257, 2, None), (1024, 2, None),
+                                        (512, 4, 16), (513, 4, 16), (1024, 4, 16), (1025, 4, None),
+                                        (1024, 8, 8), (1025, 8, None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 1024, elem_size, gpu, inputs=inputs)
+        assert (plan.chunk_rows is None) == (block_f is not None) and plan.cooperative != (block_f is not None), \
+            (max_len, elem_size, plan)
+        if block_f is not None:
+            assert plan.block_f == block_f and plan.block_t == varlen.tiling.next_power_of_2(max_len), (max_len, plan)
+            assert plan.block_f * elem_size >= softmax_ops.SINGLE_MIN_ROW_BYTES
+            assert plan.num_warps == 8
+    # Every column in the tile: one tile whatever the row's width.
+    plan = softmax_ops.softmax_plan(64, 4096, 2, 2, gpu, inputs=inputs)
+    assert plan.chunk_rows is None and (plan.block_t, plan.block_f) == (4096, 2)
+    # The 16-bit forward held in shared memory: chunks even for short sequences, unless the tile holds every column.
+    plan = softmax_ops.softmax_plan(64, 128, 1024, 2, gpu, inputs=inputs, shared=inputs == 1)
+    assert plan.shared == (inputs == 1) and (plan.chunk_rows is None) == (inputs == 2)
+    plan = softmax_ops.softmax_plan(64, 128, 64, 2, gpu, inputs=inputs, shared=inputs == 1)
+    assert plan.chunk_rows is None and (plan.block_t, plan.block_f) == (128, 64)
+
+
 @pytest.mark.parametrize("sms", [132, 78])
 def test_16_bit_backward_tiles_at_the_bound(sms, monkeypatch):
     """The 16-bit backward's cooperative tiles: 128 rows while a sequence's fit the bound, then 256, then split;
@@ -349,11 +379,12 @@ def test_bad_inputs(device):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("lengths", [[0, 1, 17, 300, 512], [0, 1, 17, 1000, 4096, 0], [4096, 12000], [33000, 5],
-                                     [1, 70000]], ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("lengths", [[0, 1, 17, 200, 256], [0, 1, 17, 300, 512], [0, 1, 17, 1000],
+                                     [0, 1, 17, 1000, 4096, 0], [4096, 12000], [33000, 5], [1, 70000]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
-    """Single tile, cooperative (float32: tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32
+    """Single tile (the 16-bit backward up to 256 rows, float32 up to 512 in tiles of 8K elements and 1024 in tiles
+    of 16K, float64 up to 1024: test_single_tile_rows_wide_enough), cooperative (float32: tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32
     columns and twice the rows up to 33792 and 16896 (12000 both, 33000 the forward); the 16-bit backward in tiles of
     128 rows up to 8448 and 256 beyond; 16-bit forward, chunks held in shared memory on sm_90: 192 rows up to 12672
     (12000 near that bound), 512 up to 33792 (33000), elsewhere read twice), split across many programs (a few long

@@ -348,6 +348,19 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 
 
 # ----------------------------------------------------------------------------------- launchers
+# The single path on a GPU: a whole sequence's column block per tile, of SINGLE_TILE_ELEMS elements (float32: 16K
+# where 8K leave rows under SINGLE_MIN_ROW_BYTES), taken where the tile holds every column (one contiguous span) or
+# its rows are at least SINGLE_MIN_ROW_BYTES wide per input; else cooperative. Not the 16-bit forward whose chunks
+# the Gluon kernel holds in shared memory, unless the tile holds every column. H200 (bench/NOTES.md, "The single
+# plan's narrow rows"), % of copy, single / cooperative: bf16 backward at max_len 1024, 16-byte rows, 39 / 70;
+# float32 backward at 2048, 16-byte rows, 36 / 77; float32 at 1024: 32-byte rows of 8K tiles 67 / 71 forward,
+# 69 / 78 backward, 64-byte rows of 16K tiles 87 / 71, 85 / 78; bf16 at 512, 32-byte rows, 53 / 66 forward, 63 / 69
+# backward; the bf16 forward at 128 and 256 rows (128- and 64-byte rows) 43 / 55 and 55 / 59, its backward 67 / 61
+# and 68 / 65; float32 at 128-256 rows 74-84 / 40-62 forward, 96-97 / 71-73 backward. 16K tiles lose elsewhere: bf16
+# 58 / 66 forward at 512, float64 backward 6-8% of copy (spills).
+SINGLE_TILE_ELEMS = 8192
+SINGLE_WIDE_TILE_ELEMS = 16384
+SINGLE_MIN_ROW_BYTES = 64
 # Elements one program of the split path reduces at most (more, shorter programs balance better).
 MAX_CHUNK_ELEMS = 1 << 17
 
@@ -459,21 +472,30 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
                  inputs: int = 1, shared: bool = False) -> SoftmaxPlan:
     """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward; ``shared``: whether
-    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`): ``single``
-    when a sequence fits a tile of ~8K elements (64K under the interpreter) whose rows are at least one
-    32-byte sector wide per input, else ``cooperative`` where it applies (:func:`_cooperative_plan`), else
-    ``split``.
+    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`): ``single`` when a sequence fits
+    one tile with every column or with rows of at least :data:`SINGLE_MIN_ROW_BYTES` per input (on a GPU: a tile of
+    :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`; not for the 16-bit forward's rows where
+    ``shared``, unless the tile holds every column; under the interpreter, whose cost is per program, 64K elements
+    and rows of one 32-byte sector over the inputs), else ``cooperative`` where it applies
+    (:func:`_cooperative_plan`), else ``split``.
 
     Split tiles on the GPU: 256 contiguous bytes of a row, 8K elements per input (16 to 32 KiB in flight per
     program) and 8 warps: the best of a sweep over 64-256 columns, 4K-16K elements and 4 or 8 warps on an
     H100 (bench/NOTES.md: 51-58% of copy bandwidth in bf16, against 30-51% with 4K elements and 4 warps).
     """
     on_gpu = device.type == "cuda"
-    budget = 8192 if on_gpu else 65536
     full_t = next_power_of_2(max(max_len, 1))
-    block_f = min(next_power_of_2(n_cols), budget // full_t)
-    if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
-        return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
+    if on_gpu:
+        # (the 16-bit forward's chunks held in shared memory beat a tile of strided rows at any length)
+        wide_rows_pay = not (shared and inputs == 1 and elem_size == 2)
+        for budget in (SINGLE_TILE_ELEMS, SINGLE_WIDE_TILE_ELEMS) if elem_size == 4 else (SINGLE_TILE_ELEMS,):
+            block_f = min(next_power_of_2(n_cols), budget // full_t)
+            if block_f >= 1 and (block_f >= n_cols or wide_rows_pay and block_f * elem_size >= SINGLE_MIN_ROW_BYTES):
+                return SoftmaxPlan(full_t, block_f, None, 8 if full_t * block_f >= 4096 else 4)
+    else:
+        block_f = min(next_power_of_2(n_cols), 65536 // full_t)
+        if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
+            return SoftmaxPlan(full_t, block_f, None, 4)
     cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device, shared)
     if cooperative is not None:
         return cooperative
