@@ -354,7 +354,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 # the Gluon kernel holds in shared memory, unless the tile holds every column. H200 (bench/NOTES.md, "The single
 # plan's narrow rows"), % of copy, single / cooperative: bf16 backward at max_len 1024, 16-byte rows, 39 / 70;
 # float32 backward at 2048, 16-byte rows, 36 / 77; float32 at 1024: 32-byte rows of 8K tiles 67 / 71 forward,
-# 69 / 78 backward, 64-byte rows of 16K tiles 87 / 71, 85 / 78; bf16 at 512, 32-byte rows, 53 / 66 forward, 63 / 69
+# 69 / 78 backward, 64-byte rows of 16K tiles 86 / 71, 86 / 78; bf16 at 512, 32-byte rows, 54 / 65 forward, 63 / 69
 # backward; the bf16 forward at 128 and 256 rows (128- and 64-byte rows) 43 / 55 and 55 / 59, its backward 67 / 61
 # and 68 / 65; float32 at 128-256 rows 74-84 / 40-62 forward, 96-97 / 71-73 backward. 16K tiles lose elsewhere: bf16
 # 58 / 66 forward at 512, float64 backward 6-8% of copy (spills).
