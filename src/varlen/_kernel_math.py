@@ -33,6 +33,16 @@ def merge_max_sum(m, s, m_other, s_other):
 
 
 @triton.jit
+def add_to_max_sum(m, s, x):
+    """One more value ``x`` in each running (max, sum of exp(x - max)) pair, elementwise, with one exponential where
+    :func:`merge_max_sum` takes two: ``exp(-|x - m|)`` is the added term where ``x <= m`` and the old sum's rescale
+    where ``x > m`` (the new term is then 1). An ``x`` of -inf adds 0 whatever ``m`` is. A slot holding +inf keeps a
+    sum of 1; :func:`reduce_max_sum` then gives NaN (inf - inf), as ``merge_max_sum``'s running sums do."""
+    e = exp(tl.where(x == float("-inf"), float("-inf"), -tl.abs(x - m)))
+    return tl.maximum(m, x), tl.where(x > m, s * e + 1.0, s + e)
+
+
+@triton.jit
 def reduce_max_sum(m, s):
     """The running pairs of ``m``, ``s`` along their first axis as one: (max, sum of exp(x - max)); the max is -inf
     where no value was finite (the sum then from a shift of 0)."""

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata
-from .._kernel_math import exp, merge_max_sum, reduce_max_sum
+from .._kernel_math import add_to_max_sum, exp, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
@@ -47,7 +47,7 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
     s_lane = tl.zeros([BLOCK_V], ACC)
     for v0 in tl.range(0, n_cols, BLOCK_V, num_stages=3):  # (pipelined: the next blocks' loads in flight)
         x = tl.load(base + v0 + cols, mask=v0 + cols < n_cols, other=float("-inf")).to(ACC)
-        m_lane, s_lane = merge_max_sum(m_lane, s_lane, x, 1.0)
+        m_lane, s_lane = add_to_max_sum(m_lane, s_lane, x)
     m, total = reduce_max_sum(m_lane, s_lane)
     shift = tl.where(m == float("-inf"), 0.0, m)
     log_sum = tl.log(total)

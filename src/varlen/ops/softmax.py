@@ -43,7 +43,7 @@ from torch import Tensor
 from .. import _amp, capabilities
 from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
-from .._kernel_math import exp, merge_max_sum, reduce_max_sum
+from .._kernel_math import add_to_max_sum, exp, merge_max_sum, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -99,7 +99,7 @@ def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
         mask = (rows < hi)[:, None] & col_ok[None, :]
         v = tl.load(x + (start + rows)[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask,
                     other=float("-inf")).to(ACC)
-        m_slot, s_slot = merge_max_sum(m_slot, s_slot, v, 1.0)
+        m_slot, s_slot = add_to_max_sum(m_slot, s_slot, v)
     return reduce_max_sum(m_slot, s_slot)
 
 
