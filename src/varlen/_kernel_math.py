@@ -33,19 +33,31 @@ def merge_max_sum(m, s, m_other, s_other):
 
 
 @triton.jit
+def lowest_like(t):
+    """A tensor of ``t``'s shape and float dtype holding that dtype's lowest finite value: where
+    :func:`add_to_max_sum`'s running maxima start."""
+    if t.dtype == tl.float64:
+        return tl.full(t.shape, -1.7976931348623157e308, t.dtype)
+    else:
+        return tl.full(t.shape, -3.4028234663852886e38, t.dtype)
+
+
+@triton.jit
 def add_to_max_sum(m, s, x):
     """One more value ``x`` in each running (max, sum of exp(x - max)) pair, elementwise, with one exponential where
     :func:`merge_max_sum` takes two: ``exp(-|x - m|)`` is the added term where ``x <= m`` and the old sum's rescale
-    where ``x > m`` (the new term is then 1). An ``x`` of -inf adds 0 whatever ``m`` is. A slot holding +inf keeps a
-    sum of 1; :func:`reduce_max_sum` then gives NaN (inf - inf), as ``merge_max_sum``'s running sums do."""
-    e = exp(tl.where(x == float("-inf"), float("-inf"), -tl.abs(x - m)))
+    where ``x > m`` (the new term is then 1). ``m`` must never be -inf (start it at :func:`lowest_like`; a sum of 0
+    then means no finite value yet), so that no per-element test is needed: an ``x`` of -inf adds 0. A slot that meets
+    +inf keeps a sum of 1; :func:`reduce_max_sum` then gives NaN (inf - inf), as ``merge_max_sum``'s sums do."""
+    e = exp(-tl.abs(x - m))
     return tl.maximum(m, x), tl.where(x > m, s * e + 1.0, s + e)
 
 
 @triton.jit
 def reduce_max_sum(m, s):
     """The running pairs of ``m``, ``s`` along their first axis as one: (max, sum of exp(x - max)); the max is -inf
-    where no value was finite (the sum then from a shift of 0)."""
+    where no value was finite (the sum then 0; pairs started at :func:`lowest_like` hold a finite max there)."""
     top = tl.max(m, 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    return top, tl.sum(s * exp(m - tl.expand_dims(shift, 0)), 0)
+    total = tl.sum(s * exp(m - tl.expand_dims(shift, 0)), 0)
+    return tl.where(total == 0, float("-inf"), top), total

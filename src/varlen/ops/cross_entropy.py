@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata
-from .._kernel_math import add_to_max_sum, exp, reduce_max_sum
+from .._kernel_math import add_to_max_sum, exp, lowest_like, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
@@ -39,14 +39,18 @@ def _cross_entropy_fwd_kernel(logits, targets, losses, row_max, row_log_sum, n_r
                               ACC: tl.constexpr, BLOCK_V: tl.constexpr):
     # One row: its max and the log of its sum of exp(x - max) by online max and sum (a running pair per lane,
     # combined once after the loop), the target's logit, the row's loss (max - picked) + log(sum): kept apart, since
-    # max + log(sum) would lose log(sum) to rounding where |max| is large.
+    # max + log(sum) would lose log(sum) to rounding where |max| is large. The full blocks load unmasked and the
+    # last, partial one masked: the loop's instructions per element bound the 16-bit forward (bench/NOTES.md).
     row = tl.program_id(0).to(tl.int64)
     base = logits + row * stride_lr
     cols = tl.arange(0, BLOCK_V)
-    m_lane = tl.full([BLOCK_V], float("-inf"), ACC)
     s_lane = tl.zeros([BLOCK_V], ACC)
-    for v0 in tl.range(0, n_cols, BLOCK_V, num_stages=3):  # (pipelined: the next blocks' loads in flight)
-        x = tl.load(base + v0 + cols, mask=v0 + cols < n_cols, other=float("-inf")).to(ACC)
+    m_lane = lowest_like(s_lane)
+    n_full = n_cols // BLOCK_V * BLOCK_V
+    for v0 in tl.range(0, n_full, BLOCK_V, num_stages=3):  # (pipelined: the next blocks' loads in flight)
+        m_lane, s_lane = add_to_max_sum(m_lane, s_lane, tl.load(base + v0 + cols).to(ACC))
+    if n_full < n_cols:
+        x = tl.load(base + n_full + cols, mask=n_full + cols < n_cols, other=float("-inf")).to(ACC)
         m_lane, s_lane = add_to_max_sum(m_lane, s_lane, x)
     m, total = reduce_max_sum(m_lane, s_lane)
     shift = tl.where(m == float("-inf"), 0.0, m)
@@ -80,13 +84,19 @@ def _cross_entropy_bwd_kernel(logits, targets, row_max, row_log_sum, row_scale, 
 
 
 # ----------------------------------------------------------------------------------- launchers
-# Vocabulary entries per loop step (forward) and per program (backward): 4K, 1K in float64.
+# Vocabulary entries per program (backward, 8 warps): 4K, 1K in float64.
 _BLOCK_V = 4096
 _BLOCK_V_FLOAT64 = 1024
+# Per loop step of the forward, and its warps: 2K at 4 warps. H200 sweep, % of copy over the logits (bench/NOTES.md,
+# "The cross-entropy forward's instructions"), 2K x 4 / 4K x 8 (the backward's plan, and the forward's before):
+# 32768 x 32000 bf16 87-89 / 80-82, 8192 x 128256 bf16 87-91 / 78-84, 16384 x 50257 (rows not 16-byte aligned) fp16
+# and bf16 76-78 / 51, float32 100 / 98-99.
+_FWD_BLOCK_V = 2048
+_FWD_WARPS = 4
 
 
-def _block_v(n_cols: int, dtype: torch.dtype) -> int:
-    return min(next_power_of_2(max(n_cols, 1)), _BLOCK_V_FLOAT64 if dtype == torch.float64 else _BLOCK_V)
+def _block_v(n_cols: int, dtype: torch.dtype, most: int = _BLOCK_V) -> int:
+    return min(next_power_of_2(max(n_cols, 1)), _BLOCK_V_FLOAT64 if dtype == torch.float64 else most)
 
 
 def _check_rows(logits: Tensor, **per_row: Tensor) -> None:
@@ -112,7 +122,7 @@ def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int)
     if n_rows:
         _cross_entropy_fwd_kernel[(n_rows,)](logits, targets, losses, row_max, row_log_sum, n_rows, n_cols,
                                              logits.stride(0), ignore_index, ACC=acc_type(logits.dtype),
-                                             BLOCK_V=_block_v(n_cols, logits.dtype), num_warps=8)
+                                             BLOCK_V=_block_v(n_cols, logits.dtype, _FWD_BLOCK_V), num_warps=_FWD_WARPS)
     return losses, row_max, row_log_sum
 
 

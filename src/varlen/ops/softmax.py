@@ -43,7 +43,7 @@ from torch import Tensor
 from .. import _amp, capabilities
 from .._backend import interpreter_enabled, refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, normalize_dim
-from .._kernel_math import add_to_max_sum, exp, merge_max_sum, reduce_max_sum
+from .._kernel_math import add_to_max_sum, exp, lowest_like, merge_max_sum, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -92,8 +92,8 @@ def _chunk_stats(x, start, lo, hi, cols, col_ok, stride_xr, stride_xc,
     so the loop does no cross-thread reduction (a reduction over rows crosses warps: shared memory and a
     barrier per tile); the rows are combined once, after it. ``STAGES``: tiles loaded ahead by Triton's software
     pipelining (None: the loop isn't pipelined)."""
-    m_slot = tl.full([BLOCK_T, BLOCK_F], float("-inf"), ACC)
     s_slot = tl.zeros([BLOCK_T, BLOCK_F], ACC)
+    m_slot = lowest_like(s_slot)
     for t0 in tl.range(lo, hi, BLOCK_T, num_stages=STAGES):
         rows = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         mask = (rows < hi)[:, None] & col_ok[None, :]
