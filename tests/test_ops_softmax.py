@@ -140,8 +140,9 @@ def test_automatic_plan_choice(device):
 def test_single_tile_rows_wide_enough(inputs, monkeypatch):
     """On a GPU a whole sequence takes one tile only where the tile's rows are at least SINGLE_MIN_ROW_BYTES per
     input (or hold every column): 8K elements, 16K for float32 whose rows 8K would leave narrower; else the
-    cooperative plan. The 16-bit forward held in shared memory takes one tile only with every column. The plan of an
-    H100-sized GPU, chosen off the GPU (nothing runs)."""
+    cooperative plan. The 16-bit forward held in shared memory takes one tile only with every column. Rows not 16
+    elements apart keep the rule before (8K elements, rows of 32 bytes over the inputs). The plan of an H100-sized
+    GPU, chosen off the GPU (nothing runs)."""
     monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 132)
     monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: 132)
     monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
@@ -156,6 +157,16 @@ def test_single_tile_rows_wide_enough(inputs, monkeypatch):
             assert plan.block_f == block_f and plan.block_t == varlen.tiling.next_power_of_2(max_len), (max_len, plan)
             assert plan.block_f * elem_size >= softmax_ops.SINGLE_MIN_ROW_BYTES
             assert plan.num_warps == 8
+    # Rows not 16 elements apart: the rule before (8K elements, rows of 32 bytes over the inputs).
+    for max_len, elem_size, block_f in ((1024, 2, 8 if inputs == 2 else None), (1024, 4, 8), (2048, 4, 4 if inputs == 2
+                                                                                               else None)):
+        plan = softmax_ops.softmax_plan(64, max_len, 40, elem_size, gpu, inputs=inputs, aligned=False)
+        assert (plan.chunk_rows is None) == (block_f is not None), (max_len, elem_size, plan)
+        if block_f is not None:
+            assert plan.block_f == block_f and plan.block_t == varlen.tiling.next_power_of_2(max_len)
+    assert softmax_ops.rows_aligned(torch.zeros(3, 32), torch.zeros(8, 64)[:, :40])
+    assert not softmax_ops.rows_aligned(torch.zeros(3, 40))
+    assert not softmax_ops.rows_aligned(torch.zeros(32, 3).t())
     # Every column in the tile: one tile whatever the row's width.
     plan = softmax_ops.softmax_plan(64, 4096, 2, 2, gpu, inputs=inputs)
     assert plan.chunk_rows is None and (plan.block_t, plan.block_f) == (4096, 2)

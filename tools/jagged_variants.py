@@ -3,7 +3,8 @@
 
     python tools/compile_check.py --verbose tools/jagged_variants.py
 
-Covers bf16, fp16 and float32, forward and backward, at the longest lengths of the ``single`` path, the
+Covers bf16, fp16 and float32, forward and backward, at lengths of the ``single`` path (4 rows; 256, where the 16-bit
+backward's tiles have rows of 64 bytes; 1024, float32's tiles of 16K elements), the
 ``cooperative`` path (tiles held in registers: float32 forward and every backward, the 16-bit one in tiles of 128
 rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory by the Gluon kernel, 192 rows at
 12000 and 512 at 33000, and read twice where that kernel doesn't take the input) and the ``split`` path, at 1024
@@ -34,7 +35,7 @@ def main():
         for n_cols in WIDTHS:
             x = torch.zeros(4096, n_cols, dtype=dtype)
             size = x.element_size()
-            for max_len in (4, 4096, 12000, 33000, 70000):
+            for max_len in (4, 256, 1024, 4096, 12000, 33000, 70000):
                 fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU)
                 fwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, shared=softmax_gluon.applies(x))
                 bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2)

@@ -358,9 +358,14 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 # backward; the bf16 forward at 128 and 256 rows (128- and 64-byte rows) 43 / 55 and 55 / 59, its backward 67 / 61
 # and 68 / 65; float32 at 128-256 rows 74-84 / 40-62 forward, 96-97 / 71-73 backward. 16K tiles lose elsewhere: bf16
 # 58 / 66 forward at 512, float64 backward 6-8% of copy (spills).
+# Rows not 16 elements apart (Triton can't vectorize their loads) keep the rule before: tiles of 8K elements whose
+# rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. There the 16K tiles and the 16-bit cooperative backward spill:
+# H200, 20-200 columns, max_len 300-2048, that rule / this one: float32 backward 31-47 / 10-18, bf16 backward
+# 15-25 / 8-11 (small inputs: % of copy far under the sweep's).
 SINGLE_TILE_ELEMS = 8192
 SINGLE_WIDE_TILE_ELEMS = 16384
 SINGLE_MIN_ROW_BYTES = 64
+UNALIGNED_MIN_ROW_BYTES = 32
 # Elements one program of the split path reduces at most (more, shorter programs balance better).
 MAX_CHUNK_ELEMS = 1 << 17
 
@@ -470,11 +475,13 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
 
 
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
-                 inputs: int = 1, shared: bool = False) -> SoftmaxPlan:
+                 inputs: int = 1, shared: bool = False, aligned: bool = True) -> SoftmaxPlan:
     """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward; ``shared``: whether
-    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`): ``single`` when a sequence fits
-    one tile with every column or with rows of at least :data:`SINGLE_MIN_ROW_BYTES` per input (on a GPU: a tile of
-    :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`; not for the 16-bit forward's rows where
+    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`; ``aligned``: whether every row of
+    the inputs and output starts a multiple of 16 elements from the last, :func:`rows_aligned`): ``single`` when a
+    sequence fits one tile with every column or with rows of at least :data:`SINGLE_MIN_ROW_BYTES` per input (on a
+    GPU: a tile of :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`; rows not ``aligned``:
+    8K elements and :data:`UNALIGNED_MIN_ROW_BYTES` over the inputs; not for the 16-bit forward's rows where
     ``shared``, unless the tile holds every column; under the interpreter, whose cost is per program, 64K elements
     and rows of one 32-byte sector over the inputs), else ``cooperative`` where it applies
     (:func:`_cooperative_plan`), else ``split``.
@@ -487,10 +494,13 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     full_t = next_power_of_2(max(max_len, 1))
     if on_gpu:
         # (the 16-bit forward's chunks held in shared memory beat a tile of strided rows at any length)
-        wide_rows_pay = not (shared and inputs == 1 and elem_size == 2)
-        for budget in (SINGLE_TILE_ELEMS, SINGLE_WIDE_TILE_ELEMS) if elem_size == 4 else (SINGLE_TILE_ELEMS,):
+        strided_rows_pay = not (shared and inputs == 1 and elem_size == 2)
+        wide = (SINGLE_WIDE_TILE_ELEMS,) if elem_size == 4 and aligned else ()
+        for budget in (SINGLE_TILE_ELEMS, *wide):
             block_f = min(next_power_of_2(n_cols), budget // full_t)
-            if block_f >= 1 and (block_f >= n_cols or wide_rows_pay and block_f * elem_size >= SINGLE_MIN_ROW_BYTES):
+            wide_enough = (block_f * elem_size >= SINGLE_MIN_ROW_BYTES if aligned
+                           else block_f * elem_size * inputs >= UNALIGNED_MIN_ROW_BYTES)
+            if block_f >= 1 and (block_f >= n_cols or strided_rows_pay and wide_enough):
                 return SoftmaxPlan(full_t, block_f, None, 8 if full_t * block_f >= 4096 else 4)
     else:
         block_f = min(next_power_of_2(n_cols), 65536 // full_t)
@@ -504,6 +514,12 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     n_col_tiles = cdiv(n_cols, block_f)
     chunk_rows = chunk_rows_for(max_len, batch * n_col_tiles, block_t, device, max_rows=MAX_CHUNK_ELEMS // block_f)
     return SoftmaxPlan(block_t, block_f, chunk_rows, 8 if on_gpu else 4)
+
+
+def rows_aligned(*tensors: torch.Tensor) -> bool:
+    """Whether each ``(total, F)`` tensor has unit column stride and a row stride that is a multiple of 16 elements:
+    what Triton's specialization needs to vectorize a tile's loads and stores."""
+    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 for t in tensors)
 
 
 def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int,
@@ -536,7 +552,8 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     y = torch.empty((total, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device, shared=_softmax_gluon.applies(x))
+    plan = plan or softmax_plan(batch, max_len, n_cols, x.element_size(), x.device, shared=_softmax_gluon.applies(x),
+                                aligned=rows_aligned(x, y))
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, x.device)
     acc = acc_type(x.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
@@ -575,7 +592,8 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     dx = torch.empty((total, n_cols), dtype=y.dtype, device=y.device)
     if dx.numel() == 0:
         return dx
-    plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2)
+    plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2,
+                                aligned=rows_aligned(y, dy, dx))
     if plan.rereads or plan.shared:
         raise ValueError(f"plan: the cooperative backward holds its chunk in one tile of registers (chunk_rows == "
                          f"block_t, not shared); got chunk_rows {plan.chunk_rows}, block_t {plan.block_t}, shared "
