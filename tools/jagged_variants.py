@@ -36,9 +36,11 @@ def main():
             x = torch.zeros(4096, n_cols, dtype=dtype)
             size = x.element_size()
             for max_len in (4, 256, 1024, 4096, 12000, 33000, 70000):
-                fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU)
-                fwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, shared=softmax_gluon.applies(x))
-                bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2)
+                aligned = softmax.rows_aligned(x)  # (as the launchers ask: 1024 columns are, 40, 3 and 1 aren't)
+                fwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, aligned=aligned)
+                fwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, shared=softmax_gluon.applies(x),
+                                                  aligned=aligned)
+                bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2, aligned=aligned)
                 print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {fwd_shared}, {bwd}", flush=True)
                 y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
                 if fwd_shared != fwd:
