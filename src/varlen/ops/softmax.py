@@ -361,7 +361,7 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 # Rows not 16 elements apart (Triton can't vectorize their loads) keep the rule before: tiles of 8K elements whose
 # rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. There the 16K tiles and the 16-bit cooperative backward spill:
 # H200, 20-200 columns, max_len 300-2048, that rule / this one: float32 backward 31-47 / 10-18, bf16 backward
-# 15-25 / 8-11 (small inputs: % of copy far under the sweep's).
+# 11-25 / 8-15 (small inputs: % of copy far under the sweep's).
 SINGLE_TILE_ELEMS = 8192
 SINGLE_WIDE_TILE_ELEMS = 16384
 SINGLE_MIN_ROW_BYTES = 64
