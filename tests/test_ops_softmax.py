@@ -395,11 +395,11 @@ def test_bad_inputs(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     """Single tile (the 16-bit backward up to 256 rows, float32 up to 512 in tiles of 8K elements and 1024 in tiles
-    of 16K, float64 up to 1024: test_single_tile_rows_wide_enough), cooperative (float32: tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32
-    columns and twice the rows up to 33792 and 16896 (12000 both, 33000 the forward); the 16-bit backward in tiles of
-    128 rows up to 8448 and 256 beyond; 16-bit forward, chunks held in shared memory on sm_90: 192 rows up to 12672
-    (12000 near that bound), 512 up to 33792 (33000), elsewhere read twice), split across many programs (a few long
-    sequences), and one very long sequence."""
+    of 16K, float64 up to 1024: test_single_tile_rows_wide_enough), cooperative (float32: tiles of 64 columns up to
+    8192 rows forward and 4096 backward, then of 32 columns and twice the rows up to 33792 and 16896 (12000 both,
+    33000 the forward); the 16-bit backward in tiles of 128 rows up to 8448 and 256 beyond; 16-bit forward, chunks
+    held in shared memory on sm_90: 192 rows up to 12672 (12000 near that bound), 512 up to 33792 (33000), elsewhere
+    read twice), split across many programs (a few long sequences), and one very long sequence."""
     x = random_jagged(lengths, (1024,), dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
