@@ -167,6 +167,7 @@ def test_single_tile_rows_wide_enough(inputs, monkeypatch):
     assert softmax_ops.rows_aligned(torch.zeros(3, 32), torch.zeros(8, 64)[:, :40])
     assert not softmax_ops.rows_aligned(torch.zeros(3, 40))
     assert not softmax_ops.rows_aligned(torch.zeros(32, 3).t())
+    assert not softmax_ops.rows_aligned(torch.zeros(4, 48)[:, 1:33])  # (rows 48 apart, from 4 bytes past a boundary)
     # Every column in the tile: one tile whatever the row's width.
     plan = softmax_ops.softmax_plan(64, 4096, 2, 2, gpu, inputs=inputs)
     assert plan.chunk_rows is None and (plan.block_t, plan.block_f) == (4096, 2)

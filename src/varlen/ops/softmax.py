@@ -517,9 +517,9 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
 
 
 def rows_aligned(*tensors: torch.Tensor) -> bool:
-    """Whether each ``(total, F)`` tensor has unit column stride and a row stride that is a multiple of 16 elements:
-    what Triton's specialization needs to vectorize a tile's loads and stores."""
-    return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 for t in tensors)
+    """Whether each ``(total, F)`` tensor starts at a 16-byte boundary, with unit column stride and a row stride that
+    is a multiple of 16 elements: what Triton's specialization needs to vectorize a tile's loads and stores."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(0) % 16 == 0 for t in tensors)
 
 
 def _launch_shape(plan: SoftmaxPlan, batch: int, max_len: int, n_cols: int,
