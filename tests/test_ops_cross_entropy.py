@@ -1,5 +1,6 @@
 """varlen.cross_entropy against torch's cross-entropy of the logits in float64."""
 
+import math
 import re
 
 import pytest
@@ -82,6 +83,24 @@ def test_large_logits_keep_their_precision(backend):
     ref.sum().backward()
     assert_close(loss, ref, tol=1e-6, name="loss")
     assert_close(logits.grad, x64.grad, tol=1e-5, name="dlogits")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float64_range_and_non_finite_rows(backend):
+    """float64 logits past float32's range (the running maxima start at float64's lowest value, not float32's), and
+    rows holding +inf, NaN or only -inf: NaN losses, as torch's."""
+    logits = torch.full((6, 30), -1e300, dtype=torch.float64, device=DEVICE)
+    logits[0, 3] = -5e299  # the row's max, 5e299 above the rest
+    logits[1] = -1e300 * (1 + torch.rand(30, dtype=torch.float64, device=DEVICE))
+    logits[2, 5] = 1e300
+    logits[3, 9] = math.inf
+    logits[4, 2] = math.nan
+    logits[5] = -math.inf
+    targets = torch.tensor([3, 7, 0, 1, 4, 6], device=DEVICE)
+    loss = varlen.cross_entropy(logits, targets, reduction="none", backend=backend)
+    ref = F.cross_entropy(logits, targets, reduction="none")
+    assert torch.equal(torch.isnan(loss), torch.isnan(ref)) and torch.isnan(loss[3:]).all()
+    assert_close(loss[:3], ref[:3], tol=1e-12, name="loss")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

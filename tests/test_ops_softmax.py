@@ -332,6 +332,17 @@ def test_infinities_split_plans(plan, device):
     assert_close(y[finite], ref[finite])
 
 
+@pytest.mark.parametrize("plan", PLANS[:2] + REREAD_PLANS[:1], ids=["split-64", "split-8", "reread-one-chunk"])
+def test_float64_past_float32_range_split_plans(plan, device):
+    """Values near -1e300 spread over the chunks: the running maxima start at float64's lowest value (float32's
+    would drop every value below -3.4e38)."""
+    lengths = [20, 11]
+    x = random_jagged(lengths, (4,), device=device, dtype=torch.float64)
+    values = -1e300 * (1 + x.values.abs())
+    y = softmax_ops.softmax_fwd_triton(values.reshape(x.total, -1), x.offsets, x.max_len, plan)
+    assert_close(y.view_as(values), per_sequence_softmax(values, lengths))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_empty_batch_one_and_nested_input(backend, device):
     empty = varlen.JaggedTensor(torch.zeros(0, 3, device=device), torch.zeros(4, dtype=torch.int64, device=device))
