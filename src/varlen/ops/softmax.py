@@ -358,10 +358,10 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 # backward; the bf16 forward at 128 and 256 rows (128- and 64-byte rows) 43 / 55 and 55 / 59, its backward 67 / 61
 # and 68 / 65; float32 at 128-256 rows 74-84 / 40-62 forward, 96-97 / 71-73 backward. 16K tiles lose elsewhere: bf16
 # 58 / 66 forward at 512, float64 backward 6-8% of copy (spills).
-# Rows not 16 elements apart (Triton can't vectorize their loads) keep the rule before: tiles of 8K elements whose
-# rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. There the 16K tiles and the 16-bit cooperative backward spill:
-# H200, 20-200 columns, max_len 300-2048, that rule / this one: float32 backward 31-47 / 10-18, bf16 backward
-# 11-25 / 8-15 (small inputs: % of copy far under the sweep's).
+# Rows not 16 elements apart (Triton can't vectorize their loads) keep the rule before, as the interpreter does (with
+# its 64K-element tiles): tiles of 8K elements whose rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. There the
+# 16K tiles and the 16-bit cooperative backward spill: H200, 20-200 columns, max_len 300-2048, that rule / this one:
+# float32 backward 31-47 / 10-18, bf16 backward 11-25 / 8-15 (small inputs: % of copy far under the sweep's).
 SINGLE_TILE_ELEMS = 8192
 SINGLE_WIDE_TILE_ELEMS = 16384
 SINGLE_MIN_ROW_BYTES = 64
@@ -492,20 +492,20 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     """
     on_gpu = device.type == "cuda"
     full_t = next_power_of_2(max(max_len, 1))
-    if on_gpu:
-        # (the 16-bit forward's chunks held in shared memory beat a tile of strided rows at any length)
-        strided_rows_pay = not (shared and inputs == 1 and elem_size == 2)
-        wide = (SINGLE_WIDE_TILE_ELEMS,) if elem_size == 4 and aligned else ()
-        for budget in (SINGLE_TILE_ELEMS, *wide):
-            block_f = min(next_power_of_2(n_cols), budget // full_t)
-            wide_enough = (block_f * elem_size >= SINGLE_MIN_ROW_BYTES if aligned
-                           else block_f * elem_size * inputs >= UNALIGNED_MIN_ROW_BYTES)
-            if block_f >= 1 and (block_f >= n_cols or strided_rows_pay and wide_enough):
-                return SoftmaxPlan(full_t, block_f, None, 8 if full_t * block_f >= 4096 else 4)
+    if not on_gpu:
+        budgets = (65536,)
+    elif elem_size == 4 and aligned:
+        budgets = (SINGLE_TILE_ELEMS, SINGLE_WIDE_TILE_ELEMS)
     else:
-        block_f = min(next_power_of_2(n_cols), 65536 // full_t)
-        if block_f >= 1 and (block_f >= n_cols or block_f * elem_size * inputs >= 32):
-            return SoftmaxPlan(full_t, block_f, None, 4)
+        budgets = (SINGLE_TILE_ELEMS,)
+    # (the 16-bit forward's chunks held in shared memory beat a tile of strided rows at any length)
+    strided_rows_pay = not (on_gpu and shared and inputs == 1 and elem_size == 2)
+    for budget in budgets:
+        block_f = min(next_power_of_2(n_cols), budget // full_t)
+        wide_enough = (block_f * elem_size >= SINGLE_MIN_ROW_BYTES if on_gpu and aligned
+                       else block_f * elem_size * inputs >= UNALIGNED_MIN_ROW_BYTES)
+        if block_f >= 1 and (block_f >= n_cols or strided_rows_pay and wide_enough):
+            return SoftmaxPlan(full_t, block_f, None, 8 if on_gpu and full_t * block_f >= 4096 else 4)
     cooperative = _cooperative_plan(max_len, n_cols, elem_size, inputs, device, shared)
     if cooperative is not None:
         return cooperative
