@@ -423,7 +423,6 @@ def test_a_kept_mask_of_another_shape_is_drawn_again():
     assert torch.equal(keep, drawn.to(like.dtype) * dropout_keep_scale(0.3)) and seed.kept == {}
 
 
-
 def test_cpu_backward_takes_the_forwards_probabilities(monkeypatch):
     """On the CPU a dropout forward keeps each chunk's probabilities for its backward, which then computes no scores
     and gives the gradients of a backward that computes them all again, bit for bit. Past ``KEPT_PROBS_BYTES`` the

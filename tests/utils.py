@@ -79,30 +79,28 @@ def random_jagged(lengths, inner=(), *, dtype=torch.float32, device=DEVICE, requ
     return x
 
 
-def record_calls(monkeypatch, module, name: str) -> list:
-    """The results of every call of ``module.<name>`` from now on (it keeps working), in a list."""
-    results = []
-    function = getattr(module, name)
-
-    def recorded(*args, **kwargs):
-        results.append(function(*args, **kwargs))
-        return results[-1]
-
-    monkeypatch.setattr(module, name, recorded)
-    return results
-
-
-def record_args(monkeypatch, module, name: str) -> list:
-    """The positional arguments of every call of ``module.<name>`` from now on (it keeps working), in a list."""
+def _record(monkeypatch, module, name: str, entry) -> list:
+    """``entry(args, result)`` of every call of ``module.<name>`` from now on (it keeps working), in a list."""
     calls = []
     function = getattr(module, name)
 
     def recorded(*args, **kwargs):
-        calls.append(args)
-        return function(*args, **kwargs)
+        result = function(*args, **kwargs)
+        calls.append(entry(args, result))
+        return result
 
     monkeypatch.setattr(module, name, recorded)
     return calls
+
+
+def record_calls(monkeypatch, module, name: str) -> list:
+    """The results of every call of ``module.<name>`` from now on (it keeps working), in a list."""
+    return _record(monkeypatch, module, name, lambda args, result: result)
+
+
+def record_args(monkeypatch, module, name: str) -> list:
+    """The positional arguments of every call of ``module.<name>`` from now on (it keeps working), in a list."""
+    return _record(monkeypatch, module, name, lambda args, result: args)
 
 
 def rotary_reference(part: torch.Tensor, base: float) -> torch.Tensor:
