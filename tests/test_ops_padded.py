@@ -7,7 +7,7 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import checkable_dtypes, random_jagged, random_lengths
+from utils import ROW_LAYOUTS, checkable_dtypes, random_jagged, random_lengths, strided_rows
 from varlen import padding as padded_ops
 from varlen.capabilities import JAGGED_KERNELS
 
@@ -138,6 +138,24 @@ def test_small_tiles_cover_every_element(block, device, poison_empty):
     assert torch.equal(p, padded_reference(x.values, lengths, 11, 0.25))
     v = padded_ops._from_padded_triton(p, x.offsets, x.total, x.max_len, block_t=block[0], block_f=block[1])
     assert torch.equal(v, x.values)
+
+
+@pytest.mark.parametrize("layout", ROW_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64] + ([torch.float32, torch.bfloat16] if ON_GPU else []), ids=str)
+def test_rows_not_16_apart(layout, dtype, device, poison_empty):
+    """Jagged values and padded tensors whose rows are not 16 elements apart (the kernels load ROW_ALIGN elements at
+    once)."""
+    lengths = [0, 1, 17, 300, 40]
+    offsets = varlen.jagged([torch.zeros(n) for n in lengths], device=device).offsets
+    x = strided_rows(sum(lengths), layout, dtype, device)
+    p = padded_ops._to_padded_triton(x, offsets, 300, 0.5)
+    assert torch.equal(p, padded_reference(x, lengths, 300, 0.5))
+    n_cols = layout[0]
+    padded = strided_rows(len(lengths) * 300, layout, dtype, device).unflatten(0, (len(lengths), 300))
+    assert padded.stride() == (300 * layout[1], layout[1], 1)
+    v = padded_ops._from_padded_triton(padded, offsets, sum(lengths), 300)
+    assert v.shape == (sum(lengths), n_cols)
+    assert torch.equal(v, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

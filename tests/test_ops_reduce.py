@@ -8,7 +8,7 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import assert_close, checkable_dtypes, random_jagged, random_lengths
+from utils import ROW_LAYOUTS, assert_close, checkable_dtypes, random_jagged, random_lengths, strided_rows
 from varlen.capabilities import JAGGED_KERNELS
 
 reduce_ops = importlib.import_module("varlen.ops.reduce")
@@ -69,6 +69,27 @@ def test_forced_tiles_and_chunks(mean, tiles, device, poison_empty):
     dx = reduce_ops.broadcast_rows_triton(g, x.offsets, x.total, x.max_len, mean, **tile_args)
     scale = [max(n, 1) if mean else 1 for n in lengths]
     assert_close(dx, torch.cat([g[b].expand(n, 3) / scale[b] for b, n in enumerate(lengths)]))
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("tiles", [{}, dict(block_t=16, block_f=64, chunk_rows=32)], ids=["auto", "chunks"])
+@pytest.mark.parametrize("layout", ROW_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64] + ([torch.float32, torch.bfloat16] if ON_GPU else []), ids=str)
+def test_rows_not_16_apart(mean, tiles, layout, dtype, device, poison_empty):
+    """Values and gradients whose rows are not 16 elements apart (the kernels load ROW_ALIGN elements at once), with
+    sequences in one chunk and in several (the partial sums, n_cols apart)."""
+    lengths = [0, 1, 17, 300, 40]
+    offsets = varlen.jagged([torch.zeros(n) for n in lengths], device=device).offsets
+    x = strided_rows(sum(lengths), layout, dtype, device)
+    out = reduce_ops.segment_sum_triton(x, offsets, 300, mean, **tiles)
+    ref, _ = reference(x, lengths, "mean" if mean else "sum")
+    assert_close(out, ref, dtype)
+    g = strided_rows(len(lengths), layout, dtype, device)
+    tile_args = {k: v for k, v in tiles.items() if k != "chunk_rows"}
+    dx = reduce_ops.broadcast_rows_triton(g, offsets, sum(lengths), 300, mean, **tile_args)
+    scale = [max(n, 1) if mean else 1 for n in lengths]
+    ref_dx = torch.cat([g[b].double().expand(n, -1) / scale[b] for b, n in enumerate(lengths)])
+    assert_close(dx, ref_dx, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

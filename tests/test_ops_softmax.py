@@ -9,7 +9,7 @@ import torch
 
 import varlen
 from conftest import ON_GPU
-from utils import assert_close, checkable_dtypes, random_jagged, random_lengths, rel_err
+from utils import ROW_LAYOUTS, assert_close, checkable_dtypes, random_jagged, random_lengths, rel_err, strided_rows
 from varlen.attn.triton.configs import compute_capability
 from varlen.capabilities import JAGGED_KERNELS
 
@@ -104,6 +104,34 @@ def test_reread_plans_match_reference(plan, device, poison_empty):
     assert_close(y.view_as(values), reference(values, lengths)[0])
     with pytest.raises(ValueError, match="plan: the cooperative backward holds its chunk in one tile"):
         softmax_ops.softmax_bwd_triton(y, torch.ones_like(y), x.offsets, x.max_len, plan)
+
+
+# The automatic plan, and forced plans whose blocks hold 64 columns: split, single, cooperative in one tile per
+# sequence, on the GPU in many, and the forward that reads its chunks twice.
+ROW_PLANS = [None,
+             softmax_ops.SoftmaxPlan(block_t=16, block_f=64, chunk_rows=64),
+             softmax_ops.SoftmaxPlan(block_t=512, block_f=64, chunk_rows=None),
+             softmax_ops.SoftmaxPlan(block_t=512, block_f=64, chunk_rows=512, cooperative=True),
+             pytest.param(softmax_ops.SoftmaxPlan(block_t=16, block_f=64, chunk_rows=16, cooperative=True),
+                          marks=pytest.mark.gpu_only),
+             pytest.param(softmax_ops.SoftmaxPlan(block_t=16, block_f=64, chunk_rows=64, cooperative=True),
+                          marks=pytest.mark.gpu_only)]
+ROW_PLAN_IDS = ["auto", "split-64", "single", "cooperative-one-tile", "cooperative-16", "reread-64"]
+
+
+@pytest.mark.parametrize("plan", ROW_PLANS, ids=ROW_PLAN_IDS)
+@pytest.mark.parametrize("layout", ROW_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64] + ([torch.float32, torch.bfloat16] if ON_GPU else []), ids=str)
+def test_rows_not_16_apart(plan, layout, dtype, device, poison_empty):
+    lengths = [0, 1, 17, 300, 40, 0]
+    offsets = varlen.jagged([torch.zeros(n) for n in lengths], device=device).offsets
+    x = strided_rows(sum(lengths), layout, dtype, device)
+    g = strided_rows(sum(lengths), layout, dtype, device)
+    y = softmax_ops.softmax_fwd_triton(x, offsets, 300, plan)
+    ref_y, ref_dx = reference(x, lengths, g)
+    assert_close(y, ref_y, dtype, name="y")
+    if plan is None or not plan.rereads:
+        assert_close(softmax_ops.softmax_bwd_triton(y, g, offsets, 300, plan), ref_dx, dtype, name="dx")
 
 
 def test_automatic_plan_choice(device):

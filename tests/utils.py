@@ -1,4 +1,7 @@
-"""Helpers shared by the tests: tolerances, error measures, random jagged batches, a call recorder."""
+"""Helpers shared by the tests: tolerances, error measures, random jagged batches, rows not 16 elements apart, a call
+recorder."""
+
+import math
 
 import torch
 
@@ -77,6 +80,22 @@ def random_jagged(lengths, inner=(), *, dtype=torch.float32, device=DEVICE, requ
     if requires_grad:
         x.values.requires_grad_(True)
     return x
+
+
+# Rows not 16 elements apart, as (columns, row stride, first column): 40 columns (rows 8 apart), 20 (4 apart), 40
+# columns of rows 44 apart (4), 24 columns of rows 40 apart from 8 elements in (8). The jagged-op kernels load
+# ROW_ALIGN elements of a row at once (varlen.tiling.row_align); a larger ROW_ALIGN than the rows allow would read the
+# wrong rows.
+ROW_LAYOUTS = [(40, 40, 0), (20, 20, 0), (40, 44, 0), (24, 40, 8)]
+
+
+def strided_rows(n_rows, layout, dtype, device):
+    """A ``(n_rows, columns)`` view of random values in a NaN-filled ``(n_rows, row stride)`` tensor (``layout``: one
+    of ROW_LAYOUTS)."""
+    n_cols, row_stride, first = layout
+    big = torch.full((n_rows, row_stride), math.nan, dtype=dtype, device=device)
+    big[:, first:first + n_cols] = torch.randn(n_rows, n_cols, dtype=dtype, device=device)
+    return big[:, first:first + n_cols]
 
 
 def _record(monkeypatch, module, name: str, entry) -> list:

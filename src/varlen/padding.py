@@ -17,7 +17,7 @@ from ._backend import gradient_op, through_custom_op
 from ._launch import fast_launch
 from ._triton import tl, triton
 from .offsets import row_positions
-from .tiling import as_columns, cdiv, copy_tiles, tile_coords
+from .tiling import as_columns, cdiv, copy_tiles, known_multiple, row_align, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -29,9 +29,12 @@ from .tiling import as_columns, cdiv, copy_tiles, tile_coords
 @triton.jit(do_not_specialize=["total", "width", "n_row_tiles"])
 def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_row_tiles, n_col_tiles,
                              stride_vr, stride_vc, stride_or,
-                             BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                             BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # One program per (sequence, block of padded rows, block of columns); every padded row is written.
     # values has `total` rows; out is a contiguous (B, width, n_cols) tensor.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_vr = known_multiple(stride_vr, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
     b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets,
                                                        total)
     rows = row_tile * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -48,10 +51,14 @@ def _jagged_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_
 @triton.jit(do_not_specialize=["total", "width", "n_row_tiles", "batch_units"])
 def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_tiles, n_col_tiles,
                              batch_units, unit_stride, stride_pr, stride_pc, stride_or,
-                             BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                             BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # One program per (sequence, block of rows up to max_len, block of columns); blocks past the
     # sequence's end have nothing to copy and return at once. padded has `width` rows per sequence,
     # out `total` rows: a sequence longer than `width` (wrong offsets) is cut there.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    unit_stride = known_multiple(unit_stride, ROW_ALIGN)
+    stride_pr = known_multiple(stride_pr, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
     b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets,
                                                        total)
     length = tl.minimum(length, width)
@@ -85,7 +92,8 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
     n_row_tiles, n_col_tiles = cdiv(width, bt), cdiv(n_cols, bf)
     _jagged_to_padded_kernel[(B * n_row_tiles * n_col_tiles,)](
         v, offsets, pad, o, v.shape[0], width, n_cols, n_row_tiles, n_col_tiles,
-        v.stride(0), v.stride(1), o.stride(1), BLOCK_T=bt, BLOCK_F=bf)
+        v.stride(0), v.stride(1), o.stride(1), BLOCK_T=bt, BLOCK_F=bf,
+        ROW_ALIGN=row_align(n_cols, v.stride(0), o.stride(1)))
     return out
 
 
@@ -105,7 +113,8 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     n_row_tiles, n_col_tiles = cdiv(max_len, bt), cdiv(n_cols, bf)
     _padded_to_jagged_kernel[(B * n_row_tiles * n_col_tiles,)](
         p, offsets, o, total, p.shape[1], n_cols, n_row_tiles, n_col_tiles,
-        p.stride(0) // unit, unit, p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf)
+        p.stride(0) // unit, unit, p.stride(1), p.stride(2), o.stride(0), BLOCK_T=bt, BLOCK_F=bf,
+        ROW_ALIGN=row_align(n_cols, unit, p.stride(1), o.stride(0)))
     return out
 
 

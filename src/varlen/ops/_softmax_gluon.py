@@ -41,6 +41,7 @@ from ..attn.gluon.common import (
 )
 from ..attn.triton.configs import compute_capability
 from ..attn.triton.launch import tma_aligned
+from ..tiling import known_multiple, row_align
 from ._cooperative import claim_chunk, share_max_sum
 
 COLS = 64  # columns per chunk (a block of 128 bytes: the TMA box's row, one swizzle span)
@@ -51,7 +52,10 @@ if HAVE_GLUON:
     @gluon.jit(do_not_specialize=["total", "n_chunks"])
     def _softmax_shared_kernel(x_desc, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                stride_yr, CHUNK_ROWS: gl.constexpr, BLOCK_T: gl.constexpr, BLOCK_F: gl.constexpr,
-                               SLICE: gl.constexpr, NUM_WARPS: gl.constexpr):
+                               SLICE: gl.constexpr, NUM_WARPS: gl.constexpr, ROW_ALIGN: gl.constexpr):
+        # (rows of 40 columns: stores of 8 elements, not 1; varlen.tiling.row_align)
+        n_cols = known_multiple(n_cols, ROW_ALIGN)
+        stride_yr = known_multiple(stride_yr, ROW_ALIGN)
         N_TILES: gl.constexpr = CHUNK_ROWS // BLOCK_T
         dtype: gl.constexpr = x_desc.dtype
         # 16 bytes per thread along a row; the warps side by side along the columns, so the reductions over rows
@@ -134,4 +138,4 @@ def launch(x, y, offsets, part_max, part_sum, tickets, n_chunks, n_col_tiles, pl
     _softmax_shared_kernel[grid](
         desc, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles, y.stride(0),
         CHUNK_ROWS=plan.chunk_rows, BLOCK_T=plan.block_t, BLOCK_F=COLS, SLICE=combine_slice, NUM_WARPS=plan.num_warps,
-        num_warps=plan.num_warps)
+        ROW_ALIGN=row_align(n_cols, y.stride(0)), num_warps=plan.num_warps)

@@ -34,7 +34,9 @@ from ..tiling import (
     chunk_coords,
     chunk_rows_for,
     copy_tiles,
+    known_multiple,
     next_power_of_2,
+    row_align,
     tile_coords,
 )
 
@@ -44,8 +46,10 @@ from ..tiling import (
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _segment_sum_kernel(x, offsets, out, partials, chunks_done, total, n_cols, n_chunks, chunk_rows, n_col_tiles,
                         stride_xr, stride_xc, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_F: tl.constexpr, STAGES: tl.constexpr):
+                        BLOCK_F: tl.constexpr, STAGES: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # One (sequence, chunk, column block) per program; out is (B, n_cols) contiguous.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     # The chunks that hold rows; at least one, so that an empty sequence writes its 0 (NaN for mean).
@@ -84,8 +88,11 @@ def _segment_sum_kernel(x, offsets, out, partials, chunks_done, total, n_cols, n
 @triton.jit(do_not_specialize=["total", "n_row_tiles"])
 def _broadcast_rows_kernel(g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, stride_gb, stride_gc,
                            stride_or, MEAN: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_F: tl.constexpr):
+                           BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # out[row] = g[b] (/ L_b for mean) for every row of sequence b; blocks past the end return.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_gb = known_multiple(stride_gb, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
     b, row_tile, col_tile, start, length = tile_coords(tl.program_id(0), n_row_tiles, n_col_tiles, offsets,
                                                        total)
     if row_tile * BLOCK_T >= length:
@@ -137,7 +144,7 @@ def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mea
     _segment_sum_kernel[(batch * n_chunks * n_col_tiles,)](
         x, offsets, out, partials, chunks_done, total, n_cols, n_chunks, rows, n_col_tiles, x.stride(0), x.stride(1),
         MEAN=mean, ACC=acc_type(x.dtype), BLOCK_T=bt, BLOCK_F=bf, STAGES=stages or tiles.stages,
-        num_warps=num_warps or tiles.num_warps)
+        ROW_ALIGN=row_align(n_cols, x.stride(0)), num_warps=num_warps or tiles.num_warps)
     return out
 
 
@@ -155,7 +162,8 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
     n_row_tiles, n_col_tiles = cdiv(max_len, bt), cdiv(n_cols, bf)
     _broadcast_rows_kernel[(batch * n_row_tiles * n_col_tiles,)](
         g, offsets, out, total, n_cols, n_row_tiles, n_col_tiles, g.stride(0), g.stride(1), out.stride(0),
-        MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf, num_warps=num_warps or 4)
+        MEAN=mean, ACC=acc_type(g.dtype), BLOCK_T=bt, BLOCK_F=bf, num_warps=num_warps or 4,
+        ROW_ALIGN=row_align(n_cols, g.stride(0), out.stride(0)))
     return out
 
 

@@ -54,7 +54,9 @@ from ..tiling import (
     cdiv,
     chunk_coords,
     chunk_rows_for,
+    known_multiple,
     next_power_of_2,
+    row_align,
     sequence_rows,
     sm_count,
 )
@@ -66,8 +68,11 @@ from ._cooperative import claim_chunk, share_max_sum, wait_for_group
 @fast_launch
 @triton.jit(do_not_specialize=["total"])
 def _softmax_single_kernel(x, y, offsets, total, n_cols, n_col_tiles, stride_xr, stride_xc, stride_yr,
-                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                           ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # The whole sequence (length <= BLOCK_T) in one tile: one read of x, one write of y.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
     col_tile = tl.program_id(0) % n_col_tiles
     b = tl.program_id(0) // n_col_tiles
     start, length = sequence_rows(offsets, b, total)
@@ -139,8 +144,10 @@ def _write_chunk(x, y, start, lo, hi, cols, col_ok, m, s, stride_xr, stride_xc, 
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           stride_xr, stride_xc,
-                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # The statistics of one chunk of one sequence, per column.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
@@ -157,8 +164,11 @@ def _softmax_stats_kernel(x, offsets, total, part_max, part_sum, n_cols, n_chunk
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
 def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_chunks, chunk_rows, n_col_tiles,
                           n_programs, stride_xr, stride_xc, stride_yr,
-                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                          ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # Reverse order: the stats kernel's last chunks are the ones still in L2.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
     pid = n_programs - 1 - tl.program_id(0)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         pid, n_chunks, n_col_tiles, offsets, chunk_rows, total)
@@ -182,11 +192,15 @@ def _softmax_write_kernel(x, y, offsets, total, part_max, part_sum, n_cols, n_ch
 @triton.jit(do_not_specialize=["total", "n_chunks"])
 def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
                                 stride_xr, stride_xc, stride_yr,
-                                ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, SLICE: tl.constexpr):
+                                ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                                ROW_ALIGN: tl.constexpr, SLICE: tl.constexpr):
     # One tile of rows in registers, as exponentials from the tile's own max: their sum per column and that max
     # go to the partials, the sequence's are combined from all of them (in tile order: every tile gets the
     # same), then the tile is rescaled per column and written. x is read once and each element takes one exp
     # (taking exp(x - max) again after the wait made the 16-bit tile bound by the exp unit).
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, BLOCK_T)
     if chunk >= n_live:
@@ -217,12 +231,15 @@ def _softmax_cooperative_kernel(x, y, offsets, total, part_max, part_sum, ticket
 def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks,
                                        n_col_tiles, stride_xr, stride_xc, stride_yr, ACC: tl.constexpr,
                                        CHUNK_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-                                       SLICE: tl.constexpr, STAGES: tl.constexpr):
+                                       ROW_ALIGN: tl.constexpr, SLICE: tl.constexpr, STAGES: tl.constexpr):
     # As _softmax_cooperative_kernel, but the chunk (CHUNK_ROWS rows, in tiles of BLOCK_T) is read twice instead of
     # held: statistics, publish, wait, combine, then the write, which reads the chunk again, last tile first. Meant
     # to find the chunk in L2, it mostly doesn't (H100, ncu: DRAM reads 2.06x the input in order, 1.99x reversed;
     # 256-row chunks 1.1x but slower: bench/NOTES.md). The 16-bit forward: every way of holding its tile ran
     # slower than the split path.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, CHUNK_ROWS)
     if chunk >= n_live:
@@ -241,7 +258,12 @@ def _softmax_cooperative_reread_kernel(x, y, offsets, total, part_max, part_sum,
 @fast_launch
 @triton.jit(do_not_specialize=["total"])
 def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, stride_yr, stride_dyr, stride_dyc,
-                               stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                               stride_dxr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                               ROW_ALIGN: tl.constexpr):
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
+    stride_dyr = known_multiple(stride_dyr, ROW_ALIGN)
+    stride_dxr = known_multiple(stride_dxr, ROW_ALIGN)
     col_tile = tl.program_id(0) % n_col_tiles
     b = tl.program_id(0) // n_col_tiles
     start, length = sequence_rows(offsets, b, total)
@@ -258,8 +280,11 @@ def _softmax_bwd_single_kernel(y, dy, dx, offsets, total, n_cols, n_col_tiles, s
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows"])
 def _softmax_bwd_dot_kernel(y, dy, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                             stride_yr, stride_dyr, stride_dyc,
-                            ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                            ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # sum_t y * dy over one chunk of one sequence, per column.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
+    stride_dyr = known_multiple(stride_dyr, ROW_ALIGN)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         tl.program_id(0), n_chunks, n_col_tiles, offsets, chunk_rows, total)
     if lo >= length:
@@ -280,7 +305,11 @@ def _softmax_bwd_dot_kernel(y, dy, offsets, total, part_dot, n_cols, n_chunks, c
 @triton.jit(do_not_specialize=["total", "n_chunks", "chunk_rows", "n_programs"])
 def _softmax_bwd_write_kernel(y, dy, dx, offsets, total, part_dot, n_cols, n_chunks, chunk_rows, n_col_tiles,
                               n_programs, stride_yr, stride_dyr, stride_dyc, stride_dxr,
-                              ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr):
+                              ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
+    stride_dyr = known_multiple(stride_dyr, ROW_ALIGN)
+    stride_dxr = known_multiple(stride_dxr, ROW_ALIGN)
     pid = n_programs - 1 - tl.program_id(0)
     b, b_chunk, col_tile, start, length, lo, hi = chunk_coords(
         pid, n_chunks, n_col_tiles, offsets, chunk_rows, total)
@@ -315,11 +344,15 @@ def _opaque(v):
 def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets, n_cols, n_chunks, n_col_tiles,
                                     stride_yr, stride_dyr, stride_dyc, stride_dxr,
                                     ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-                                    SLICE: tl.constexpr, HOLD_16: tl.constexpr):
+                                    ROW_ALIGN: tl.constexpr, SLICE: tl.constexpr, HOLD_16: tl.constexpr):
     # As _softmax_cooperative_kernel: y and dy of one tile in registers, sum y * dy shared by the sequence's tiles.
     # HOLD_16: 16-bit inputs are held across the wait as their own 16-bit values and converted again after it
     # (through _opaque, else the compiler keeps the float32 values of the first conversion: twice the registers,
     # which spilled 300 bytes at 256-row tiles; H100: 68% -> 78% of copy with 128-row tiles, bench/NOTES.md).
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
+    stride_dyr = known_multiple(stride_dyr, ROW_ALIGN)
+    stride_dxr = known_multiple(stride_dxr, ROW_ALIGN)
     b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
                                                                    n_col_tiles, BLOCK_T)
     if chunk >= n_live:
@@ -358,10 +391,14 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
 # backward; the bf16 forward at 128 and 256 rows (128- and 64-byte rows) 43 / 55 and 55 / 59, its backward 67 / 61
 # and 68 / 65; float32 at 128-256 rows 74-84 / 40-62 forward, 96-97 / 71-73 backward. 16K tiles lose elsewhere: bf16
 # 58 / 66 forward at 512, float64 backward 6-8% of copy (spills).
-# Rows not 16 elements apart (Triton can't vectorize their loads) keep the rule before, as the interpreter does (with
-# its 64K-element tiles): tiles of 8K elements whose rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. There the
-# 16K tiles and the 16-bit cooperative backward spill: H200, 20-200 columns, max_len 300-2048, that rule / this one:
-# float32 backward 31-47 / 10-18, bf16 backward 11-25 / 8-15 (small inputs: % of copy far under the sweep's).
+# Rows not 16 elements apart keep the rule before, as the interpreter does (with its 64K-element tiles): tiles of 8K
+# elements whose rows reach UNALIGNED_MIN_ROW_BYTES over the inputs. Measured when Triton loaded such rows one element
+# at a time, the 16K tiles and the 16-bit cooperative backward spilled there: H200, 20-200 columns, max_len 300-2048,
+# that rule / this one: float32 backward 31-47 / 10-18, bf16 backward 11-25 / 8-15 (small inputs). With ROW_ALIGN
+# (the kernels load 8 elements of 40-column rows at once) neither spills, and this rule measured mixed there (H200,
+# 48M elements, max_len 1024, % of copy, the rule before / this one: float32 at 40-100 columns 58-69 / 69-78, at 20-24
+# columns 63-82 / 60-75; bf16 backward at 20-40 columns 49-58 / 39-51, at 72-100 35-38 / 44-49; bench/NOTES.md, "Rows
+# not 16 elements apart").
 SINGLE_TILE_ELEMS = 8192
 SINGLE_WIDE_TILE_ELEMS = 16384
 SINGLE_MIN_ROW_BYTES = 64
@@ -518,7 +555,8 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
 
 def rows_aligned(*tensors: torch.Tensor) -> bool:
     """Whether each ``(total, F)`` tensor starts at a 16-byte boundary, with unit column stride and a row stride that
-    is a multiple of 16 elements: what Triton's specialization needs to vectorize a tile's loads and stores."""
+    is a multiple of 16 elements: what Triton's own specialization sees (narrower rows reach vectorized loads and
+    stores through the kernels' ``ROW_ALIGN``, :func:`varlen.tiling.row_align`, but take the plan rule before)."""
     return all(t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(0) % 16 == 0 for t in tensors)
 
 
@@ -556,7 +594,8 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
                                 aligned=rows_aligned(x, y))
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, x.device)
     acc = acc_type(x.dtype)
-    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
+    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps,
+                 ROW_ALIGN=row_align(n_cols, x.stride(0), y.stride(0)))
     if plan.chunk_rows is None:
         _softmax_single_kernel[(n_programs,)](x, y, offsets, total, n_cols, n_col_tiles, x.stride(0), x.stride(1),
                                               y.stride(0), **tiles)
@@ -600,7 +639,8 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                          f"{plan.shared}")
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, y.device)
     acc = acc_type(y.dtype)
-    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps)
+    tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps,
+                 ROW_ALIGN=row_align(n_cols, y.stride(0), dy.stride(0), dx.stride(0)))
     if plan.chunk_rows is None:
         _softmax_bwd_single_kernel[(n_programs,)](y, dy, dx, offsets, total, n_cols, n_col_tiles, y.stride(0),
                                                   dy.stride(0), dy.stride(1), dx.stride(0), **tiles)
