@@ -9,7 +9,9 @@ backward's tiles have rows of 64 bytes; 1024, float32's tiles of 16K elements), 
 rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory by the Gluon kernel, 192 rows at
 12000 and 512 at 33000, and read twice where that kernel doesn't take the input) and the ``split`` path, at 1024
 columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
-CUDA device, its SM count stood in for). Outputs stay unwritten (nothing is run).
+CUDA device, its SM count stood in for). Then the ragged sum's kernels (one chunk per sequence and several) and the
+padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``).
+Outputs stay unwritten (nothing is run).
 """
 
 import importlib
@@ -20,6 +22,8 @@ import varlen.tiling
 
 softmax = importlib.import_module("varlen.ops.softmax")  # the module, not varlen.ops.softmax the function
 softmax_gluon = importlib.import_module("varlen.ops._softmax_gluon")
+reduce_ops = importlib.import_module("varlen.ops.reduce")
+padding = importlib.import_module("varlen.padding")
 
 # The plans are chosen for an H100; these tensors are CPU ones.
 GPU = torch.device("cuda")
@@ -46,6 +50,24 @@ def main():
                 if fwd_shared != fwd:
                     softmax.softmax_fwd_triton(x, offsets, max_len, fwd_shared)
                 softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
+            for max_len in (4, 4096, 70000):
+                # (the launchers' tiles for a GPU: these tensors' own device would give the interpreter's)
+                tiles = reduce_ops._sum_tiles(max_len, n_cols, size, GPU)
+                n_col_tiles = -(-n_cols // tiles.block_f)
+                rows = varlen.tiling.chunk_rows_for(max_len, 2 * n_col_tiles, tiles.block_t, GPU, waves=8,
+                                                    max_rows=reduce_ops.MAX_CHUNK_ELEMS // tiles.block_f)
+                width = min(max_len, 4096)
+                copy_t, copy_f = varlen.tiling.copy_tiles(width, n_cols, size, GPU)
+                print(f"{dtype} {n_cols} columns, max_len {max_len}: sum ({tiles}, {rows} rows per chunk), "
+                      f"padding ({copy_t}, {copy_f})", flush=True)
+                for mean in (False, True):
+                    reduce_ops.segment_sum_triton(x, offsets, max_len, mean, block_t=tiles.block_t,
+                                                  block_f=tiles.block_f, chunk_rows=rows, num_warps=tiles.num_warps,
+                                                  stages=tiles.stages)
+                    reduce_ops.broadcast_rows_triton(x[:2], offsets, 4096, max_len, mean, block_t=copy_t,
+                                                     block_f=copy_f)
+                padded = padding._to_padded_triton(x, offsets, width, 0.0, block_t=copy_t, block_f=copy_f)
+                padding._from_padded_triton(padded, offsets, 4096, width, block_t=copy_t, block_f=copy_f)
 
 
 if __name__ == "__main__":
