@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import assert_close, check_jagged_op, random_jagged, rel_err
+from utils import ROW_LAYOUTS, assert_close, check_jagged_op, random_jagged, rel_err, strided_rows
 from varlen.ops import _norm_kernels
 from varlen.ops.norm import layer_norm, normalize, rms_norm
 
@@ -182,6 +182,26 @@ def test_layouts_and_partial_gradients(backend):
             want = torch.autograd.grad(ref, [refs[i] for i in asked], g)
             for i, a, r in zip(asked, got, want, strict=True):
                 assert_close(a, r, name=f"gradient {i}")
+
+
+@pytest.mark.parametrize("centered", [True, False], ids=["layer", "rms"])
+@pytest.mark.parametrize("layout", ROW_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64] + ([torch.float32, torch.bfloat16] if ON_GPU else []), ids=_id)
+def test_rows_not_16_apart(centered, layout, dtype):
+    """Rows and gradients not 16 elements apart (the kernels load ROW_ALIGN elements at once), against the float64
+    definition."""
+    n_cols = layout[0]
+    x = strided_rows(300, layout, dtype, DEVICE).requires_grad_(True)
+    w = (1 + 0.5 * torch.randn(n_cols, dtype=dtype, device=DEVICE)).requires_grad_(True)
+    g = strided_rows(300, layout, dtype, DEVICE)
+    out = normalize(x, (n_cols,), w, None, 1e-5, centered=centered, backend="triton")
+    x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+    ref = _layer_norm64(x64, w64, None) if centered else _rms_norm64(x64, w64, 1e-5)
+    out.backward(g)
+    ref.backward(g.double())
+    assert_close(out, ref, dtype, name="out")
+    assert_close(x.grad, x64.grad, dtype, name="dx")
+    assert_close(w.grad, w64.grad, dtype, name="d weight")
 
 
 @pytest.mark.skipif(varlen._backend.triton_unsupported_reason(DEVICE) is not None, reason="the Triton kernels")

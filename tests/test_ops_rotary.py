@@ -94,6 +94,36 @@ def test_rotation_from_tables(dtype):
     assert rotate_with_tables(x[:0], *(t[:0] for t in tables)).shape == (0, 3, 40)
 
 
+@pytest.mark.parametrize("wider", ["cos", "sin"])
+def test_rotation_from_tables_of_other_row_strides(wider):
+    """Tables whose rows are apart by different strides (one a view of a wider tensor, its other columns NaN): each
+    is read with its own stride (both were once read with the cosines' stride)."""
+    rows = 37
+    x = torch.randn(rows, 2, 40, device=DEVICE)
+    angles = torch.randn(rows, 20, device=DEVICE)
+    tables = {"cos": torch.cat([angles, angles], -1).cos(), "sin": torch.cat([angles, angles], -1).sin()}
+    expected = rotate_with_tables(x, tables["cos"], tables["sin"])
+    big = torch.full((rows, 72), math.nan, device=DEVICE)
+    big[:, 8:48] = tables[wider]
+    tables[wider] = big[:, 8:48]
+    assert torch.equal(rotate_with_tables(x, tables["cos"], tables["sin"]), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_heads_not_16_apart(backend):
+    """Heads of 16 features 20 apart (the kernels load ROW_ALIGN elements at once: 4 here, 8 for the pairs alone),
+    by positions and by tables: the same as contiguous heads."""
+    x = torch.randn(37, 3, 20, device=DEVICE)[..., 2:18]
+    lengths = [0, 17, 20]
+    jagged = varlen.JaggedTensor(x, torch.tensor([0, 0, 17, 37], device=DEVICE), 20)
+    got = varlen.rotary(jagged, backend=backend).values
+    assert torch.equal(got, varlen.rotary(jagged.with_values(x.contiguous()), backend=backend).values)
+    assert_close(got, torch.cat([rotary_reference(part.double(), 10000.0) for part in x.split(lengths)]))
+    angles = torch.randn(37, 8, device=DEVICE)
+    tables = [f(torch.cat([angles, angles], -1)) for f in (torch.cos, torch.sin)]
+    assert torch.equal(rotate_with_tables(x, *tables), rotate_with_tables(x.contiguous(), *tables))
+
+
 def test_rotation_from_tables_bad_input():
     x, table = torch.randn(4, 2, 6, device=DEVICE), torch.randn(4, 6, device=DEVICE)
     with pytest.raises(ValueError, match=re.escape("x: rotary embeddings turn pairs of the last dim, which must be "

@@ -8,7 +8,7 @@ import torch
 
 import varlen
 from conftest import DEVICE, ON_GPU
-from utils import assert_close, check_jagged_op, random_jagged, rel_err
+from utils import assert_close, check_jagged_op, random_jagged, rel_err, strided_rows
 from varlen.ops.swiglu import silu_mul, swiglu_values
 
 LENGTHS = {"mixed": [0, 1, 17, 1000 if ON_GPU else 60, 4], "batch1": [1]}
@@ -118,6 +118,22 @@ def test_silu_mul_of_two_projections(dtype, backend):
     assert_close(out, ref, dtype, name="out")
     assert_close(gate.grad, g64.grad, dtype, name="d gate")
     assert_close(up.grad, u64.grad, dtype, name="d up")
+
+
+@pytest.mark.parametrize("layout", [(80, 84, 0), (48, 56, 8), (40, 40, 0)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64] + ([torch.float32, torch.bfloat16] if ON_GPU else []), ids=str)
+def test_rows_not_16_apart(layout, dtype):
+    """(N, 2F) rows not 16 elements apart, as (columns, row stride, first column): halves of 40 columns 84 apart, of 24
+    columns 56 apart, of 20 columns (the kernels load ROW_ALIGN elements at once), and a gradient 44 apart."""
+    x = strided_rows(300, layout, dtype, DEVICE).requires_grad_(True)
+    g = strided_rows(300, (layout[0] // 2, layout[0] // 2 + 4, 0), dtype, DEVICE)
+    out = swiglu_values(x, backend="triton")
+    out.backward(g)
+    x64 = x.detach().double().requires_grad_(True)
+    ref = reference(x64)
+    ref.backward(g.double())
+    assert_close(out, ref, dtype, name="out")
+    assert_close(x.grad, x64.grad, dtype, name="dx")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

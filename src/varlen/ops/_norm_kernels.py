@@ -22,7 +22,7 @@ from .._backend import refuse_double_backward, through_custom_op
 from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype
 from .._launch import fast_launch
 from .._triton import tl, triton
-from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2, sm_count
+from ..tiling import acc_type, cdiv, known_multiple, last_dim_contiguous, next_power_of_2, row_align, sm_count
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -39,9 +39,12 @@ def _inverse_sqrt(v):
 @triton.jit(do_not_specialize=["n_rows"])
 def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, stride_yr, eps_hi, eps_lo,
                      CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # BLOCK_R whole rows (BLOCK_F >= n_cols): their statistics, then the normalized rows. eps arrives as two float32
     # halves (Triton passes Python floats as float32; float64 rows need its other bits).
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.arange(0, BLOCK_F)
     row_ok = rows < n_rows
@@ -66,10 +69,15 @@ def _norm_fwd_kernel(x, weight, bias, y, mean, rstd, n_rows, n_cols, stride_xr, 
 @triton.jit(do_not_specialize=["n_rows"])
 def _norm_bwd_kernel(x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_rows, n_cols, stride_xr, stride_gr,
                      stride_dxr, CENTERED: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
-                     BIAS_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+                     BIAS_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+                     ROW_ALIGN: tl.constexpr):
     # Row tiles pid, pid + programs, ...: with xhat = (x - mean) * rstd and g' = g * weight,
     # dx = rstd * (g' - xhat * mean(g' xhat) [- mean(g')]); the weight's gradient sum(g * xhat) and the bias's sum(g)
     # over this program's rows, kept per (row slot, column) and reduced over the slots once, after the loop.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_gr = known_multiple(stride_gr, ROW_ALIGN)
+    stride_dxr = known_multiple(stride_dxr, ROW_ALIGN)
     cols = tl.arange(0, BLOCK_F)
     col_ok = cols < n_cols
     if HAS_WEIGHT:
@@ -200,8 +208,8 @@ def norm_fwd_triton(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: 
         tiles = _tiles(n_cols, x.dtype, _FWD_TILE_ELEMS)
         _norm_fwd_kernel[(cdiv(n_rows, tiles["BLOCK_R"]),)](
             x, weight, bias, y, mean, rstd, n_rows, n_cols, x.stride(0), y.stride(0), *float32_halves(eps),
-            CENTERED=centered,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC=acc_type(x.dtype), **tiles)
+            CENTERED=centered, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ACC=acc_type(x.dtype),
+            ROW_ALIGN=row_align(n_cols, x.stride(0), y.stride(0)), **tiles)
     return y, mean, rstd
 
 
@@ -230,7 +238,8 @@ def norm_bwd_triton(x: Tensor, weight: Tensor | None, grad: Tensor, mean: Tensor
         _norm_bwd_kernel[(programs,)](
             x, weight, grad, mean, rstd, dx, weight_part, bias_part, n_rows, n_cols, x.stride(0), grad.stride(0),
             dx.stride(0), CENTERED=centered, HAS_WEIGHT=weight is not None, WEIGHT_GRAD=weight_grad,
-            BIAS_GRAD=bias_grad, ACC=acc_type(x.dtype), **tiles)
+            BIAS_GRAD=bias_grad, ACC=acc_type(x.dtype), ROW_ALIGN=row_align(n_cols, x.stride(0), grad.stride(0),
+                                                                            dx.stride(0)), **tiles)
     if n_parts:
         first, second = (d_weight, d_bias) if weight_grad else (d_bias, d_weight)
         _norm_sum_parts_kernel[(cdiv(n_cols, _SUM_COLS), parts.shape[0])](

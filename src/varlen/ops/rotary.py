@@ -32,7 +32,7 @@ from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
 from ..offsets import row_positions
-from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
+from ..tiling import acc_type, cdiv, known_multiple, last_dim_contiguous, next_power_of_2, row_align
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -76,10 +76,14 @@ def _positions_from_offsets(offsets, rows, n_seqs, n_steps, width):
 def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
                    n_seqs, n_steps, width, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                   FROM_OFFSETS: tl.constexpr):
+                   FROM_OFFSETS: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # out[r, h] = x[r, h] turned by TURN (+1, or -1 for the backward) * position(r) * inv_freq: both halves
     # of BLOCK_R rows x BLOCK_H heads per program. position(r): positions[r], or with FROM_OFFSETS counted from
     # its sequence's first row (``positions`` then holds the n_seqs + 1 offsets).
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_xh = known_multiple(stride_xh, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
+    stride_oh = known_multiple(stride_oh, ROW_ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
     if FROM_OFFSETS:
@@ -97,16 +101,23 @@ def _rotary_kernel(x, out, positions, inv_freq, n_rows, n_heads, stride_xr, stri
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _rotary_tables_kernel(x, out, cos_table, sin_table, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh,
-                          stride_tr, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                          stride_cr, stride_sr, TURN: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                          ROW_ALIGN: tl.constexpr):
     # As _rotary_kernel, the cosines and sines read from a row's first HALF entries of the tables (transformers'
     # tables: both halves of a row hold the same values).
+    stride_xr = known_multiple(stride_xr, ROW_ALIGN)
+    stride_xh = known_multiple(stride_xh, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
+    stride_oh = known_multiple(stride_oh, ROW_ALIGN)
+    stride_cr = known_multiple(stride_cr, ROW_ALIGN)
+    stride_sr = known_multiple(stride_sr, ROW_ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     pairs = tl.arange(0, BLOCK_HALF)
-    at = rows[:, None] * stride_tr + pairs[None, :]
     ok = (rows < n_rows)[:, None] & (pairs < HALF)[None, :]
-    cos = tl.load(cos_table + at, mask=ok, other=0.0).to(ACC)[:, None, :]
-    sin = (TURN * tl.load(sin_table + at, mask=ok, other=0.0).to(ACC))[:, None, :]
+    cos = tl.load(cos_table + rows[:, None] * stride_cr + pairs[None, :], mask=ok, other=0.0).to(ACC)[:, None, :]
+    sin = (TURN * tl.load(sin_table + rows[:, None] * stride_sr + pairs[None, :], mask=ok, other=0.0).to(ACC))
+    sin = sin[:, None, :]
     _turn_rows(x, out, rows, cos, sin, n_rows, n_heads, stride_xr, stride_xh, stride_or, stride_oh, ACC, HALF,
                BLOCK_H, BLOCK_HALF)
 
@@ -118,8 +129,9 @@ _TILE_ELEMS = 4096
 _TILE_ELEMS_FLOAT64 = 1024
 
 
-def _launch(x: Tensor, turn: int) -> tuple[Tensor, Tensor, tuple[int, int], dict]:
-    """``x`` with a unit last stride, its output, the grid and the tiles of a rotation of ``x`` ``(N, H, D)``."""
+def _launch(x: Tensor, turn: int, *table_strides: int) -> tuple[Tensor, Tensor, tuple[int, int], dict]:
+    """``x`` with a unit last stride, its output, the grid and the tiles of a rotation of ``x`` ``(N, H, D)`` (whose
+    ``ROW_ALIGN`` counts the tables' row strides too)."""
     n_rows, n_heads, dim = x.shape
     out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
     x = last_dim_contiguous(x)
@@ -129,7 +141,7 @@ def _launch(x: Tensor, turn: int) -> tuple[Tensor, Tensor, tuple[int, int], dict
     block_h = min(next_power_of_2(n_heads), max(1, elems // (2 * block_half)))
     block_r = max(1, elems // (2 * block_half * block_h))
     tiles = dict(TURN=turn, ACC=acc_type(x.dtype), HALF=half, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_HALF=block_half,
-                 num_warps=4)
+                 ROW_ALIGN=row_align(half, *x.stride()[:2], *out.stride()[:2], *table_strides), num_warps=4)
     return x, out, (cdiv(n_rows, block_r), cdiv(n_heads, block_h)), tiles
 
 
@@ -164,10 +176,10 @@ def rotary_tables_triton(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tens
     if x.dim() != 3:
         raise ValueError(f"x: expected (N, H, D) rows, got shape {tuple(x.shape)}")
     _check_tables(x, cos, sin)
-    x, out, grid, tiles = _launch(x, turn)
+    x, out, grid, tiles = _launch(x, turn, cos.stride(0), sin.stride(0))
     if out.numel():
         _rotary_tables_kernel[grid](x, out, cos, sin, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
-                                    out.stride(0), out.stride(1), cos.stride(0), **tiles)
+                                    out.stride(0), out.stride(1), cos.stride(0), sin.stride(0), **tiles)
     return out
 
 

@@ -22,15 +22,19 @@ from .._checks import FLOAT_DTYPES, check_dtype
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
-from ..tiling import acc_type, cdiv, last_dim_contiguous, next_power_of_2
+from ..tiling import acc_type, cdiv, known_multiple, last_dim_contiguous, next_power_of_2, row_align
 
 
 # ------------------------------------------------------------------------------------ kernels
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_fwd_kernel(gate, up, out, n_rows, n_cols, stride_gr, stride_ur, stride_or, ACC: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROW_ALIGN: tl.constexpr):
     # out[r, c] = silu(gate[r, c]) * up[r, c] over BLOCK_R rows x BLOCK_C columns.
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_gr = known_multiple(stride_gr, ROW_ALIGN)
+    stride_ur = known_multiple(stride_ur, ROW_ALIGN)
+    stride_or = known_multiple(stride_or, ROW_ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -43,8 +47,15 @@ def _swiglu_fwd_kernel(gate, up, out, n_rows, n_cols, stride_gr, stride_ur, stri
 @fast_launch
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_bwd_kernel(gate, up, grad, d_gate, d_up, n_rows, n_cols, stride_gr, stride_ur, stride_yr, stride_dgr,
-                       stride_dur, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       stride_dur, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       ROW_ALIGN: tl.constexpr):
     # d up = grad * silu(gate); d gate = grad * up * silu'(gate), silu' = sigmoid * (1 + gate * (1 - sigmoid)).
+    n_cols = known_multiple(n_cols, ROW_ALIGN)
+    stride_gr = known_multiple(stride_gr, ROW_ALIGN)
+    stride_ur = known_multiple(stride_ur, ROW_ALIGN)
+    stride_yr = known_multiple(stride_yr, ROW_ALIGN)
+    stride_dgr = known_multiple(stride_dgr, ROW_ALIGN)
+    stride_dur = known_multiple(stride_dur, ROW_ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -88,7 +99,8 @@ def silu_mul_fwd_triton(gate: Tensor, up: Tensor) -> Tensor:
     gate, up = last_dim_contiguous(gate), last_dim_contiguous(up)
     grid, tiles = _tiles(*gate.shape, gate.dtype)
     _swiglu_fwd_kernel[grid](gate, up, out, *gate.shape, gate.stride(0), up.stride(0), out.stride(0),
-                             ACC=acc_type(gate.dtype), **tiles)
+                             ACC=acc_type(gate.dtype), ROW_ALIGN=row_align(gate.shape[1], gate.stride(0),
+                                                                           up.stride(0), out.stride(0)), **tiles)
     return out
 
 
@@ -100,8 +112,9 @@ def silu_mul_bwd_into(gate: Tensor, up: Tensor, grad: Tensor, d_gate: Tensor, d_
         return
     gate, up, grad = last_dim_contiguous(gate), last_dim_contiguous(up), last_dim_contiguous(grad)
     grid, tiles = _tiles(*grad.shape, gate.dtype)
-    _swiglu_bwd_kernel[grid](gate, up, grad, d_gate, d_up, *grad.shape, gate.stride(0), up.stride(0), grad.stride(0),
-                             d_gate.stride(0), d_up.stride(0), ACC=acc_type(gate.dtype), **tiles)
+    strides = (gate.stride(0), up.stride(0), grad.stride(0), d_gate.stride(0), d_up.stride(0))
+    _swiglu_bwd_kernel[grid](gate, up, grad, d_gate, d_up, *grad.shape, *strides, ACC=acc_type(gate.dtype),
+                             ROW_ALIGN=row_align(grad.shape[1], *strides), **tiles)
 
 
 def swiglu_fwd_triton(x: Tensor) -> Tensor:
