@@ -475,15 +475,91 @@ REFUSED = [
     ("norm_forward", lambda: (torch.randn(8), None, None, 1e-5, False), "x: expected (N, F) rows with 0 < F"),
     ("norm_backward", lambda: (torch.randn(3, 4), None, torch.randn(3, 4), torch.zeros(3), torch.ones(2), True,
                                False, False), "rstd: expected shape (3,)"),
-
+    ("rotary_tables", lambda: (torch.randn(2, 1, 5), torch.ones(2, 2), torch.zeros(2, 2), 1),
+     "x: rotary embeddings turn pairs of the last dim, which must be even"),
+    # The jagged ops' Triton paths (each op also has a torch one): operands that disagree with the offsets or with
+    # each other.
+    ("rotary", lambda: (torch.randn(5, 2, 8), torch.arange(2), torch.ones(4), 1, "triton", 0),
+     "positions: expected a 1-D tensor of one position per row of x; got shape (2,)"),
+    ("rotary", lambda: (torch.randn(5, 2, 8), torch.tensor([0]), torch.ones(4), 1, "triton", 0),
+     "positions: expected a 1-D tensor of one position per row of x"),
+    ("rotary", lambda: (torch.randn(5, 2, 8), torch.zeros(0, dtype=torch.int64), torch.ones(4), 1, "triton", 3),
+     "positions: expected a 1-D tensor of offsets (width > 0)"),
+    ("rotary", lambda: (torch.randn(5, 2, 8), torch.arange(5), torch.ones(3), 1, "triton", 0),
+     "inv_freq: expected one frequency per pair of the last dim, at least 4; got shape (3,)"),
+    ("rotary", lambda: (torch.randn(5, 2, 7), torch.arange(5), torch.ones(4), 1, "triton", 0),
+     "x: rotary embeddings turn pairs of the last dim, which must be even"),
+    ("padded_to_jagged", lambda: (torch.randn(1, 3, 4), torch.tensor([0, 2, 5]), 5, 3, "triton"),
+     "padded: expected 2 rows, one per sequence of offsets; got shape (1, 3, 4)"),
+    ("ragged_softmax_backward", lambda: (torch.rand(5, 4), torch.rand(2, 4), torch.tensor([0, 2, 5]), 3, "triton"),
+     "dy: expected y's shape (5, 4), got (2, 4)"),
+    ("grouped_matmul", lambda: (torch.rand(5, 4), torch.tensor([0, 2, 5]), 3, torch.rand(2, 2, 3), "triton"),
+     "w: expected (B, K, N) matrices with K = 4, x's columns; got shape (2, 2, 3)"),
+    ("grouped_matmul", lambda: (torch.rand(5, 4), torch.tensor([0, 2, 5]), 3, torch.rand(1, 4, 3), "triton"),
+     "w: expected 2 rows, one (K, N) matrix per sequence of offsets; got shape (1, 4, 3)"),
+    ("transposed_matmul", lambda: (torch.rand(5, 4), torch.rand(2, 3), torch.tensor([0, 2, 5]), 3, "triton"),
+     "y: expected 5 rows, one per row of x; got shape (2, 3)"),
+    ("broadcast_rows", lambda: (torch.ones(1, 4), torch.tensor([0, 2, 5]), 5, 3, False, "triton"),
+     "g: expected 2 rows, one per sequence of offsets; got shape (1, 4)"),
+    ("scatter_position", lambda: (torch.ones(4, 1), torch.tensor([0, 2, 5]), 5, 0, "triton"),
+     "g: expected 2 rows, one per sequence of offsets; got shape (4, 1)"),
 ]
 
 
 @pytest.mark.parametrize("name, args, message", REFUSED, ids=[case[0] for case in REFUSED])
-def test_triton_only_ops_refuse_operands_the_kernels_would_read_past(name, args, message):
+def test_custom_ops_refuse_operands_the_kernels_would_read_past(name, args, message):
     """Called directly (torch.ops.varlen.*), the custom ops check the shapes their kernels index by."""
     with pytest.raises(ValueError, match=re.escape(message)):
         getattr(torch.ops.varlen, name)(*args())
+
+
+def test_cross_entropy_ops_refuse_float_targets():
+    for name, args in (("cross_entropy_forward", (torch.randn(2, 4), torch.zeros(2), -100)),
+                       ("cross_entropy_backward", (torch.randn(2, 4), torch.zeros(2), torch.zeros(2), torch.zeros(2),
+                                                   torch.ones(2), -100))):
+        with pytest.raises(TypeError, match=re.escape("targets: expected integer class indices, got dtype "
+                                                      "torch.float32")):
+            getattr(torch.ops.varlen, name)(*args)
+
+
+# Metadata and operands as views with other strides than the public API passes (offsets and tables it makes
+# contiguous): each custom op's Triton path against its torch path, or against the same call on contiguous copies.
+STRIDED_OFFSETS = [("segment_sum", lambda x, g, off: (x, off, 3, False)),
+                   ("broadcast_rows", lambda x, g, off: (g, off, 5, 3, False)),
+                   ("ragged_softmax_forward", lambda x, g, off: (x, off, 3)),
+                   ("ragged_softmax_backward", lambda x, g, off: (x.softmax(0), x, off, 3)),
+                   ("gather_position", lambda x, g, off: (x, off, 1, 0.0)),
+                   ("scatter_position", lambda x, g, off: (g, off, 5, 1)),
+                   ("jagged_to_padded", lambda x, g, off: (x, off, 3, 0.0)),
+                   ("padded_to_jagged", lambda x, g, off: (torch.randn(2, 3, 3, device=DEVICE), off, 5, 3)),
+                   ("grouped_matmul", lambda x, g, off: (x, off, 3, torch.randn(2, 3, 4, device=DEVICE))),
+                   ("transposed_matmul", lambda x, g, off: (x, x, off, 3))]
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton paths")
+@pytest.mark.parametrize("name, make", STRIDED_OFFSETS, ids=[case[0] for case in STRIDED_OFFSETS])
+def test_custom_ops_take_strided_offsets(name, make):
+    offsets = torch.tensor([0, 99, 2, 99, 5], device=DEVICE)[::2]  # (0, 2, 5), every other element
+    x, g = torch.randn(5, 3, device=DEVICE), torch.randn(2, 3, device=DEVICE)
+    op = getattr(torch.ops.varlen, name)
+    args = make(x, g, offsets)
+    assert_close(op(*args, "triton"), op(*args, "torch"))
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton paths")
+def test_custom_ops_take_strided_operands():
+    """A transposed softmax output into the backward, tables and frequencies read at a stride of 2."""
+    offsets = torch.tensor([0, 3, 7], device=DEVICE)
+    y, dy = torch.rand(4, 7, device=DEVICE).t(), torch.randn(7, 4, device=DEVICE)
+    ops = torch.ops.varlen
+    assert_close(ops.ragged_softmax_backward(y, dy, offsets, 4, "triton"),
+                 ops.ragged_softmax_backward(y, dy, offsets, 4, "torch"))
+    x = torch.randn(5, 2, 8, device=DEVICE)
+    cos, sin = (torch.randn(5, 8, device=DEVICE)[:, ::2] for _ in range(2))
+    assert torch.equal(ops.rotary_tables(x, cos, sin, 1), ops.rotary_tables(x, cos.contiguous(), sin.contiguous(), 1))
+    inv_freq = torch.tensor([1.0, 9, 0.1, 9, 0.01, 9, 0.001, 9], device=DEVICE)[::2]
+    positions = torch.arange(5, device=DEVICE)
+    assert_close(ops.rotary(x, positions, inv_freq, 1, "triton", 0), ops.rotary(x, positions, inv_freq, 1, "torch", 0))
 
 
 def test_norm_ops_refuse_integers():

@@ -90,6 +90,13 @@ def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
         raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
 
 
+def check_rows(name: str, t: torch.Tensor, rows: int, what: str) -> None:
+    """``t``'s first dim is ``rows`` long (``what``: what those rows are), as a kernel indexing it by them reads (a
+    custom op can be called directly with any shapes)."""
+    if t.dim() == 0 or t.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows, {what}; got shape {tuple(t.shape)}")
+
+
 def check_same_device(names_and_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     items = [(n, t) for n, t in names_and_tensors if t is not None]
     if not items:

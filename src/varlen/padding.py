@@ -14,6 +14,7 @@ from torch.types import Number
 
 from . import capabilities
 from ._backend import gradient_op, through_custom_op
+from ._checks import check_rows
 from ._launch import fast_launch
 from ._triton import tl, triton
 from .offsets import row_positions
@@ -85,6 +86,7 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
     v = as_columns(values, 1)
     o = as_columns(out, 2)
     n_cols = v.shape[1]
+    offsets = offsets.contiguous()  # (read at stride 1; a custom op's caller may pass a view)
     bt, bf = copy_tiles(width, n_cols, v.element_size(), v.device)
     bt, bf = block_t or bt, block_f or bf
     pad = torch.full((), padding_value, dtype=values.dtype, device=values.device)
@@ -100,6 +102,8 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
 def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int, max_len: int,
                         *, block_t: int | None = None, block_f: int | None = None) -> torch.Tensor:
     B = offsets.shape[0] - 1
+    check_rows("padded", padded, B, "one per sequence of offsets")
+    offsets = offsets.contiguous()  # (read at stride 1)
     out = torch.empty((total, *padded.shape[2:]), dtype=padded.dtype, device=padded.device)
     if out.numel() == 0:
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._amp import dot_precision
+from .._checks import check_rows
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..offsets import sequence_bounds
@@ -142,6 +143,10 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     """
     total, K = x.shape
     B, _, N = w.shape
+    check_rows("w", w, offsets.shape[0] - 1, "one (K, N) matrix per sequence of offsets")
+    if w.shape[1] != K:
+        raise ValueError(f"w: expected (B, K, N) matrices with K = {K}, x's columns; got shape {tuple(w.shape)}")
+    offsets = offsets.contiguous()  # (read at stride 1; a custom op's caller may pass a view)
     out = torch.empty((total, N), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -170,6 +175,8 @@ def transposed_matmul(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, m
     """
     K, N = x.shape[1], y.shape[1]
     B = offsets.shape[0] - 1
+    check_rows("y", y, x.shape[0], "one per row of x")
+    offsets = offsets.contiguous()  # (read at stride 1; a custom op's caller may pass a view)
     BR, BK, BN = TRANSPOSED_BLOCK_R, TRANSPOSED_BLOCK_K, TRANSPOSED_BLOCK_N
     grid_kn = (cdiv(K, BK), cdiv(N, BN))
     if rows_per_chunk is None:

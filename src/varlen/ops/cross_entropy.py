@@ -111,10 +111,17 @@ def _check_rows(logits: Tensor, **per_row: Tensor) -> None:
                              f"{tuple(t.shape)}")
 
 
+def _check_target_dtype(targets: Tensor) -> None:
+    """Integer class indices (the kernels add them to a pointer)."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets: expected integer class indices, got dtype {targets.dtype}")
+
+
 def cross_entropy_fwd_triton(logits: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row losses, maxima and logs of the sums of exponentials (float32; float64 for float64) of ``logits``
     ``(N, V)`` (unit column stride)."""
     _check_rows(logits, targets=targets)
+    _check_target_dtype(targets)
     targets = targets.contiguous()  # (the kernel reads targets[row] at stride 1: a column or an expanded index isn't)
     n_rows, n_cols = logits.shape
     out_dtype = accumulate_dtype(logits.dtype)
@@ -131,6 +138,7 @@ def cross_entropy_bwd_triton(logits: Tensor, targets: Tensor, row_max: Tensor, r
     """The gradient w.r.t. ``logits`` of ``sum_r row_scale[r] * loss[r]`` (``row_scale`` ``(N,)``, any stride, e.g.
     an expanded scalar): a new contiguous tensor in the logits' dtype."""
     _check_rows(logits, targets=targets, row_max=row_max, row_log_sum=row_log_sum, row_scale=row_scale)
+    _check_target_dtype(targets)
     targets, row_max, row_log_sum = (t.contiguous() for t in (targets, row_max, row_log_sum))  # (read at stride 1)
     n_rows, n_cols = logits.shape
     dlogits = torch.empty((n_rows, n_cols), dtype=logits.dtype, device=logits.device)
@@ -216,8 +224,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     check_dtype("logits", logits, FLOAT_DTYPES)
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"targets: expected integer class indices, got dtype {targets.dtype}")
+    _check_target_dtype(targets)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
     if not -(2 ** 63) <= ignore_index < 2 ** 63:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _amp, capabilities
 from .._backend import gradient_op, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, normalize_dim
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, check_rows, normalize_dim
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -124,6 +124,7 @@ def segment_sum_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int, mea
     """
     total, n_cols = x.shape
     batch = offsets.shape[0] - 1
+    offsets = offsets.contiguous()  # (read at stride 1; a custom op's caller may pass a view)
     if n_cols == 0:
         return x.new_empty((batch, 0))
     tiles = _sum_tiles(max_len, n_cols, x.element_size(), x.device)
@@ -154,6 +155,8 @@ def broadcast_rows_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, ma
     """``(total, F)``: row r of sequence b is ``g[b]`` (``g[b] / L_b`` for mean); ``g`` is ``(B, F)``. The
     keywords override the tiles (:func:`varlen.tiling.copy_tiles`) and warps (4)."""
     batch, n_cols = g.shape
+    check_rows("g", g, offsets.shape[0] - 1, "one per sequence of offsets")
+    offsets = offsets.contiguous()  # (read at stride 1)
     out = torch.empty((total, n_cols), dtype=g.dtype, device=g.device)
     if out.numel() == 0:
         return out

@@ -133,6 +133,9 @@ def _launch(x: Tensor, turn: int, *table_strides: int) -> tuple[Tensor, Tensor, 
     """``x`` with a unit last stride, its output, the grid and the tiles of a rotation of ``x`` ``(N, H, D)`` (whose
     ``ROW_ALIGN`` counts the tables' row strides too)."""
     n_rows, n_heads, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"x: rotary embeddings turn pairs of the last dim, which must be even; got shape "
+                         f"{tuple(x.shape)}")
     out = torch.empty((n_rows, n_heads, dim), dtype=x.dtype, device=x.device)
     x = last_dim_contiguous(x)
     half = dim // 2
@@ -148,7 +151,15 @@ def _launch(x: Tensor, turn: int, *table_strides: int) -> tuple[Tensor, Tensor, 
 def rotary_triton(x: Tensor, positions: Tensor, inv_freq: Tensor, turn: int, width: int = 0) -> Tensor:
     """``x`` ``(N, H, D)`` (any strides) turned by ``turn * position * inv_freq``: a new contiguous tensor. The
     positions as :func:`rotate` takes them (``width`` 0: ``positions[r]``; else offsets)."""
+    if positions.dim() != 1 or (positions.shape[0] != x.shape[0] if width == 0 else positions.shape[0] == 0):
+        what = "one position per row of x" if width == 0 else "offsets (width > 0): B + 1 >= 1 entries"
+        raise ValueError(f"positions: expected a 1-D tensor of {what}; got shape {tuple(positions.shape)} for x of "
+                         f"shape {tuple(x.shape)}")
+    if inv_freq.dim() != 1 or inv_freq.shape[0] < x.shape[-1] // 2:
+        raise ValueError(f"inv_freq: expected one frequency per pair of the last dim, at least {x.shape[-1] // 2}; "
+                         f"got shape {tuple(inv_freq.shape)}")
     x, out, grid, tiles = _launch(x, turn)
+    inv_freq = inv_freq.contiguous()  # (read at stride 1)
     if out.numel():
         n_seqs = positions.shape[0] - 1 if width > 0 else 0
         _rotary_kernel[grid](x, out, positions.contiguous(), inv_freq, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
@@ -176,6 +187,7 @@ def rotary_tables_triton(x: Tensor, cos: Tensor, sin: Tensor, turn: int) -> Tens
     if x.dim() != 3:
         raise ValueError(f"x: expected (N, H, D) rows, got shape {tuple(x.shape)}")
     _check_tables(x, cos, sin)
+    cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)  # (each row's entries read at stride 1)
     x, out, grid, tiles = _launch(x, turn, cos.stride(0), sin.stride(0))
     if out.numel():
         _rotary_tables_kernel[grid](x, out, cos, sin, x.shape[0], x.shape[1], x.stride(0), x.stride(1),

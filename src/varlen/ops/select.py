@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.types import Number
 
 from .._backend import gradient_op, through_custom_op
-from .._checks import check_int, normalize_dim
+from .._checks import check_int, check_rows, normalize_dim
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -73,6 +73,7 @@ def gather_triton(x: torch.Tensor, offsets: torch.Tensor, index: int, fill_value
     ``block_b``/``block_f`` override the tile (sequences x columns per program).
     """
     batch, n_cols = offsets.shape[0] - 1, x.shape[1]
+    offsets = offsets.contiguous()  # (read at stride 1; a custom op's caller may pass a view)
     out = torch.empty((batch, n_cols), dtype=x.dtype, device=x.device)
     fill = torch.full((), fill_value, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -93,6 +94,8 @@ def scatter_triton(g: torch.Tensor, offsets: torch.Tensor, total: int, index: in
                    block_b: int | None = None, block_f: int | None = None) -> torch.Tensor:
     """``(total, F)`` zeros except row ``index`` of each sequence, which holds ``g[b]``."""
     batch, n_cols = g.shape
+    check_rows("g", g, offsets.shape[0] - 1, "one per sequence of offsets")
+    offsets = offsets.contiguous()  # (read at stride 1)
     out = torch.zeros((total, n_cols), dtype=g.dtype, device=g.device)
     if out.numel() == 0:
         return out

@@ -55,6 +55,7 @@ from ..tiling import (
     chunk_coords,
     chunk_rows_for,
     known_multiple,
+    last_dim_contiguous,
     next_power_of_2,
     row_align,
     sequence_rows,
@@ -587,6 +588,7 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
     """Ragged-dim softmax of ``x`` ``(total, F)`` (inner stride free); returns a contiguous ``(total, F)``."""
     total, n_cols = x.shape
     batch = offsets.shape[0] - 1
+    offsets = offsets.contiguous()  # (the kernels read offsets[b] at stride 1; a custom op's caller may pass a view)
     y = torch.empty((total, n_cols), dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
@@ -625,9 +627,12 @@ def softmax_fwd_triton(x: torch.Tensor, offsets: torch.Tensor, max_len: int,
 
 def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, max_len: int,
                        plan: SoftmaxPlan | None = None) -> torch.Tensor:
-    """``dx = y * (dy - sum_t dy * y)`` per sequence and column; ``y`` contiguous ``(total, F)``."""
+    """``dx = y * (dy - sum_t dy * y)`` per sequence and column, ``y`` and ``dy`` ``(total, F)``."""
+    if dy.shape != y.shape:
+        raise ValueError(f"dy: expected y's shape {tuple(y.shape)}, got {tuple(dy.shape)}")
     total, n_cols = y.shape
     batch = offsets.shape[0] - 1
+    y, offsets = last_dim_contiguous(y), offsets.contiguous()  # (both read at unit stride)
     dx = torch.empty((total, n_cols), dtype=y.dtype, device=y.device)
     if dx.numel() == 0:
         return dx
