@@ -11,7 +11,6 @@ from .. import _amp
 from .._checks import (
     FLOAT_DTYPES,
     INT32_MAX,
-    accumulate_dtype,
     check_choice,
     check_dtype,
     check_generator,
@@ -27,6 +26,7 @@ from ..jagged import JaggedTensor, as_jagged, check_same_offsets
 from ..tiling import last_dim_contiguous
 from . import backends
 from .function import attention_function, dropout_seed
+from .op_checks import check_alibi, check_bias
 from .options import AttentionOptions, Problem
 
 ALIGNS = ("top_left", "bottom_right")
@@ -230,8 +230,8 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
                             query_offset=_per_sequence("query_offset", query_offset, problem, qt.device,
                                                        largest=LARGEST_QUERY_OFFSET),
                             dropout_sequences=dropout_sequences)
-    bias = _check_bias(bias, problem, qt.dtype)
-    alibi = _check_alibi(alibi_slopes, problem, qt.dtype)
+    bias = check_bias(bias, problem, qt.dtype)
+    alibi = check_alibi(alibi_slopes, problem, qt.dtype)
 
     impl = backends.select(backend, qt, bias, alibi, problem, opts)
     seed = dropout_seed(opts, generator, qt.device)
@@ -278,31 +278,6 @@ def _int32_offsets(x: JaggedTensor, name: str) -> torch.Tensor:
     if offsets.device.type != "cpu" or torch.compiler.is_compiling():
         return offsets.to(torch.int32)
     return _cpu_conversions.get((offsets,), None, lambda: offsets.to(torch.int32))
-
-
-def _check_bias(bias, problem: Problem, dtype: torch.dtype):
-    """The bias as 4 dims; a bool mask becomes an additive one (0 where True, -inf where False) of ``dtype``, the
-    inputs' (exact in every float dtype; the kernels that take a bias of the inputs' dtype then take it)."""
-    if bias is None:
-        return None
-    if bias.dtype != torch.bool:
-        check_dtype("bias", bias, FLOAT_DTYPES)
-    if bias.dim() > 4:
-        raise ValueError(f"bias: expected at most 4 dims (B, H, Sq, Sk), got shape {tuple(bias.shape)}")
-    full = (problem.batch, problem.heads, problem.max_q, problem.max_k)
-    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-    for axis, (got, want, what) in enumerate(zip(shape, full, ("B", "H", "Sq", "Sk"), strict=True)):
-        # (A jagged bias may be wider than the longest sequence; got >= want alone keeps a compiled call from guarding
-        # on got == want: a graph for a bias as wide as max_len and another for a wider one.)
-        ok = got == 1 or (got >= want if not problem.dense and axis >= 2 else got == want)
-        if not ok:
-            allowed = f"1 or {want}" + ("" if problem.dense or axis < 2 else " (or more, jagged)")
-            raise ValueError(f"bias: shape {tuple(bias.shape)} does not broadcast to "
-                             f"(B, H, Sq, Sk) = {full}: dim {what} is {got}, allowed {allowed}")
-    bias = bias.reshape(shape)
-    if bias.dtype == torch.bool:
-        bias = torch.zeros(shape, dtype=dtype, device=bias.device).masked_fill(~bias, float("-inf"))
-    return bias
 
 
 # The kernels compute key positions (``i + shift``, a window's edges) in int32. For sequences shorter than 2**28 none
@@ -376,18 +351,3 @@ def _documents(document_ids, problem: Problem, device: torch.device) -> torch.Te
     first = torch.where(starts, pos, 0).cummax(dim=1).values
     last = torch.where(ends, pos + 1, S).flip(1).cummin(dim=1).values.flip(1)
     return torch.stack([first, last]).to(torch.int32)
-
-
-def _check_alibi(slopes, problem: Problem, dtype: torch.dtype):
-    if slopes is None:
-        return None
-    check_dtype("alibi_slopes", slopes, FLOAT_DTYPES)
-    if slopes.requires_grad:
-        raise ValueError("alibi_slopes: gradients with respect to the slopes are not computed; pass "
-                         "slopes that don't require grad (e.g. slopes.detach())")
-    B, H = problem.batch, problem.heads
-    if slopes.shape == (H,):
-        slopes = slopes.unsqueeze(0).expand(B, H)
-    elif slopes.shape != (B, H):
-        raise ValueError(f"alibi_slopes: expected shape ({H},) or ({B}, {H}), got {tuple(slopes.shape)}")
-    return slopes.to(accumulate_dtype(dtype))  # float64 slopes stay float64 for float64 inputs

@@ -39,7 +39,7 @@ from torch import Tensor
 from .. import _amp
 from .._backend import refuse_double_backward
 from .._checks import accumulate_dtype, capturing
-from . import backends
+from . import backends, op_checks
 from .dropout import SEED_LIMIT, draw_dropout_seed
 from .options import AttentionOptions, DropoutSeed, Problem
 
@@ -96,6 +96,9 @@ def _seed(seed: Tensor | None, kept: dict | None = None) -> DropoutSeed | None:
     device, which stays there (read on the host, it would sync, and break a capture); ``kept``: its memo."""
     if seed is None:
         return None
+    if seed.dtype != torch.int64 or seed.dim() != 1 or seed.numel() not in (1, 2):
+        raise ValueError(f"seed: expected int64 [seed, offset] on the host or [key] on the device, got shape "
+                         f"{tuple(seed.shape)} of {seed.dtype}")
     if seed.numel() == 1:  # (the only one-element form: a host seed always comes with its offset)
         return DropoutSeed(seed=seed, offset=0, kept=kept)
     return DropoutSeed(*seed.tolist(), kept=kept)
@@ -183,7 +186,9 @@ _LIB.define(f"attention_backward(Tensor dout, Tensor? dlse, Tensor q, Tensor k, 
 
 def _forward_impl(q, k, v, bias, extras, *primitives):
     alibi, problem, opts, backend, seed = rebuild(q, k, v, extras, primitives)
-    return run_forward(backends.module(backend), q, k, v, bias, alibi, problem, opts, seed)
+    q, k, v, bias, alibi, problem, opts = op_checks.forward_operands(q, k, v, bias, alibi, problem, opts)
+    impl = backends.select(backend, q, bias, alibi, problem, opts)
+    return run_forward(impl, q, k, v, bias, alibi, problem, opts, seed)
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, bias, extras, *primitives_and_needs):
@@ -191,20 +196,17 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, bias, extras, *primitives_and_
     holds only the needed ones)."""
     *primitives, needs = primitives_and_needs
     alibi, problem, opts, backend, seed = rebuild(q, k, v, extras, primitives)
-    grads = run_backward(backends.module(backend), dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts,
-                         seed, tuple(needs))
+    q, k, v, bias, alibi, problem, opts = op_checks.forward_operands(q, k, v, bias, alibi, problem, opts)
+    dout, dlse, out, lse = op_checks.backward_operands(dout, dlse, q, v, out, lse, bias, problem, needs)
+    impl = backends.select(backend, q, bias, alibi, problem, opts)
+    grads = run_backward(impl, dout, dlse, q, k, v, out, lse, bias, alibi, problem, opts, seed, tuple(needs))
     return [g for g in grads if g is not None]
-
-
-def _lse_shape(q: Tensor, cu_q: Tensor | None) -> tuple:
-    """``(B, H, Sq)`` dense, ``(H, Tq)`` jagged."""
-    return (q.shape[0], q.shape[2], q.shape[1]) if cu_q is None else (q.shape[1], q.shape[0])
 
 
 def _forward_fake(q, k, v, bias, extras, *primitives):
     cu_q = extras[EXTRA_TENSORS.index("cu_q")]
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    return out, q.new_empty(_lse_shape(q, cu_q), dtype=accumulate_dtype(q.dtype))
+    return out, q.new_empty(op_checks.lse_shape(q, cu_q), dtype=accumulate_dtype(q.dtype))
 
 
 def _backward_fake(dout, dlse, q, k, v, out, lse, bias, extras, *primitives_and_needs):
