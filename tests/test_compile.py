@@ -499,6 +499,8 @@ REFUSED = [
      "w: expected 2 rows, one (K, N) matrix per sequence of offsets; got shape (1, 4, 3)"),
     ("transposed_matmul", lambda: (torch.rand(5, 4), torch.rand(2, 3), torch.tensor([0, 2, 5]), 3, "triton"),
      "y: expected 5 rows, one per row of x; got shape (2, 3)"),
+    ("grouped_matmul", lambda: (torch.rand(5, 4), torch.tensor([0, 2, 5]), 3, torch.rand(2, 4), "triton"),
+     "w: expected 3 dims (B, K, N), got shape (2, 4)"),
     ("broadcast_rows", lambda: (torch.ones(1, 4), torch.tensor([0, 2, 5]), 5, 3, False, "triton"),
      "g: expected 2 rows, one per sequence of offsets; got shape (1, 4)"),
     ("scatter_position", lambda: (torch.ones(4, 1), torch.tensor([0, 2, 5]), 5, 0, "triton"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._amp import dot_precision
-from .._checks import check_rows
+from .._checks import check_ndim, check_rows
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..offsets import sequence_bounds
@@ -141,6 +141,8 @@ def grouped_matmul(x: torch.Tensor, offsets: torch.Tensor, w: torch.Tensor) -> t
     One kernel launch over row tiles that each lie within one sequence (plus a few tiny torch ops on
     ``(B,)``/``(num_blocks,)`` tensors that map tiles to sequences on the device).
     """
+    check_ndim("x", x, 2, "(total, K)")
+    check_ndim("w", w, 3, "(B, K, N)")
     total, K = x.shape
     B, _, N = w.shape
     check_rows("w", w, offsets.shape[0] - 1, "one (K, N) matrix per sequence of offsets")
@@ -173,6 +175,8 @@ def transposed_matmul(x: torch.Tensor, y: torch.Tensor, offsets: torch.Tensor, m
     GPU) whose fp32 partial tiles are summed afterwards in a fixed order: deterministic, no atomics.
     Tests pass ``rows_per_chunk`` to cover the chunked path on the CPU.
     """
+    check_ndim("x", x, 2, "(total, K)")
+    check_ndim("y", y, 2, "(total, N)")
     K, N = x.shape[1], y.shape[1]
     B = offsets.shape[0] - 1
     check_rows("y", y, x.shape[0], "one per row of x")
