@@ -113,20 +113,40 @@ def test_broadcast_padded_inputs(backend, device):
         assert torch.equal(v, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
 
 
+@pytest.mark.parametrize("inner", [(2,), (), (3,)], ids=["tiles", "flat-1", "flat-3"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16], ids=str)
-def test_copy_kernels_move_any_dtype_exactly(dtype, device):
+def test_copy_kernels_move_any_dtype_exactly(dtype, inner, device):
+    """Both kernels: tiles, and flat runs for rows of an odd number of elements (``padding.FLAT_BLOCK``)."""
     lengths = [3, 0, 5]
     if dtype.is_floating_point:
-        parts = [torch.randn(n, 2).to(dtype) for n in lengths]
+        parts = [torch.randn(n, *inner).to(dtype) for n in lengths]
     else:
         high = {torch.int64: 2**62, torch.int32: 2**31 - 1, torch.uint8: 256, torch.bool: 2}[dtype]
-        parts = [torch.randint(0, high, (n, 2)).to(dtype) for n in lengths]
+        parts = [torch.randint(0, high, (n, *inner)).to(dtype) for n in lengths]
     x = varlen.jagged(parts, device=device)
     with varlen.use_backend("triton"):
         p = x.to_padded(padding_value=1)
         back = varlen.JaggedTensor.from_padded(p, lengths)
     assert torch.equal(p, padded_reference(x.values, lengths, 5, 1))
     assert torch.equal(back.values, x.values)
+
+
+def test_flat_runs_across_blocks_and_cut_at_the_width(device, poison_empty):
+    """Rows of 3 elements (flat runs): sequences ending just before, at and past a block of FLAT_BLOCK elements, one
+    longer than the padded width (cut there both ways), the padding value after each run; rows of 2 or not one after
+    another take the tiles."""
+    per_block = padded_ops.FLAT_BLOCK // 3
+    lengths = [0, 1, per_block, per_block + 1, 2 * per_block + 5]
+    x = random_jagged(lengths, (3,), device=device)
+    width = per_block + 3  # shorter than the last sequence
+    p = padded_ops._to_padded_triton(x.values, x.offsets, width, 0.5)
+    assert torch.equal(p, padded_reference(x.values, lengths, max(lengths), 0.5)[:, :width])
+    v = padded_ops._from_padded_triton(p, x.offsets, x.total, x.max_len)
+    kept = torch.cat([torch.arange(start, start + min(n, width)) for start, n in
+                      zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths, strict=False)])
+    assert torch.equal(v[kept.to(device)], x.values[kept.to(device)])
+    assert padded_ops._flat_rows(3, 3) and padded_ops._flat_rows(1, 1) and not padded_ops._flat_rows(2, 2)
+    assert not padded_ops._flat_rows(3, 5)  # (rows 5 apart: tiles)
 
 
 @pytest.mark.parametrize("block", [(1, 1), (4, 2), (16, 8)], ids=str)

@@ -10,7 +10,8 @@ rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory
 12000 and 512 at 33000, and read twice where that kernel doesn't take the input) and the ``split`` path, at 1024
 columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
 CUDA device, its SM count stood in for). Then the ragged sum's kernels (one chunk per sequence and several) and the
-padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``).
+padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``), and
+whose rows of 3 and 1 columns go as flat runs.
 Outputs stay unwritten (nothing is run).
 """
 
@@ -66,8 +67,10 @@ def main():
                                                   stages=tiles.stages)
                     reduce_ops.broadcast_rows_triton(x[:2], offsets, 4096, max_len, mean, block_t=copy_t,
                                                      block_f=copy_f)
-                padded = padding._to_padded_triton(x, offsets, width, 0.0, block_t=copy_t, block_f=copy_f)
-                padding._from_padded_triton(padded, offsets, 4096, width, block_t=copy_t, block_f=copy_f)
+                # (rows of an odd number of elements take the flat runs, whose blocks don't depend on the device)
+                tiles_or_flat = {} if padding._flat_rows(n_cols, n_cols) else dict(block_t=copy_t, block_f=copy_f)
+                padded = padding._to_padded_triton(x, offsets, width, 0.0, **tiles_or_flat)
+                padding._from_padded_triton(padded, offsets, 4096, width, **tiles_or_flat)
 
 
 if __name__ == "__main__":

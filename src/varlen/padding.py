@@ -18,7 +18,7 @@ from ._checks import check_rows
 from ._launch import fast_launch
 from ._triton import tl, triton
 from .offsets import row_positions
-from .tiling import as_columns, cdiv, copy_tiles, known_multiple, row_align, tile_coords
+from .tiling import as_columns, cdiv, copy_tiles, known_multiple, row_align, sequence_rows, tile_coords
 
 
 # ------------------------------------------------------------------------------------ kernels
@@ -74,7 +74,48 @@ def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_t
     tl.store(out + (start + rows)[:, None] * stride_or + cols[None, :], x, mask=mask)
 
 
+# Rows of an odd number of elements (3 columns: ROW_ALIGN 1) can't be loaded several elements at a time, and tiles of
+# 4-column blocks leave a lane in four idle. Where a sequence's rows are contiguous (and the padded rows too) they are
+# one run of length * F elements, and its padded rows another of width * F: these kernels copy the runs instead, in
+# blocks of FLAT_BLOCK elements. H200, bf16 / float32, 1-6 columns, max_len 300-4096, % of copy (bench/NOTES.md,
+# "Rows not 16 elements apart"): at 3 and 5 columns to_padded 13-48 -> 62-95, from_padded 14-62 -> 54-92; at 1 column
+# a tie to 2x; at 2 columns (ROW_ALIGN 2) from_padded lost (bf16 79 -> 52), so those keep the tiles.
+FLAT_BLOCK = 1024
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["total", "width", "n_blocks"])
+def _flat_to_padded_kernel(values, offsets, pad, out, total, width, n_cols, n_blocks, BLOCK: tl.constexpr):
+    # One program per (sequence, block of its padded run): values and out have contiguous rows of n_cols elements.
+    b = tl.program_id(0) // n_blocks
+    start, length = sequence_rows(offsets, b, total)
+    at = (tl.program_id(0) % n_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = at < tl.minimum(length, width) * n_cols
+    x = tl.where(live, tl.load(values + start * n_cols + at, mask=live), tl.load(pad))
+    tl.store(out + b.to(tl.int64) * width * n_cols + at, x, mask=at < width * n_cols)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["total", "width", "n_blocks"])
+def _flat_from_padded_kernel(padded, offsets, out, total, width, n_cols, n_blocks, BLOCK: tl.constexpr):
+    # One program per (sequence, block of its run, up to max_len rows); blocks past the sequence's end return.
+    b = tl.program_id(0) // n_blocks
+    start, length = sequence_rows(offsets, b, total)
+    n_live = tl.minimum(length, width) * n_cols
+    first = (tl.program_id(0) % n_blocks).to(tl.int64) * BLOCK
+    if first >= n_live:
+        return
+    at = first + tl.arange(0, BLOCK)
+    x = tl.load(padded + b.to(tl.int64) * width * n_cols + at, mask=at < n_live)
+    tl.store(out + start * n_cols + at, x, mask=at < n_live)
+
+
 # ----------------------------------------------------------------------------------- launchers
+def _flat_rows(n_cols: int, *row_strides: int) -> bool:
+    """Whether the copies take flat runs: rows of an odd number of elements, each one after another."""
+    return row_align(n_cols, *row_strides) == 1 and all(stride == n_cols for stride in row_strides)
+
+
 def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value,
                       *, block_t: int | None = None, block_f: int | None = None) -> torch.Tensor:
     B = offsets.shape[0] - 1
@@ -91,6 +132,11 @@ def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, p
     bt, bf = block_t or bt, block_f or bf
     pad = torch.full((), padding_value, dtype=values.dtype, device=values.device)
     pad = pad.view(torch.uint8) if pad.dtype == torch.bool else pad
+    if block_t is None and block_f is None and v.stride(1) == 1 and _flat_rows(n_cols, v.stride(0)):
+        n_blocks = cdiv(width * n_cols, FLAT_BLOCK)
+        _flat_to_padded_kernel[(B * n_blocks,)](v, offsets, pad, o, v.shape[0], width, n_cols, n_blocks,
+                                                BLOCK=FLAT_BLOCK)
+        return out
     n_row_tiles, n_col_tiles = cdiv(width, bt), cdiv(n_cols, bf)
     _jagged_to_padded_kernel[(B * n_row_tiles * n_col_tiles,)](
         v, offsets, pad, o, v.shape[0], width, n_cols, n_row_tiles, n_col_tiles,
@@ -112,6 +158,12 @@ def _from_padded_triton(padded: torch.Tensor, offsets: torch.Tensor, total: int,
     unit = next((st for st in (p.stride(1), p.stride(2)) if st and p.stride(0) % st == 0), 1)
     o = as_columns(out, 1)
     n_cols = o.shape[1]
+    if (block_t is None and block_f is None and p.stride(2) == 1 and p.stride(0) == p.shape[1] * n_cols
+            and _flat_rows(n_cols, p.stride(1))):
+        n_blocks = cdiv(min(max_len, p.shape[1]) * n_cols, FLAT_BLOCK)
+        _flat_from_padded_kernel[(B * n_blocks,)](p, offsets, o, total, p.shape[1], n_cols, n_blocks,
+                                                  BLOCK=FLAT_BLOCK)
+        return out
     bt, bf = copy_tiles(max_len, n_cols, o.element_size(), o.device)
     bt, bf = block_t or bt, block_f or bf
     n_row_tiles, n_col_tiles = cdiv(max_len, bt), cdiv(n_cols, bf)
