@@ -113,7 +113,7 @@ def test_broadcast_padded_inputs(backend, device):
         assert torch.equal(v, torch.cat([padded[b, :n] for b, n in enumerate(lengths)]))
 
 
-@pytest.mark.parametrize("inner", [(2,), (), (3,)], ids=["tiles", "flat-1", "flat-3"])
+@pytest.mark.parametrize("inner", [(2,), (), (3,)], ids=["tiles", "one-column", "flat-3"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float16], ids=str)
 def test_copy_kernels_move_any_dtype_exactly(dtype, inner, device):
     """Both kernels: tiles, and flat runs for rows of an odd number of elements (``padding.FLAT_BLOCK``)."""
@@ -134,7 +134,7 @@ def test_copy_kernels_move_any_dtype_exactly(dtype, inner, device):
 def test_flat_runs_across_blocks_and_cut_at_the_width(device, poison_empty):
     """Rows of 3 elements (flat runs): sequences ending just before, at and past a block of FLAT_BLOCK elements, one
     longer than the padded width (cut there both ways), the padding value after each run; rows of 2 or not one after
-    another take the tiles."""
+    another, and single columns, take the tiles."""
     per_block = padded_ops.FLAT_BLOCK // 3
     lengths = [0, 1, per_block, per_block + 1, 2 * per_block + 5]
     x = random_jagged(lengths, (3,), device=device)
@@ -145,7 +145,8 @@ def test_flat_runs_across_blocks_and_cut_at_the_width(device, poison_empty):
     kept = torch.cat([torch.arange(start, start + min(n, width)) for start, n in
                       zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths, strict=False)])
     assert torch.equal(v[kept.to(device)], x.values[kept.to(device)])
-    assert padded_ops._flat_rows(3, 3) and padded_ops._flat_rows(1, 1) and not padded_ops._flat_rows(2, 2)
+    assert padded_ops._flat_rows(3, 3) and padded_ops._flat_rows(5, 5)
+    assert not padded_ops._flat_rows(1, 1) and not padded_ops._flat_rows(2, 2)
     assert not padded_ops._flat_rows(3, 5)  # (rows 5 apart: tiles)
 
 

@@ -11,7 +11,7 @@ rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory
 columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
 CUDA device, its SM count stood in for). Then the ragged sum's kernels (one chunk per sequence and several) and the
 padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``), and
-whose rows of 3 and 1 columns go as flat runs.
+whose rows of 3 columns go as flat runs.
 Outputs stay unwritten (nothing is run).
 """
 

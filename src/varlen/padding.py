@@ -77,9 +77,10 @@ def _padded_to_jagged_kernel(padded, offsets, out, total, width, n_cols, n_row_t
 # Rows of an odd number of elements (3 columns: ROW_ALIGN 1) can't be loaded several elements at a time, and tiles of
 # 4-column blocks leave a lane in four idle. Where a sequence's rows are contiguous (and the padded rows too) they are
 # one run of length * F elements, and its padded rows another of width * F: these kernels copy the runs instead, in
-# blocks of FLAT_BLOCK elements. H200, bf16 / float32, 1-6 columns, max_len 300-4096, % of copy (bench/NOTES.md,
-# "Rows not 16 elements apart"): at 3 and 5 columns to_padded 13-48 -> 62-95, from_padded 14-62 -> 54-92; at 1 column
-# a tie to 2x; at 2 columns (ROW_ALIGN 2) from_padded lost (bf16 79 -> 52), so those keep the tiles.
+# blocks of FLAT_BLOCK elements. H200, bf16 / float32, max_len 300-4096, % of copy, tiles -> runs (bench/NOTES.md,
+# "Rows not 16 elements apart"): at 3 and 5 columns to_padded 13-48 -> 58-91, from_padded 14-62 -> 56-92. One column
+# keeps its tiles (which are runs already, of the sequence's length): runs of 1024 lost at 300 rows (bf16 35 -> 26)
+# and won at 4096 (41 -> 72). Two columns (ROW_ALIGN 2) keep them too: from_padded lost (bf16 79 -> 52).
 FLAT_BLOCK = 1024
 
 
@@ -112,8 +113,8 @@ def _flat_from_padded_kernel(padded, offsets, out, total, width, n_cols, n_block
 
 # ----------------------------------------------------------------------------------- launchers
 def _flat_rows(n_cols: int, *row_strides: int) -> bool:
-    """Whether the copies take flat runs: rows of an odd number of elements, each one after another."""
-    return row_align(n_cols, *row_strides) == 1 and all(stride == n_cols for stride in row_strides)
+    """Whether the copies take flat runs: rows of an odd number of elements, more than one, each after another."""
+    return n_cols > 1 and row_align(n_cols, *row_strides) == 1 and all(stride == n_cols for stride in row_strides)
 
 
 def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value,
