@@ -54,6 +54,7 @@ REFUSED_FORWARD = [
     (lambda: forward(rand(2, 4, 2, 16), rand(2, 4, 2, 16), rand(2, 2, 2, 16)), "v: shape (2, 2, 2, 16) differs"),
     (lambda: forward(rand(2, 4, 4, 16), rand(2, 4, 3, 16), rand(2, 4, 3, 16)), "q: 4 heads are not a multiple"),
     (lambda: forward(rand(2, 4, 2, 16), rand(2, 4, 2, 8), rand(2, 4, 2, 16)), "k: head dim 8 differs from q's 16"),
+    (lambda: forward(rand(2, 4, 2, 16), rand(2, 4, 2, 16), rand(2, 4, 2, 0)), "q, k, v: head dims must be >= 1"),
     (lambda: forward(rand(2, 4, 2, 16), rand(2, 4, 2, 16), rand(2, 4, 2, 16), max_q=8),
      "max_q, max_k: a dense call's are q's and k's sequence lengths (4, 4); got (8, 4)"),
     (lambda: forward(rand(2, 4, 2, 16), rand(2, 4, 2, 16), rand(2, 4, 2, 16), bias=rand(2, 2, 2, 4)),

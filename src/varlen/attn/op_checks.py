@@ -102,6 +102,8 @@ def forward_operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi
         raise ValueError(f"v: {v.shape[-2]} heads differ from k's {Hkv}")
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"q: {H} heads are not a multiple of k/v's {Hkv} heads (GQA/MQA needs H % Hkv == 0)")
+    if D == 0 or v.shape[-1] == 0:
+        raise ValueError(f"q, k, v: head dims must be >= 1, got D = {D}, Dv = {v.shape[-1]}")
     if v.shape[:-2] != k.shape[:-2]:
         raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)} before the heads")
     if dense:
