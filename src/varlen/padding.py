@@ -114,7 +114,7 @@ def _flat_from_padded_kernel(padded, offsets, out, total, width, n_cols, n_block
 # ----------------------------------------------------------------------------------- launchers
 def _flat_rows(n_cols: int, *row_strides: int) -> bool:
     """Whether the copies take flat runs: rows of an odd number of elements, more than one, each after another."""
-    return n_cols > 1 and row_align(n_cols, *row_strides) == 1 and all(stride == n_cols for stride in row_strides)
+    return n_cols > 1 and n_cols % 2 == 1 and all(stride == n_cols for stride in row_strides)
 
 
 def _to_padded_triton(values: torch.Tensor, offsets: torch.Tensor, width: int, padding_value,
