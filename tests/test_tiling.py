@@ -1,8 +1,14 @@
 """The launchers' host helpers (varlen.tiling)."""
 
+import importlib
+
+import torch
 import triton
 
-from varlen.tiling import cdiv, next_power_of_2, row_align
+from varlen.tiling import COPY_MAX_ROWS, cdiv, copy_tiles, next_power_of_2, row_align
+
+reduce_ops = importlib.import_module("varlen.ops.reduce")
+GPU = torch.device("cuda")  # (a device object only: the tile rules read its type, nothing runs on it)
 
 
 def test_launch_integer_helpers_match_triton():
@@ -30,3 +36,21 @@ def test_row_align_is_the_power_of_two_every_row_shares():
             align = row_align(n, stride)
             assert n % align == 0 and stride % align == 0 and align <= 16
             assert align == 16 or n % (2 * align) or stride % (2 * align), (n, stride)
+
+
+def test_gpu_tiles_of_narrow_rows_stop_at_a_fixed_row_count():
+    # One or two columns used to take a tile of up to 8,192 rows, a power of two of the longest sequence: one program
+    # per long sequence, and a kernel variant per power of two of max_len up to there. Now the rows stop at
+    # COPY_MAX_ROWS (copies) and SUM_MAX_ROWS (sums); shorter sequences keep tiles that fit them (a tile of mostly
+    # masked rows ran 2-4x slower), and wide rows keep their ~16 KB tiles.
+    for size in (2, 4):
+        for n_cols in (1, 2):
+            for n_rows in (4096, 5000, 100_000):
+                assert copy_tiles(n_rows, n_cols, size, GPU) == (COPY_MAX_ROWS, n_cols)
+                assert reduce_ops._sum_tiles(n_rows, n_cols, size, GPU).block_t == reduce_ops.SUM_MAX_ROWS
+            assert copy_tiles(300, n_cols, size, GPU) == (512, n_cols)
+            assert reduce_ops._sum_tiles(300, n_cols, size, GPU).block_t == 512
+            assert copy_tiles(17, n_cols, size, GPU)[0] == reduce_ops._sum_tiles(17, n_cols, size, GPU).block_t == 32
+    assert copy_tiles(100_000, 1024, 2, GPU) == (32, 256)
+    assert reduce_ops._sum_tiles(100_000, 1024, 2, GPU)[:2] == (64, 128)
+    assert copy_tiles(100_000, 1, 2, torch.device("cpu"))[0] == 65536  # (the interpreter's tiles: per-program cost)

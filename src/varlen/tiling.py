@@ -75,15 +75,25 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Rows of a copy-like tile at most. Narrow rows (1-2 columns) would otherwise take tiles of up to 8,192 rows, one
+# program per sequence of thousands of rows: H200, 4,096-row sequences, % of copy, tiles of 4,096 rows / 1,024: to_padded
+# bf16 39 / 69 (1 column), 45 / 73 (2), float32 65 / 87; from_padded bf16 43 / 65; the broadcast rows of a sum's
+# backward bf16 51 / 45, float32 71 / 73. Shorter sequences keep their tiles (bench/NOTES.md, "Kernel variants per
+# batch"). The cap also bounds the tile variants a stream of batches compiles (one per power of two of n_rows below it).
+COPY_MAX_ROWS = 1024
+
+
 def copy_tiles(n_rows: int, n_cols: int, elem_size: int, device: torch.device) -> tuple[int, int]:
     """(rows, columns) of the tile one program of a copy-like kernel moves.
 
-    On a GPU: up to 512 contiguous bytes of a row (coalesced 16-byte vectors) and ~16 KB per tile. Under
-    the interpreter the cost is per program, so tiles are as large as the input allows.
+    On a GPU: up to 512 contiguous bytes of a row (coalesced 16-byte vectors), ~16 KB per tile and at most
+    :data:`COPY_MAX_ROWS` rows; fewer rows where ``n_rows`` (the longest sequence, or the batch) is shorter: a tile of
+    mostly masked rows ran 2-4x slower at sequences of 16 rows. Under the interpreter the cost is per program, so tiles
+    are as large as the input allows.
     """
     if device.type == "cuda":
         block_f = min(next_power_of_2(n_cols), max(1, 512 // elem_size))
-        block_t = min(next_power_of_2(max(n_rows, 1)), max(1, 16384 // (block_f * elem_size)))
+        block_t = min(next_power_of_2(max(n_rows, 1)), max(1, 16384 // (block_f * elem_size)), COPY_MAX_ROWS)
     else:
         block_f = min(next_power_of_2(n_cols), 1024)
         block_t = min(next_power_of_2(max(n_rows, 1)), max(1, 65536 // block_f))

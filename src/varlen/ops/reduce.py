@@ -177,14 +177,20 @@ class _SumTiles(NamedTuple):
     stages: int
 
 
+# Rows of a sum's tile at most: one or two columns would otherwise take tiles of up to 8,192 rows. H200, sequences of
+# 1K-4K rows, % of copy, tiles of 4,096 rows / 512: bf16 30 / 57 (1 column), 20 / 46 (2); float32 56 / 84, 55 / 80
+# (bench/NOTES.md, "Kernel variants per batch"). Wider rows reach 8K accumulators in fewer rows and don't change.
+SUM_MAX_ROWS = 512
+
+
 def _sum_tiles(max_len: int, n_cols: int, elem_size: int, device: torch.device) -> _SumTiles:
     """GPU: 256 contiguous bytes of a row and 8K accumulators per program (an H100 sweep at bench/jagged_ops.py's
-    shape: 78% of copy in bf16 and 93% in float32, against 58% and 86% with 4K), 4 warps. 16-bit tiles are half
-    the bytes of float32 ones at the same accumulator count (registers), so they load two tiles ahead (Triton's
-    pipelining) to keep as many bytes in flight. Interpreter: large tiles."""
+    shape: 78% of copy in bf16 and 93% in float32, against 58% and 86% with 4K), at most :data:`SUM_MAX_ROWS` rows, 4
+    warps. 16-bit tiles are half the bytes of float32 ones at the same accumulator count (registers), so they load two
+    tiles ahead (Triton's pipelining) to keep as many bytes in flight. Interpreter: large tiles."""
     if device.type == "cuda":
         block_f = min(next_power_of_2(n_cols), max(1, 256 // elem_size))
-        block_t = min(next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f))
+        block_t = min(next_power_of_2(max(max_len, 1)), max(1, 8192 // block_f), SUM_MAX_ROWS)
         return _SumTiles(block_t, block_f, 4, 3 if elem_size <= 2 else 1)
     block_f = min(next_power_of_2(n_cols), 1024)
     return _SumTiles(min(next_power_of_2(max(max_len, 1)), max(1, 65536 // block_f)), block_f, 4, 1)
