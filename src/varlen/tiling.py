@@ -76,10 +76,10 @@ def sm_count(device: torch.device) -> int:
 
 
 # Rows of a copy-like tile at most. Narrow rows (1-2 columns) would otherwise take tiles of up to 8,192 rows, one
-# program per sequence of thousands of rows: H200, 4,096-row sequences, % of copy, tiles of 4,096 rows / 1,024: to_padded
-# bf16 39 / 69 (1 column), 45 / 73 (2), float32 65 / 87; from_padded bf16 43 / 65; the broadcast rows of a sum's
-# backward bf16 51 / 45, float32 71 / 73. Shorter sequences keep their tiles (bench/NOTES.md, "Kernel variants per
-# batch"). The cap also bounds the tile variants a stream of batches compiles (one per power of two of n_rows below it).
+# program per sequence of thousands of rows. H200, 4,096-row sequences, % of copy, before / after: to_padded bf16
+# 40 / 74 (1 column), 47 / 78 (2), float32 68 / 91; from_padded bf16 46 / 69; the broadcast rows of a sum's backward
+# bf16 54 / 44, float32 74 / 76. Shorter sequences keep their tiles (bench/NOTES.md, "Kernel variants per batch").
+# The cap also bounds the tile variants a stream of batches compiles (one per power of two of n_rows below it).
 COPY_MAX_ROWS = 1024
 
 

@@ -178,8 +178,8 @@ class _SumTiles(NamedTuple):
 
 
 # Rows of a sum's tile at most: one or two columns would otherwise take tiles of up to 8,192 rows. H200, sequences of
-# 1K-4K rows, % of copy, tiles of 4,096 rows / 512: bf16 30 / 57 (1 column), 20 / 46 (2); float32 56 / 84, 55 / 80
-# (bench/NOTES.md, "Kernel variants per batch"). Wider rows reach 8K accumulators in fewer rows and don't change.
+# 1K-4K rows, % of copy, before / after: bf16 29 / 61 (1 column), 21 / 49 (2); float32 60 / 93, 58 / 91
+# (bench/NOTES.md, "Kernel variants per batch"). Rows of 16 columns or more reach 8K accumulators in fewer rows.
 SUM_MAX_ROWS = 512
 
 
