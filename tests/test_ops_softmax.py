@@ -164,6 +164,35 @@ def test_automatic_plan_choice(device):
         assert plan.chunk_rows * plan.block_f == softmax_ops.REREAD_CHUNK_ROWS * softmax_ops.COOPERATIVE_COLS
 
 
+def test_gpu_plans_take_a_bounded_number_of_variants_over_any_batch(monkeypatch):
+    """A stream of batches compiles a kernel variant per plan it meets: the single tile follows the longest sequence
+    in powers of two (at most 15: 1 to 16,384 rows, float32 at one column), the cooperative and shared-memory plans
+    have at most two tiers and the split and re-reading plans one (the README's bound). The plans of an H100-sized
+    GPU, chosen off the GPU."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 132)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: 132)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    lengths = sorted({n for p in range(18) for n in (2**p - 1, 2**p, 2**p + 1)} | set(range(0, 300, 7)) | {70_000})
+    bounds = {"single": 15, "cooperative": 2, "shared": 2, "reread": 1, "split": 1}
+    for n_cols in (1, 3, 16, 40, 1024):
+        for elem_size in (2, 4, 8):
+            for inputs, shared in ((1, False), (1, elem_size == 2), (2, False)):
+                for aligned in (True, False):
+                    variants = {}
+                    for max_len in lengths:
+                        plan = softmax_ops.softmax_plan(64, max_len, n_cols, elem_size, gpu, inputs=inputs,
+                                                        shared=shared, aligned=aligned)
+                        kind = ("single" if plan.chunk_rows is None else "shared" if plan.shared else "reread"
+                                if plan.rereads else "cooperative" if plan.cooperative else "split")
+                        constexprs = (plan.block_t, plan.block_f, plan.num_warps)
+                        if kind in ("shared", "reread"):
+                            constexprs += (plan.chunk_rows,)  # (a constexpr of those kernels)
+                        variants.setdefault(kind, set()).add(constexprs)
+                    for kind, seen in variants.items():
+                        assert len(seen) <= bounds[kind], (n_cols, elem_size, inputs, shared, aligned, kind, seen)
+
+
 @pytest.mark.parametrize("inputs", [1, 2], ids=["forward", "backward"])
 def test_single_tile_rows_wide_enough(inputs, monkeypatch):
     """On a GPU a whole sequence takes one tile only where the tile's rows are at least SINGLE_MIN_ROW_BYTES per

@@ -9,6 +9,10 @@ from varlen.tiling import COPY_MAX_ROWS, cdiv, copy_tiles, next_power_of_2, row_
 
 reduce_ops = importlib.import_module("varlen.ops.reduce")
 GPU = torch.device("cuda")  # (a device object only: the tile rules read its type, nothing runs on it)
+# Longest sequences (or batch sizes) a stream of batches may bring: every power of two and its neighbours up to 2**17,
+# every length below 300, and a few far past.
+STREAM_LENGTHS = sorted({n for p in range(18) for n in (2**p - 1, 2**p, 2**p + 1)} | set(range(300))
+                        | {70_000, 250_000})
 
 
 def test_launch_integer_helpers_match_triton():
@@ -54,3 +58,13 @@ def test_gpu_tiles_of_narrow_rows_stop_at_a_fixed_row_count():
     assert copy_tiles(100_000, 1024, 2, GPU) == (32, 256)
     assert reduce_ops._sum_tiles(100_000, 1024, 2, GPU)[:2] == (64, 128)
     assert copy_tiles(100_000, 1, 2, torch.device("cpu"))[0] == 65536  # (the interpreter's tiles: per-program cost)
+
+
+def test_gpu_tiles_take_a_bounded_number_of_variants_over_any_batch():
+    # The tiles follow the longest sequence in powers of two (tiles that don't ran 2-30x slower at short sequences),
+    # so a stream of batches compiles a variant per power of two it meets, at most 11 for the copies (1 to 1,024 rows)
+    # and 10 for the sums (1 to 512), per width and dtype: the README's bound.
+    for n_cols in (1, 2, 3, 16, 40, 1024):
+        for size in (2, 4, 8):
+            assert len({copy_tiles(n, n_cols, size, GPU) for n in STREAM_LENGTHS}) <= 11, (n_cols, size)
+            assert len({reduce_ops._sum_tiles(n, n_cols, size, GPU) for n in STREAM_LENGTHS}) <= 10, (n_cols, size)
