@@ -2,6 +2,7 @@
 
 from itertools import pairwise
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 import varlen
 from conftest import DEVICE
 from utils import REL_TOL, assert_close, random_jagged, rotary_reference
-from varlen.nn import MultiheadAttention, TransformerEncoderLayer
+from varlen.nn import MultiheadAttention, TransformerEncoder, TransformerEncoderLayer
 
 E, H = 16, 4
 LENGTHS = [3, 1, 17, 6]  # batch of 4 with lengths 1 and 17; length 0 has its own test
@@ -191,6 +192,79 @@ def test_encoder_layer_dense_input_matches_torch():
     assert_close(ours(x), theirs(x))
 
 
+@pytest.mark.parametrize("final_norm", [False, True], ids=["no_norm", "norm"])
+def test_encoder_stack_matches_torch(final_norm):
+    # varlen.nn.TransformerEncoder: torch's stack (its parameter names, deep copies of the layer, the final norm) on
+    # jagged batches; its state dict loads into torch's and the outputs and gradients agree.
+    dtype = torch.float64
+    norm = torch.nn.LayerNorm(E, device=DEVICE, dtype=dtype) if final_norm else None
+    ours = TransformerEncoder(TransformerEncoderLayer(E, H, 24, dropout=0.0, device=DEVICE, dtype=dtype), 3,
+                              norm=norm)
+    theirs = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(E, H, 24, dropout=0.0, batch_first=True, device=DEVICE, dtype=dtype), 3,
+        norm=None if norm is None else torch.nn.LayerNorm(E, device=DEVICE, dtype=dtype), enable_nested_tensor=False)
+    for layer in ours.layers:  # (different weights per layer: the copies are independent)
+        layer.linear1.reset_parameters()
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    theirs.load_state_dict(ours.state_dict())
+    x = random_jagged(LENGTHS, (E,), dtype=dtype, requires_grad=True)
+    out = ours(x)
+    ref = _valid(theirs(x.to_padded(), src_key_padding_mask=_padding_mask(x)), x)
+    assert_close(out.values, ref)
+    g = torch.randn_like(ref)
+    got = _grads((out.values * g).sum(), [x.values, *ours.parameters()])
+    want = _grads((ref * g).sum(), [x.values, *theirs.parameters()])
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
+    dense = torch.randn(2, 5, E, dtype=dtype, device=DEVICE)
+    assert_close(ours(dense), theirs(dense))
+
+
+def test_torch_encoder_stacks_varlen_layers_on_dense_inputs():
+    # torch.nn.TransformerEncoder reads self_attn.batch_first and calls each layer with src_mask, is_causal and
+    # src_key_padding_mask: varlen's layers take them (None, None, False or their own causal).
+    dtype = torch.float64
+    for causal in (False, True):
+        layer = TransformerEncoderLayer(E, H, 24, dropout=0.0, causal=causal, device=DEVICE, dtype=dtype)
+        stack = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        x = torch.randn(2, 5, E, dtype=dtype, device=DEVICE)
+        assert_close(stack(x, is_causal=causal), stack.layers[1](stack.layers[0](x)))
+
+
+def test_modules_take_dropout_as_any_real_number():
+    # (numpy's floats, as torch.nn's modules take them; the probability check is varlen's one, _checks')
+    assert MultiheadAttention(E, H, dropout=np.float32(0.25)).dropout == 0.25
+    layer = TransformerEncoderLayer(E, H, 24, dropout=np.float64(0.25))
+    assert layer.dropout.p == layer.self_attn.dropout == 0.25
+
+
+def test_encoder_stack_bad_arguments():
+    layer = TransformerEncoderLayer(E, H, 24, device=DEVICE)
+    with pytest.raises(TypeError, match="encoder_layer: expected a varlen.nn.TransformerEncoderLayer, got "
+                                        "TransformerEncoderLayer"):
+        TransformerEncoder(torch.nn.TransformerEncoderLayer(E, H, 24, batch_first=True), 2)
+    with pytest.raises(ValueError, match="num_layers: got 0; must be >= 1"):
+        TransformerEncoder(layer, 0)
+    with pytest.raises(TypeError, match="norm: expected a torch.nn.LayerNorm, a torch.nn.RMSNorm or None, got Linear"):
+        TransformerEncoder(layer, 2, norm=torch.nn.Linear(E, E))
+    with pytest.raises(TypeError, match="mask_check: expected a bool, got str"):
+        TransformerEncoder(layer, 2, mask_check="yes")
+    stack = TransformerEncoder(layer, 2)
+    x = random_jagged(LENGTHS, (E,))
+    causal_mask = torch.ones(5, 5, dtype=torch.bool, device=DEVICE).triu(1)
+    with pytest.raises(ValueError, match="mask: not taken by varlen.nn layers; build the layer with causal=True"):
+        stack(x, mask=causal_mask)
+    with pytest.raises(ValueError, match="src_key_padding_mask: not taken by varlen.nn layers; pass the batch as a "
+                                         "JaggedTensor"):
+        stack(x, src_key_padding_mask=torch.zeros(len(LENGTHS), x.max_len, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="is_causal: True, but the layer was built with causal=False"):
+        stack(x, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal: expected a bool or None, got str"):
+        layer(x, is_causal="yes")
+    with pytest.raises(ValueError, match="src_mask: not taken by varlen.nn layers"):
+        layer(x, src_mask=causal_mask)
+
+
 def test_encoder_layer_dropout_only_in_training():
     layer = TransformerEncoderLayer(E, H, 24, dropout=0.3, device=DEVICE, dtype=torch.float64)
     x = random_jagged(LENGTHS, (E,), dtype=torch.float64)
@@ -297,7 +371,7 @@ def test_llama_block_dense_input_matches_jagged():
     (dict(embed_dim=16, num_heads=0), ValueError, "num_heads: got 0"),
     (dict(embed_dim=16.0, num_heads=4), TypeError, "embed_dim: expected an int"),
     (dict(embed_dim=16, num_heads=4, num_kv_heads=3), ValueError, "num_kv_heads: 3 does not divide"),
-    (dict(embed_dim=16, num_heads=4, dropout=1.0), ValueError, r"dropout: expected a probability in \[0, 1\)"),
+    (dict(embed_dim=16, num_heads=4, dropout=1.0), ValueError, r"dropout: expected a float in \[0, 1\), got 1.0"),
     (dict(embed_dim=16, num_heads=4, causal=1), TypeError, "causal: expected a bool"),
     (dict(embed_dim=16, num_heads=4, window=(2,)), ValueError, "window: expected None or"),
     (dict(embed_dim=16, num_heads=4, rotary_base=0.0), ValueError, "rotary_base: expected a real number > 0"),
@@ -338,7 +412,7 @@ def test_mha_bad_inputs():
     (dict(activation="tanh"), ValueError, "activation: got 'tanh'; allowed: 'relu', 'gelu', 'swiglu'"),
     (dict(activation=torch.relu), TypeError, "activation: expected a name"),
     (dict(dim_feedforward=0), ValueError, "dim_feedforward: got 0"),
-    (dict(dropout=-0.1), ValueError, "dropout: expected a probability"),
+    (dict(dropout=-0.1), ValueError, r"dropout: expected a float in \[0, 1\), got -0.1"),
     (dict(layer_norm_eps=-1.0), ValueError, "layer_norm_eps: expected a finite real number >= 0"),
     (dict(norm_first="yes"), TypeError, "norm_first: expected a bool"),
     (dict(norm="batch"), ValueError, "norm: got 'batch'; allowed: 'layer', 'rms'"),

@@ -1,6 +1,6 @@
-"""Modules for jagged batches: ``torch.nn``'s attention and encoder layer without padding."""
+"""Modules for jagged batches: ``torch.nn``'s attention, encoder layer and encoder stack without padding."""
 
 from .attention import MultiheadAttention
-from .transformer import TransformerEncoderLayer
+from .transformer import TransformerEncoder, TransformerEncoderLayer
 
-__all__ = ["MultiheadAttention", "TransformerEncoderLayer"]
+__all__ = ["MultiheadAttention", "TransformerEncoder", "TransformerEncoderLayer"]

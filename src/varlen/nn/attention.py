@@ -7,16 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from .._checks import check_int
+from .._checks import check_int, check_probability
 from ..attn.api import attention, parse_window
 from ..ops.rotary import check_rotary_base
 from . import _layout
-
-
-def check_dropout(p) -> float:
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
-        raise ValueError(f"dropout: expected a probability in [0, 1), got {p!r}")
-    return float(p)
 
 
 def check_batch_first(batch_first) -> None:
@@ -39,7 +33,7 @@ class MultiheadAttention(nn.Module):
     Args (the first four in ``torch.nn.MultiheadAttention``'s order):
         embed_dim: E, the features of a token; a multiple of ``num_heads``.
         num_heads: H, query heads.
-        dropout: probability of dropping an attention weight, in training mode only.
+        dropout: probability of dropping an attention weight, in training mode only; in [0, 1) (a real number).
         bias: learn biases in the input and output projections.
         num_kv_heads: key/value heads; ``num_heads`` (default) or a divisor of it.
         causal, window: masks, as in :func:`varlen.attention` (positions count within each sequence).
@@ -74,6 +68,7 @@ class MultiheadAttention(nn.Module):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
         parse_window(window)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.batch_first = True  # (torch.nn.TransformerEncoder reads its layers' self_attn.batch_first)
         self.head_dim = embed_dim // num_heads
         if rotary_base is not None:
             rotary_base = check_rotary_base(rotary_base, "rotary_base")
@@ -82,7 +77,7 @@ class MultiheadAttention(nn.Module):
                                  f"num_heads {num_heads} = {self.head_dim}")
         self.rotary_base = rotary_base
         self.kv_dim = num_kv_heads * self.head_dim
-        self.dropout = check_dropout(dropout)
+        self.dropout = check_probability("dropout", dropout)
         self.causal, self.window = causal, window
         factory = dict(device=device, dtype=dtype)
         self.in_proj_weight = nn.Parameter(torch.empty(embed_dim + 2 * self.kv_dim, embed_dim, **factory))

@@ -1,15 +1,17 @@
-"""``varlen.nn.TransformerEncoderLayer``: torch's encoder layer for jagged batches."""
+"""``varlen.nn.TransformerEncoderLayer`` and ``TransformerEncoder``: torch's encoder layer and stack for jagged
+batches."""
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 
 from torch import nn
 
-from .._checks import check_choice, check_int
+from .._checks import check_choice, check_int, check_probability
 from . import _layout
-from .attention import MultiheadAttention, check_batch_first, check_dropout
+from .attention import MultiheadAttention, check_batch_first
 
 NORMS = ("layer", "rms")
 
@@ -30,7 +32,7 @@ class TransformerEncoderLayer(nn.Module):
         nhead: attention heads (a divisor of ``d_model``).
         dim_feedforward: hidden features of the feed-forward block.
         dropout: probability used by every dropout (attention weights, feed-forward hidden units, both
-            residual branches), in training mode only.
+            residual branches), in training mode only; in [0, 1) (a real number).
         activation: ``"relu"``, ``"gelu"`` (exact) or ``"swiglu"`` (``silu(gate) * up``: ``linear1`` makes
             both, ``2 * dim_feedforward`` features, the gate first).
         layer_norm_eps: the norms' epsilon.
@@ -57,7 +59,7 @@ class TransformerEncoderLayer(nn.Module):
         if d_model % nhead != 0:
             raise ValueError(f"d_model: {d_model} is not a multiple of nhead = {nhead}")
         check_int("dim_feedforward", dim_feedforward, minimum=1)
-        dropout = check_dropout(dropout)
+        dropout = check_probability("dropout", dropout)
         if not isinstance(activation, str):
             raise TypeError(f"activation: expected a name ({', '.join(map(repr, _layout.ACTIVATIONS))}), got "
                             f"{type(activation).__name__}")
@@ -83,11 +85,15 @@ class TransformerEncoderLayer(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
         self.activation = activation
 
-    def forward(self, src, *, attn_bias=None):
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal: bool = False, *, attn_bias=None):
         """``src``: jagged ``(B, j, d_model)`` (or dense ``(B, S, d_model)``); returns the same layout.
 
-        ``attn_bias`` is passed to the attention (see :class:`MultiheadAttention`).
+        ``attn_bias`` is passed to the attention (see :class:`MultiheadAttention`). torch's ``src_mask``,
+        ``src_key_padding_mask`` and ``is_causal`` are taken so that ``torch.nn.TransformerEncoder`` stacks these
+        layers: None, None, and ``is_causal`` equal to the layer's ``causal`` (or False); anything else raises a
+        ValueError saying what to pass instead.
         """
+        _check_torch_masks(src_mask, "src_mask", src_key_padding_mask, is_causal, self.self_attn.causal)
         x = _layout.as_input(src, "src", self.self_attn.embed_dim, self.linear1.weight.dtype)
         if self.norm_first:
             x = _layout.add(x, self._sa_block(_layout.norm(x, self.norm1), attn_bias))
@@ -106,3 +112,61 @@ class TransformerEncoderLayer(nn.Module):
     def extra_repr(self) -> str:
         norm = "rms" if isinstance(self.norm1, nn.RMSNorm) else "layer"
         return f"activation={self.activation!r}, norm={norm!r}, norm_first={self.norm_first}"
+
+
+def _check_torch_masks(mask, mask_name: str, key_padding_mask, is_causal, causal: bool) -> None:
+    """torch's mask arguments, as varlen's layers take them: no masks (jagged inputs and the layer's own ``causal``,
+    ``window`` and ``attn_bias`` say the same), and ``is_causal`` None, False, or True on a causal layer."""
+    if mask is not None:
+        raise ValueError(f"{mask_name}: not taken by varlen.nn layers; build the layer with causal=True or window=, or "
+                         "pass an additive attn_bias=")
+    if key_padding_mask is not None:
+        raise ValueError("src_key_padding_mask: not taken by varlen.nn layers; pass the batch as a JaggedTensor "
+                         "instead (varlen.JaggedTensor.from_padded(src, lengths)): each sequence keeps its length")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool or None, got {type(is_causal).__name__}")
+    if is_causal and not causal:
+        raise ValueError("is_causal: True, but the layer was built with causal=False; build it with causal=True")
+
+
+class TransformerEncoder(nn.Module):
+    """A stack of ``num_layers`` copies of a :class:`TransformerEncoderLayer`, as ``torch.nn.TransformerEncoder``, on
+    jagged batches: the same submodules and parameter names (``layers.0...``, ``norm``), so a ``state_dict`` moves
+    between the two. (``torch.nn.TransformerEncoder`` also stacks varlen's layers, on dense inputs only: it reads
+    tensor attributes a JaggedTensor doesn't have.)
+
+    Args:
+        encoder_layer: the layer to copy (deep copies: the layers don't share parameters, as torch's).
+        num_layers: layers, at least 1.
+        norm: a final norm module (``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm``), or None.
+        enable_nested_tensor, mask_check: torch's flags, taken for its signature; jagged inputs need neither
+            (a bool each).
+    """
+
+    def __init__(self, encoder_layer: TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None,
+                 enable_nested_tensor: bool = True, mask_check: bool = True):
+        super().__init__()
+        if not isinstance(encoder_layer, TransformerEncoderLayer):
+            raise TypeError(f"encoder_layer: expected a varlen.nn.TransformerEncoderLayer, got "
+                            f"{type(encoder_layer).__name__}")
+        check_int("num_layers", num_layers, minimum=1)
+        if norm is not None and not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+            raise TypeError(f"norm: expected a torch.nn.LayerNorm, a torch.nn.RMSNorm or None, got "
+                            f"{type(norm).__name__}")
+        for name, flag in (("enable_nested_tensor", enable_nested_tensor), ("mask_check", mask_check)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        self.layers = nn.ModuleList(copy.deepcopy(encoder_layer) for _ in range(num_layers))
+        self.num_layers = num_layers
+        self.norm = norm
+
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal: bool | None = None, *, attn_bias=None):
+        """``src``: jagged ``(B, j, d_model)`` (or dense ``(B, S, d_model)``) through every layer, then ``norm``;
+        returns the same layout. ``mask``, ``src_key_padding_mask`` and ``is_causal`` as the layers take them
+        (:meth:`TransformerEncoderLayer.forward`); ``attn_bias`` goes to every layer."""
+        _check_torch_masks(mask, "mask", src_key_padding_mask, is_causal, all(layer.self_attn.causal
+                                                                            for layer in self.layers))
+        x = src
+        for layer in self.layers:
+            x = layer(x, attn_bias=attn_bias)
+        return x if self.norm is None else _layout.norm(x, self.norm)
