@@ -120,16 +120,18 @@ def _assert_same(got, expected, device):
 
 def _mask(kind: str, B: int, S: int, device) -> torch.Tensor:
     """Padding masks: ``right`` (lengths, one of them 0 and one S), ``scattered`` (any pattern, int64),
-    ``uint8`` (right padding as 0/1 bytes), ``empty`` (no token at all)."""
+    ``uint8`` (right padding as 0/1 bytes), ``float`` (scattered as 0.0/1.0, as after ``mask.to(dtype)``: flash-attn
+    takes them), ``empty`` (no token at all)."""
     lengths = torch.tensor([S, 0, *torch.randint(1, S, (B - 2,)).tolist()])
     right = torch.arange(S).view(1, -1) < lengths.view(-1, 1)
-    masks = {"right": right, "scattered": (torch.rand(B, S) < 0.6).to(torch.int64), "uint8": right.to(torch.uint8),
-             "empty": torch.zeros(B, S, dtype=torch.bool)}
+    scattered = torch.rand(B, S) < 0.6
+    masks = {"right": right, "scattered": scattered.to(torch.int64), "uint8": right.to(torch.uint8),
+             "float": scattered.to(torch.bfloat16), "empty": torch.zeros(B, S, dtype=torch.bool)}
     return masks[kind].to(device)
 
 
 # ---------------------------------------------------------------------------------------- unpad_input
-@pytest.mark.parametrize("kind", ["right", "scattered", "uint8", "empty"])
+@pytest.mark.parametrize("kind", ["right", "scattered", "uint8", "float", "empty"])
 @pytest.mark.parametrize("inner", [(3, 4), ()], ids=["heads-dim", "no-inner-dims"])
 def test_unpad_input_matches_loops(kind, inner, device):
     x = torch.randn(4, 7, *inner, device=device)
@@ -300,8 +302,9 @@ ERRORS = [  # (id, call, exception, message)
      "hidden_states: expected at least 2 dims (batch, seqlen, ...), got shape (6,)"),
     ("mask shape", lambda: unpad_input(_x(2, 3, 4), MASK[:, :2]), ValueError,
      "attention_mask: expected shape (batch, seqlen) = (2, 3) to match hidden_states, got (2, 2)"),
-    ("mask dtype", lambda: unpad_input(_x(2, 3, 4), MASK.float()), TypeError,
-     "attention_mask: dtype float32 is not supported; allowed: bool, uint8, int8, int16, int32, int64"),
+    ("mask dtype", lambda: unpad_input(_x(2, 3, 4), MASK.to(torch.complex64)), TypeError,
+     "attention_mask: dtype complex64 is not supported; allowed: bool, uint8, int8, int16, int32, int64, float16, "
+     "bfloat16, float32, float64"),
     ("mask device", lambda: unpad_input(_x(2, 3, 4), MASK.to("meta")), ValueError,
      "attention_mask: on device meta, but hidden_states is on cpu"),
     ("unused_mask shape", lambda: unpad_input(_x(2, 3, 4), MASK, MASK[0]), ValueError,

@@ -51,7 +51,9 @@ __all__ = [
     "unpad_input_for_concatenated_sequences",
 ]
 
-_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_LENGTH_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# (float 0/1 masks too, as after ``attention_mask.to(dtype)``: flash-attn's unpad_input takes them)
+_MASK_DTYPES = (torch.bool, *_LENGTH_DTYPES, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------------------------ autograd functions
@@ -136,7 +138,7 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
 
     Args:
         hidden_states: ``(B, S, ...)``.
-        attention_mask: ``(B, S)`` bool or integer; nonzero marks a valid token (anywhere in its row).
+        attention_mask: ``(B, S)`` bool, integer or float; nonzero marks a valid token (anywhere in its row).
         unused_mask: None, or ``(B, S)`` like ``attention_mask``: tokens that are allocated but unused.
             They are kept in the rows and counted in ``cu_seqlens``, but not in ``seqused`` (for kernels
             that take ``seqused``; put them after the used tokens of their sequence).
@@ -177,8 +179,7 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     """
     _check_rows("hidden_states", hidden_states, ndim=2, layout="(batch, seqlen, ...)")
     lengths = attention_mask_in_length
-    _check_mask("attention_mask_in_length", lengths, hidden_states,
-                dtypes=_MASK_DTYPES[1:])  # lengths: integers, not bools
+    _check_mask("attention_mask_in_length", lengths, hidden_states, dtypes=_LENGTH_DTYPES)  # (integers, not bools)
     host = lengths.cpu()  # the one copy of the lengths to the host (a device-to-host sync on a GPU)
     if bool((host < 0).any()):
         raise ValueError("attention_mask_in_length: has negative entries; each row holds sequence lengths")
