@@ -77,8 +77,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
           (4-dim or nested inputs; eager calls only: captured and compiled calls draw their key on the GPU).
         - Extensions: float masks of any float dtype; nested inputs with ``is_causal``, masks and GQA.
         - Rejected: ``dropout_p == 1`` (torch returns zeros), key and value with different head counts,
-          a query with fewer heads than key (broadcasting query over heads), fewer than 2 dims, bools
-          (Python or 0-dim tensors) and complex tensors for ``scale`` and ``dropout_p`` (torch reads them).
+          a query with fewer heads than key (broadcasting query over heads), zero heads or head dims of 0
+          (torch returns empty or mean-of-values results), ``|scale|`` outside ``[2**-100, 2**100]`` (the
+          kernels compute in float32, ``1 / scale`` too), fewer than 2 dims, bools (Python or 0-dim tensors)
+          and complex tensors for ``scale`` and ``dropout_p`` (torch reads them).
         - Leading dims beyond one batch dim are flattened (a copy when they can't be viewed as one) and a
           mask broadcast along them is expanded in memory.
 
