@@ -100,7 +100,9 @@ class MultiheadAttention(nn.Module):
         """Attention of ``query`` over ``key``/``value``; self-attention when both are None.
 
         Args:
-            query: jagged ``(B, j, E)`` or dense ``(B, Sq, E)``.
+            query: jagged ``(B, j, E)`` or dense ``(B, Sq, E)``. A ``torch.nested`` jagged tensor is taken as a
+                JaggedTensor, and the result is a JaggedTensor
+                (``torch.nested.nested_tensor_from_jagged(out.values, out.offsets)`` makes it nested again).
             key: None (self-attention, one fused q/k/v projection), or the same layout with query's batch
                 size (jagged lengths may differ from query's).
             value: None (``value = key``; k and v are then projected together), or like ``key`` (jagged:

@@ -86,7 +86,8 @@ class TransformerEncoderLayer(nn.Module):
         self.activation = activation
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal: bool = False, *, attn_bias=None):
-        """``src``: jagged ``(B, j, d_model)`` (or dense ``(B, S, d_model)``); returns the same layout.
+        """``src``: jagged ``(B, j, d_model)`` (or dense ``(B, S, d_model)``); returns the same layout (a JaggedTensor
+        for a ``torch.nested`` jagged input, as :meth:`MultiheadAttention.forward` says).
 
         ``attn_bias`` is passed to the attention (see :class:`MultiheadAttention`). torch's ``src_mask``,
         ``src_key_padding_mask`` and ``is_causal`` are taken so that ``torch.nn.TransformerEncoder`` stacks these
