@@ -334,8 +334,9 @@ def _r(*shape, dtype=torch.float32):
     return torch.randn(shape, dtype=dtype)
 
 
-def _nt(ragged_idx=2):
-    nt = torch.nested.nested_tensor_from_jagged(torch.randn(8, 2, 8), torch.tensor([0, 3, 8]), max_seqlen=5)
+def _nt(ragged_idx=2, batch=2):
+    offsets = torch.tensor([0, 3, 8, 10][:batch + 1])
+    nt = torch.nested.nested_tensor_from_jagged(torch.randn(int(offsets[-1]), 2, 8), offsets, max_seqlen=5)
     return nt.transpose(1, 2) if ragged_idx == 2 else nt
 
 
@@ -395,6 +396,10 @@ ERRORS = [  # (id, args, kwargs, varlen's exception, message, torch also rejects
     ("nested with dense", (_nt(), _r(2, 2, 5, 8), _r(2, 2, 5, 8)), {}, ValueError, "mix nested and dense", True),
     ("nested ragged dim 1", (_nt(1), _nt(1), _nt(1)), {}, ValueError,
      "expected SDPA's nested layout (B, H, j, D), a (B, j, H, D) nested tensor transposed(1, 2)", False),
+    ("nested key batch", (_nt(), _nt(batch=3), _nt(batch=3)), {}, ValueError,
+     "key: batch size 3 differs from query's 2", True),
+    ("zero heads", (_r(2, 0, 5, 8),) * 3, {}, ValueError,
+     "query, key, value: 0, 0 and 0 heads; each needs at least 1 (torch returns an empty result for 0", False),
 ]
 
 

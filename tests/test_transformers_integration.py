@@ -343,8 +343,11 @@ def test_four_dim_mask_is_a_bias(device):
 
 @pytest.mark.parametrize("kwargs,mask,message", [
     (dict(s_aux=torch.zeros(2)), None, "s_aux: attention sinks are not supported"),
-    ({}, torch.ones(1, 1, 5), "attention_mask: expected a 2-D padding mask (batch, 5 keys) or a 4-D mask"),
-    ({}, torch.ones(1, 4), "attention_mask: expected a 2-D padding mask (batch, 5 keys) or a 4-D mask"),
+    ({}, torch.ones(1, 1, 5), "attention_mask: expected a 2-D padding mask of shape (1, 5) or (1, 5) (batch, keys), "
+                              "or a 4-D mask; got shape (1, 1, 5)"),
+    ({}, torch.ones(1, 4), "attention_mask: expected a 2-D padding mask of shape (1, 5)"),
+    ({}, torch.ones(3, 5), "attention_mask: expected a 2-D padding mask of shape (1, 5) or (1, 5) (batch, keys), or "
+                           "a 4-D mask; got shape (3, 5)"),
 ])
 def test_unsupported_inputs(kwargs, mask, message):
     q = torch.randn(1, 2, 5, 8)
@@ -357,6 +360,10 @@ def test_unsupported_inputs(kwargs, mask, message):
     (dict(sliding_window=2.0), None, TypeError, "sliding_window: expected an int, got float"),
     (dict(dropout=None), None, ValueError, "dropout: expected a float in [0, 1), got None"),
     ({}, [[1, 1, 1, 1, 1]], TypeError, "attention_mask: expected a torch.Tensor or None, got list"),
+    (dict(is_causal="yes"), None, TypeError, "is_causal: expected a bool or None, got str"),
+    (dict(softcap="x"), None, TypeError, "softcap: expected a real number, got str 'x'"),
+    (dict(position_ids=torch.arange(5.0)[None]), None, TypeError,
+     "position_ids: expected an integer tensor, got torch.float32"),
 ])
 def test_bad_arguments_are_named(kwargs, mask, error, message):
     """Arguments the attention would have named otherwise (sliding_window -3 as its window's left = -4), or not at

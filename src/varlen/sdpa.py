@@ -145,6 +145,9 @@ def _host_number(name: str, value):
 
 
 def _check_heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> None:
+    if min(hq, hk, hv) == 0:
+        raise ValueError(f"query, key, value: {hq}, {hk} and {hv} heads; each needs at least 1 (torch returns an "
+                         "empty result for 0; varlen refuses it)")
     if hk != hv:
         raise ValueError(f"key, value: {hk} and {hv} heads; key and value must have the same number of heads")
     if hq == hk or hk == 1 or (enable_gqa and hk > 0 and hq % hk == 0):
@@ -224,6 +227,10 @@ def _nested_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     _check_tensors(query, key, value)
     dropout_p, scale = _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check_heads(query.shape[1], key.shape[1], value.shape[1], enable_gqa)
+    if key.shape[0] != query.shape[0]:
+        raise ValueError(f"key: batch size {key.shape[0]} differs from query's {query.shape[0]}")
+    if value.shape[0] != key.shape[0]:
+        raise ValueError(f"value: batch size {value.shape[0]} differs from key's {key.shape[0]}")
     # (B, H, j, D) -> (B, j, H, D) nested view -> JaggedTensor view of its values and offsets.
     q, k, v = (JaggedTensor.from_nested(t.transpose(1, 2)) for t in (query, key, value))
     out = attention(q, k, v, causal=is_causal, align="top_left", scale=scale, bias=attn_mask, dropout_p=dropout_p)

@@ -47,7 +47,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from .._checks import check_int, check_probability, check_tensor
+from .._checks import check_int, check_probability, check_real, check_tensor
 from ..attn.api import attention
 from ..flash_attn_interface import flash_attn_varlen_func
 
@@ -79,9 +79,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("s_aux: attention sinks are not supported by the varlen attention implementation")
     if kwargs.get("cache") is not None:
         raise ValueError("cache: paged attention caches are not supported by the varlen attention implementation")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool or None, got {type(is_causal).__name__}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     options = dict(scale=scaling, dropout_p=check_probability("dropout", dropout),
-                   softcap=0.0 if softcap is None else float(softcap))
+                   softcap=0.0 if softcap is None else check_real("softcap", softcap))
     if sliding_window is not None:  # (0 leaves the keys unbounded, as flash-attn's integration does)
         check_int("sliding_window", sliding_window, minimum=0)
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
@@ -93,9 +95,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if attention_mask is not None:
         if attention_mask.dim() == 4:
             return attention(q, k, v, bias=attention_mask, align="bottom_right", **options), None
-        if attention_mask.dim() != 2 or attention_mask.shape[1] != Sk:
-            raise ValueError(f"attention_mask: expected a 2-D padding mask (batch, {Sk} keys) or a 4-D mask, got "
-                             f"shape {tuple(attention_mask.shape)}")
+        if attention_mask.dim() != 2 or attention_mask.shape[0] not in (1, B) or attention_mask.shape[1] != Sk:
+            raise ValueError(f"attention_mask: expected a 2-D padding mask of shape ({B}, {Sk}) or (1, {Sk}) (batch, "
+                             f"keys), or a 4-D mask; got shape {tuple(attention_mask.shape)}")
         # Always a key bias, even when nothing is padded: finding that out would read the mask on the host.
         keep = attention_mask.to(torch.bool)[:, None, None, :]
         out = attention(q, k, v, bias=keep, causal=causal, window=window, align="bottom_right", **options)
@@ -125,6 +127,8 @@ def _documents(position_ids, batch: int, seq_q: int, seq_k: int) -> torch.Tensor
     ids), and ``pos[i] - i == pos[i - 1] - (i - 1)`` exactly when ``pos[i] == pos[i - 1] + 1``."""
     if not isinstance(position_ids, torch.Tensor) or seq_q != seq_k or seq_q < 2:
         return None
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids: expected an integer tensor, got {position_ids.dtype}")
     if position_ids.shape[-1] != seq_q or position_ids.numel() not in (seq_q, batch * seq_q):
         return None
     pos = position_ids.reshape(-1, seq_q).expand(batch, -1)
