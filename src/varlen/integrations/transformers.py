@@ -47,7 +47,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from .._checks import check_int, check_probability, check_real, check_tensor
+from .._checks import check_int, check_probability, check_real, check_tensor, is_integer_dtype
 from ..attn.api import attention
 from ..flash_attn_interface import flash_attn_varlen_func
 
@@ -127,7 +127,7 @@ def _documents(position_ids, batch: int, seq_q: int, seq_k: int) -> torch.Tensor
     ids), and ``pos[i] - i == pos[i - 1] - (i - 1)`` exactly when ``pos[i] == pos[i - 1] + 1``."""
     if not isinstance(position_ids, torch.Tensor) or seq_q != seq_k or seq_q < 2:
         return None
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+    if not is_integer_dtype(position_ids.dtype):
         raise TypeError(f"position_ids: expected an integer tensor, got {position_ids.dtype}")
     if position_ids.shape[-1] != seq_q or position_ids.numel() not in (seq_q, batch * seq_q):
         return None

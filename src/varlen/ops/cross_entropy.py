@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata
+from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata, is_integer_dtype
 from .._kernel_math import add_to_max_sum, exp, lowest_like, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
@@ -113,7 +113,7 @@ def _check_rows(logits: Tensor, **per_row: Tensor) -> None:
 
 def _check_target_dtype(targets: Tensor) -> None:
     """Integer class indices (the kernels add them to a pointer)."""
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+    if not is_integer_dtype(targets.dtype):
         raise TypeError(f"targets: expected integer class indices, got dtype {targets.dtype}")
 
 
