@@ -274,6 +274,37 @@ def test_float32_tiles_at_the_bounds(sms, inputs, monkeypatch):
     assert plan.cooperative and (plan.block_t, plan.block_f) == (rows, 32)
 
 
+@pytest.mark.parametrize("sms", [132, 78])
+def test_narrow_cooperative_tiles(sms, monkeypatch):
+    """Blocks of 1-16 columns in the backward and 1-4 in the 32- and 64-bit forward hold tiles of NARROW_TILE_ELEMS
+    elements (16-bit backward) or NARROW_TILE_ELEMS_32, at most NARROW_BLOCK_T rows, 8 warps from 4,096 elements, while
+    a sequence's tiles fit the bound (then split); wider blocks and the 16-bit forward keep their tiles. The plan of a
+    GPU with ``sms`` SMs, chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: sms)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: sms)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    most = softmax_ops.cooperative_max_chunks(gpu)
+    # (columns, element size, inputs): (rows, warps) of the tile
+    tiles = {(1, 2, 2): (1024, 4), (4, 2, 2): (1024, 8), (16, 2, 2): (1024, 8), (1, 4, 2): (1024, 4),
+             (4, 4, 2): (1024, 8), (8, 4, 2): (512, 8), (16, 4, 2): (256, 8), (16, 8, 2): (256, 8),
+             (1, 4, 1): (1024, 4), (2, 4, 1): (1024, 4), (4, 4, 1): (1024, 8), (4, 8, 1): (1024, 8)}
+    for (n_cols, elem_size, inputs), (rows, warps) in tiles.items():
+        for max_len in (20_000, most * rows, most * rows + 1):
+            plan = softmax_ops.softmax_plan(64, max_len, n_cols, elem_size, gpu, inputs=inputs, aligned=False)
+            if max_len > most * rows:
+                assert not plan.cooperative, (n_cols, elem_size, inputs, max_len, plan)
+                continue
+            assert plan == softmax_ops.SoftmaxPlan(rows, n_cols, rows, warps, cooperative=True), \
+                (n_cols, elem_size, inputs, max_len, plan)
+    # Wider blocks, and the 16-bit forward: their own tiles.
+    rows = softmax_ops.HELD_16_BLOCK_T
+    assert softmax_ops.softmax_plan(64, most * rows, 32, 2, gpu, inputs=2).block_t == rows
+    rows = softmax_ops.COOPERATIVE_TILE_BYTES // (softmax_ops.COOPERATIVE_COLS * 4)
+    assert softmax_ops.softmax_plan(64, most * rows, 8, 4, gpu).block_t == rows
+    assert softmax_ops.softmax_plan(64, 20_000, 1, 2, gpu).rereads
+
+
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
     """Its tiles wait for each other: under the interpreter, which runs one program at a time, a sequence of two
     tiles would never finish, so the launcher refuses rather than hang (and the automatic plan never picks it)."""
@@ -479,20 +510,37 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 
 
 @pytest.mark.gpu_only
-@pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (20,), (40,)], ids=str)
+@pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (16,), (20,), (40,)], ids=str)
 @pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
-def test_gpu_narrow_columns(inner, lengths, device, poison_empty):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
     """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements (at 40
-    columns a block of 64, held in shared memory on sm_90: TMA fills the missing columns with zeros); the 16-bit
-    backward's tiles of 256 and 128 rows (at one column, one 16-bit value per thread: an odd count), with rows of
-    16-byte multiples and not (20, 40 columns)."""
-    x = random_jagged(lengths, inner, dtype=torch.bfloat16, device=device, requires_grad=True)
+    columns a block of 64, held in shared memory on sm_90: TMA fills the missing columns with zeros); the narrow
+    tiles (NARROW_TILE_ELEMS, at most NARROW_BLOCK_T rows) of the backward at 1-16 columns and of the float32
+    forward at 1-4; the tiles of 64-column blocks beyond; rows of 16-byte multiples and not (3, 20, 40 columns)."""
+    x = random_jagged(lengths, inner, dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
     y.values.backward(g)
     ref_y, ref_dx = reference(x.values, lengths, g)
-    assert_close(y.values, ref_y, torch.bfloat16)
-    assert_close(x.values.grad, ref_dx, torch.bfloat16)
+    assert_close(y.values, ref_y, dtype)
+    assert_close(x.values.grad, ref_dx, dtype)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("plan", [softmax_ops.SoftmaxPlan(block_t=128, block_f=1, chunk_rows=128, cooperative=True),
+                                  softmax_ops.SoftmaxPlan(block_t=256, block_f=1, chunk_rows=256, cooperative=True)],
+                         ids=["128x1", "256x1"])
+def test_gpu_16_bit_backward_one_value_per_thread(plan, device, poison_empty):
+    """The 16-bit cooperative backward's tile held as 16-bit values, at one column: one or two values per thread
+    (the automatic plan's tiles hold more since the narrow tiles; the kernel still takes these). 8448 rows: 66 tiles of
+    128, as many as an H100's or H200's bound allows."""
+    lengths = [0, 8448, 5, 3000]
+    x = random_jagged(lengths, (1,), dtype=torch.bfloat16, device=device)
+    y = softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len)
+    g = torch.randn_like(y)
+    _, ref_dx = reference(x.values, lengths, g)
+    assert_close(softmax_ops.softmax_bwd_triton(y, g, x.offsets, x.max_len, plan), ref_dx, torch.bfloat16)
 
 
 SHARED_PLANS = [softmax_ops.SoftmaxPlan(block_t=64, block_f=64, chunk_rows=192, num_warps=2, cooperative=True,

@@ -467,6 +467,20 @@ SHARED_TIERS = ((192, 64, 2), (512, 128, 4))
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
 # 64 x 64 60% at 4 warps, 71% at 2; sequences of 4K-16K rows, 256 x 64: 73.5%; bench/NOTES.md).
 HELD_16_BLOCK_T = 128
+# Narrow blocks (a score per head, or one per row): 1-16 columns in the backward, 1-4 in the 32- and 64-bit forward.
+# They hold tiles of NARROW_TILE_ELEMS elements (16-bit backward) or NARROW_TILE_ELEMS_32 (the others), at most
+# NARROW_BLOCK_T rows, 8 warps from 4,096 elements: the tiles above, sized for 64 columns, leave a narrow tile 128-2,048
+# elements, bound by its program's fixed costs. (The 16-bit forward's chunks, read twice, scale their rows up
+# already.) H200, 2K-40K rows where the plan changed, % of copy, before / after (bench/NOTES.md, "The softmax's narrow
+# rows"): bf16 backward at 1, 2, 4, 8, 16 columns 13-19 / 36-37, 13-41 / 47, 23-50 / 54-56, 36-52 / 64-68, 50-62 /
+# 63-68; float32 forward at 1-4 columns 15-47 / 47-55 (one loss: 4 columns at 40K rows, 51 / 49), backward at 1-16
+# columns 25-76 / 61-77. Measured and left: the float32 forward at 8 columns (512 rows: 42-44 against 52-59), the bf16
+# backward at 32 (512 rows: 65 against 61-66).
+NARROW_TILE_ELEMS = 16384
+NARROW_TILE_ELEMS_32 = 4096
+NARROW_BACKWARD_COLS = 16
+NARROW_FORWARD_COLS = 4
+NARROW_BLOCK_T = 1024
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
@@ -483,8 +497,9 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
     :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of
     ``HELD_16_BLOCK_T`` rows (twice that where those would pass the bound); the 16-bit forward's chunks of
     ``REREAD_CHUNK_ROWS`` rows read twice in tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns
-    keep the elements per tile: narrower blocks were not measured), or, where ``shared`` (the input suits
-    ``_softmax_gluon``) and a block has 64 columns, its chunks held in shared memory (:data:`SHARED_TIERS`). None off
+    keep the elements per tile), or, where ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns,
+    its chunks held in shared memory (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, 1-4 in the 32- and
+    64-bit forward) hold tiles of up to :data:`NARROW_BLOCK_T` rows instead (:data:`NARROW_TILE_ELEMS`). None off
     the GPU or under the interpreter (whose programs run one at a time: a wait would never end). H100, % of copy
     bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%, float32 86% vs 60%. The
     16-bit forward held in registers ran at 53% at best (16K elements per tile), below split's 56%; read twice, 63%
@@ -496,9 +511,14 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
         for chunk_rows, block_t, warps in SHARED_TIERS:
             if cdiv(max_len, chunk_rows) <= cooperative_max_chunks(device):
                 return SoftmaxPlan(block_t, block_f, chunk_rows, warps, cooperative=True, shared=True)
+    narrow = False
     if inputs == 1 and elem_size < 4:
-        narrow = COOPERATIVE_COLS // block_f
-        block_t, chunk_rows = REREAD_BLOCK_T * narrow, REREAD_CHUNK_ROWS * narrow
+        wider = COOPERATIVE_COLS // block_f
+        block_t, chunk_rows = REREAD_BLOCK_T * wider, REREAD_CHUNK_ROWS * wider
+    elif block_f <= (NARROW_BACKWARD_COLS if inputs == 2 else NARROW_FORWARD_COLS):
+        narrow = True
+        elems = NARROW_TILE_ELEMS if elem_size < 4 else NARROW_TILE_ELEMS_32
+        block_t = chunk_rows = min(NARROW_BLOCK_T, elems // block_f)
     elif elem_size < 4:
         fits = cdiv(max_len, HELD_16_BLOCK_T) <= cooperative_max_chunks(device)
         block_t = chunk_rows = HELD_16_BLOCK_T if fits else 2 * HELD_16_BLOCK_T
@@ -509,7 +529,8 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
             block_t = chunk_rows = 2 * chunk_rows
     if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
         return None
-    return SoftmaxPlan(block_t, block_f, chunk_rows, 4, cooperative=True)
+    warps = 8 if narrow and block_t * block_f >= 4096 else 4
+    return SoftmaxPlan(block_t, block_f, chunk_rows, warps, cooperative=True)
 
 
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
