@@ -39,9 +39,7 @@ def set_checks(enabled: bool) -> None:
     them costs no sync). Nothing is checked while ``torch.compile`` traces: a read there would break the graph.
     """
     global _checks_on
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__} {enabled!r}")
-    _checks_on = enabled
+    _checks_on = check_bool("enabled", enabled)
 
 
 def checks_enabled() -> bool:
@@ -123,9 +121,37 @@ def check_choice(name: str, value, allowed: Iterable) -> None:
         raise ValueError(f"{name}: got {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
 
 
+def type_name(value) -> str:
+    """``value``'s type as an error names it: ``int``, ``numpy.bool``, ``torch.Tensor`` (a bare ``bool`` would not tell
+    numpy's bool from Python's)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_bool(name: str, value, *, allow_none: bool = False) -> bool | None:
+    """A Python bool (or None where ``allow_none``), returned as is; TypeError naming the argument and the type it got
+    otherwise. As torch's own flags, numpy's bool is refused."""
+    if not (isinstance(value, bool) or value is None and allow_none):
+        raise TypeError(f"{name}: expected a bool{' or None' if allow_none else ''}, got {type_name(value)} {value!r}")
+    return value
+
+
+def is_int(value) -> bool:
+    """Whether :func:`check_int` takes ``value``: an int or another integral number (a numpy int), not a bool."""
+    if isinstance(value, bool):
+        return False
+    # (int first: under torch.compile a symbolic int passes it, and the ABC is never asked.)
+    return True if isinstance(value, int) else isinstance(value, numbers.Integral)
+
+
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    """An int (not a bool), returned as a Python int: as torch's own arguments, other integral numbers (a numpy int)
+    are taken through ``operator.index``; a Python int, symbolic under torch.compile, is returned as it is (its
+    index would fix it to this call's value)."""
+    if not is_int(value):
+        raise TypeError(f"{name}: expected an int, got {type_name(value)} {value!r}")
+    if not isinstance(value, int):
+        value = operator.index(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: got {value}; must be >= {minimum}")
     return value
@@ -185,15 +211,11 @@ def host_int(name: str, value) -> int:
             raise TypeError(f"{name}: expected an int, got Tensor of shape {tuple(value.shape)} and dtype "
                             f"{value.dtype}")
         value = int(value)
-    elif isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
-        # (Python ints, symbolic ones under torch.compile among them, pass as they are: operator.index would fix a
-        # symbolic max length to this batch's value, and every new one recompiled.)
-        value = operator.index(value)
     return check_int(name, value, minimum=0)
 
 
 def normalize_dim(name: str, dim: int, ndim: int) -> int:
-    check_int(name, dim)
+    dim = check_int(name, dim)
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}: {dim} is out of range for a tensor of {ndim} dims "
                          f"(allowed: {-ndim} to {ndim - 1})")

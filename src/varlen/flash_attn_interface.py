@@ -47,6 +47,7 @@ import torch
 from ._checks import (
     INDEX_DTYPES,
     accumulate_dtype,
+    check_bool,
     check_dtype,
     check_scale,
     check_tensor,
@@ -138,8 +139,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 # ------------------------------------------------------------------------------------------ helpers
 def _attend(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
             return_attn_probs):
-    if not isinstance(return_attn_probs, bool):
-        raise TypeError(f"return_attn_probs: expected a bool, got {type(return_attn_probs).__name__}")
+    check_bool("return_attn_probs", return_attn_probs)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap: expected a float (<= 0 disables it), got {softcap!r}")
     softmax_scale = check_scale("softmax_scale", softmax_scale, allow_none=True)

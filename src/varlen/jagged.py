@@ -14,7 +14,16 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ._checks import INDEX_DTYPES, INT32_MAX, check_dtype, check_int, check_real, check_tensor, checks_metadata
+from ._checks import (
+    INDEX_DTYPES,
+    INT32_MAX,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_real,
+    check_tensor,
+    checks_metadata,
+)
 from .offsets import check_offsets, check_offsets_tensor, read_on_host, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
 
@@ -52,9 +61,8 @@ class JaggedTensor:
             raise ValueError(f"offsets: int32 can't index values with {values.shape[0]} rows "
                              f"(more than {INT32_MAX}); use int64 offsets")
         if max_len is not None:
-            check_int("max_len", max_len, minimum=0)
-        if not isinstance(validate, bool):
-            raise TypeError(f"validate: expected a bool, got {type(validate).__name__} {validate!r}")
+            max_len = check_int("max_len", max_len, minimum=0)
+        check_bool("validate", validate)
         host = None
         if offsets.device.type == "meta":  # (no data to check or read: shapes only)
             if max_len is None:
@@ -230,7 +238,7 @@ class JaggedTensor:
                 raise ValueError(f"lengths: expected {B} lengths to match padded's batch, got {host.numel()}")
             lengths_dev = host.to(padded.device)
         if max_len is not None:
-            check_int("max_len", max_len, minimum=0)
+            max_len = check_int("max_len", max_len, minimum=0)
             if max_len > width:
                 raise ValueError(f"max_len: {max_len} exceeds padded.shape[1] = {width}")
         host_offsets = total = None

@@ -13,6 +13,7 @@ import torch
 
 from ._checks import (
     FLOAT_DTYPES,
+    check_bool,
     check_dtype,
     check_probability,
     check_same_device,
@@ -114,10 +115,8 @@ def _check_tensors(query, key, value) -> None:
 
 def _check_options(attn_mask, dropout_p, is_causal, scale, enable_gqa) -> tuple[float, float | None]:
     """Checks the options; returns ``dropout_p`` and ``scale`` as host floats (``scale`` may be None)."""
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
+    check_bool("is_causal", is_causal)
+    check_bool("enable_gqa", enable_gqa)
     dropout_p = check_probability("dropout_p", _host_number("dropout_p", dropout_p))
     scale = check_scale("scale", None if scale is None else _host_number("scale", scale), allow_none=True)
     if attn_mask is not None:

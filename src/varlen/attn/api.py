@@ -11,15 +11,18 @@ from .. import _amp
 from .._checks import (
     FLOAT_DTYPES,
     INT32_MAX,
+    check_bool,
     check_choice,
     check_dtype,
     check_generator,
+    check_int,
     check_probability,
     check_same_device,
     check_same_dtype,
     check_scale,
     check_tensor,
     checks_metadata,
+    is_int,
 )
 from .._tensor_cache import TensorCache
 from ..jagged import JaggedTensor, as_jagged, check_same_offsets
@@ -106,8 +109,7 @@ def attention(
         The output in q's layout with head dim ``Dv`` (a JaggedTensor for jagged inputs), and the lse
         when ``return_lse``. A query that sees no key gets output 0, lse -inf and zero gradient.
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     call = prepare(q, k, v, causal=causal, window=window, align=align, scale=scale, bias=bias,
                     alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, generator=generator,
                     deterministic=deterministic, prefix_len=prefix_len, document_ids=document_ids, backend=backend,
@@ -197,8 +199,7 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
         check_tensor("alibi_slopes", alibi_slopes)
     check_same_device([("q", qt), ("k", kt), ("v", vt), ("bias", bias), ("alibi_slopes", alibi_slopes)])
 
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     check_choice("align", align, ALIGNS)
     if query_offset is not None and align != "top_left":
         raise ValueError(f"query_offset: replaces align (query i of sequence b at key position query_offset[b] + "
@@ -210,8 +211,7 @@ def prepare(q, k, v, *, causal, window, align, scale, bias, alibi_slopes, softca
         raise ValueError(f"softcap: expected a finite float >= 0 (0 disables it), got {softcap!r}")
     dropout_p = check_probability("dropout_p", dropout_p)
     check_generator("generator", generator)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    check_bool("deterministic", deterministic)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     if jagged:
@@ -247,9 +247,9 @@ def parse_window(window) -> tuple[int, int]:
     for name, side in zip(("left", "right"), window, strict=True):
         if side is None:
             side = -1
-        if isinstance(side, bool) or not isinstance(side, int) or side < -1:
+        if not is_int(side) or side < -1:
             raise ValueError(f"window: {name} = {side!r}; allowed: an int >= 0, or None / -1 for unbounded")
-        sides.append(side)
+        sides.append(check_int(f"window's {name}", side))
     return sides[0], sides[1]
 
 
@@ -306,7 +306,8 @@ def _per_sequence(name: str, value, problem: Problem, device: torch.device,
     if value is None:
         return None
     top = INT32_MAX if largest is None else largest
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
+        value = check_int(name, value)
         if value < 0 or (largest is not None and value > largest):
             raise ValueError(f"{name}: got {value}; must be in [0, {top}]")
         return torch.full((problem.batch,), min(value, top), dtype=torch.int32, device=device)

@@ -207,9 +207,9 @@ def dropout_keep_mask(batch: int, heads: int, max_q: int, max_k: int, dropout_p:
         TypeError / ValueError: a size, ``seed`` or ``offset`` is not a non-negative int (seed and
         offset below 2**64), or ``dropout_p`` is outside ``[0, 1)``.
     """
-    for name, value in (("batch", batch), ("heads", heads), ("max_q", max_q), ("max_k", max_k),
-                        ("seed", seed), ("offset", offset)):
-        check_int(name, value, minimum=0)
+    batch, heads, max_q, max_k, seed, offset = (
+        check_int(name, value, minimum=0) for name, value in (("batch", batch), ("heads", heads), ("max_q", max_q),
+                                                              ("max_k", max_k), ("seed", seed), ("offset", offset)))
     for name, value in (("seed", seed), ("offset", offset)):
         if value >= _U64_LIMIT:
             raise ValueError(f"{name}: got {value}; must be below 2**64")

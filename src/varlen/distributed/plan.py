@@ -67,12 +67,11 @@ def _causal_pairs(start: int, end: int) -> int:
 def make_plan(lengths: list[int], world: int, balance: str = "causal") -> Plan:
     """The plan for sequences of ``lengths`` (ints >= 0) over ``world`` ranks (an int >= 1), balanced as ``balance``
     says (one of ``BALANCES``; see the module docstring). ValueError / TypeError naming the argument otherwise."""
-    check_int("world", world, minimum=1)
+    world = check_int("world", world, minimum=1)
     check_choice("balance", balance, BALANCES)
     if isinstance(lengths, (str, bytes)) or not isinstance(lengths, (list, tuple)):
         raise TypeError(f"lengths: expected a list of ints, got {type(lengths).__name__}")
-    for b, length in enumerate(lengths):
-        check_int(f"lengths[{b}]", length, minimum=0)
+    lengths = [check_int(f"lengths[{b}]", length, minimum=0) for b, length in enumerate(lengths)]
     pieces: list[list[Piece]] = [[] for _ in range(world)]
     if balance == "tokens":
         total = sum(lengths)

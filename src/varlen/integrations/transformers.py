@@ -47,7 +47,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
-from .._checks import check_int, check_probability, check_real, check_tensor, is_integer_dtype
+from .._checks import check_bool, check_int, check_probability, check_real, check_tensor, is_integer_dtype
 from ..attn.api import attention
 from ..flash_attn_interface import flash_attn_varlen_func
 
@@ -79,13 +79,12 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError("s_aux: attention sinks are not supported by the varlen attention implementation")
     if kwargs.get("cache") is not None:
         raise ValueError("cache: paged attention caches are not supported by the varlen attention implementation")
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool or None, got {type(is_causal).__name__}")
+    check_bool("is_causal", is_causal, allow_none=True)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     options = dict(scale=scaling, dropout_p=check_probability("dropout", dropout),
                    softcap=0.0 if softcap is None else check_real("softcap", softcap))
     if sliding_window is not None:  # (0 leaves the keys unbounded, as flash-attn's integration does)
-        check_int("sliding_window", sliding_window, minimum=0)
+        sliding_window = check_int("sliding_window", sliding_window, minimum=0)
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     if attention_mask is not None:
         check_tensor("attention_mask", attention_mask, kind="a torch.Tensor or None")

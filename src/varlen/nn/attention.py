@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from .._checks import check_int, check_probability
+from .._checks import check_bool, check_int, check_probability
 from ..attn.api import attention, parse_window
 from ..ops.rotary import check_rotary_base
 from . import _layout
@@ -55,17 +55,15 @@ class MultiheadAttention(nn.Module):
                  batch_first: bool = True, device=None, dtype=None):
         super().__init__()
         check_batch_first(batch_first)
-        check_int("embed_dim", embed_dim, minimum=1)
-        check_int("num_heads", num_heads, minimum=1)
+        embed_dim = check_int("embed_dim", embed_dim, minimum=1)
+        num_heads = check_int("num_heads", num_heads, minimum=1)
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim: {embed_dim} is not a multiple of num_heads = {num_heads}")
         num_kv_heads = num_heads if num_kv_heads is None else check_int("num_kv_heads", num_kv_heads, minimum=1)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_kv_heads: {num_kv_heads} does not divide num_heads = {num_heads}")
-        if not isinstance(bias, bool):
-            raise TypeError(f"bias: expected a bool, got {type(bias).__name__}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+        check_bool("bias", bias)
+        check_bool("causal", causal)
         parse_window(window)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.batch_first = True  # (torch.nn.TransformerEncoder reads its layers' self_attn.batch_first)

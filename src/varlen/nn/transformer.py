@@ -9,7 +9,7 @@ import numbers
 
 from torch import nn
 
-from .._checks import check_choice, check_int, check_probability
+from .._checks import check_bool, check_choice, check_int, check_probability
 from . import _layout
 from .attention import MultiheadAttention, check_batch_first
 
@@ -54,11 +54,11 @@ class TransformerEncoderLayer(nn.Module):
         super().__init__()
         check_batch_first(batch_first)
         # (Checked here too, under this module's names: the attention would name its own, embed_dim and num_heads.)
-        check_int("d_model", d_model, minimum=1)
-        check_int("nhead", nhead, minimum=1)
+        d_model = check_int("d_model", d_model, minimum=1)
+        nhead = check_int("nhead", nhead, minimum=1)
         if d_model % nhead != 0:
             raise ValueError(f"d_model: {d_model} is not a multiple of nhead = {nhead}")
-        check_int("dim_feedforward", dim_feedforward, minimum=1)
+        dim_feedforward = check_int("dim_feedforward", dim_feedforward, minimum=1)
         dropout = check_probability("dropout", dropout)
         if not isinstance(activation, str):
             raise TypeError(f"activation: expected a name ({', '.join(map(repr, _layout.ACTIVATIONS))}), got "
@@ -67,8 +67,7 @@ class TransformerEncoderLayer(nn.Module):
         if (isinstance(layer_norm_eps, bool) or not isinstance(layer_norm_eps, numbers.Real)
                 or not 0 <= layer_norm_eps < math.inf):
             raise ValueError(f"layer_norm_eps: expected a finite real number >= 0, got {layer_norm_eps!r}")
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first: expected a bool, got {type(norm_first).__name__}")
+        check_bool("norm_first", norm_first)
         check_choice("norm", norm, NORMS)
         factory = dict(device=device, dtype=dtype)
         self.self_attn = MultiheadAttention(d_model, nhead, num_kv_heads=num_kv_heads, bias=bias, dropout=dropout,
@@ -124,8 +123,7 @@ def _check_torch_masks(mask, mask_name: str, key_padding_mask, is_causal, causal
     if key_padding_mask is not None:
         raise ValueError("src_key_padding_mask: not taken by varlen.nn layers; pass the batch as a JaggedTensor "
                          "instead (varlen.JaggedTensor.from_padded(src, lengths)): each sequence keeps its length")
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool or None, got {type(is_causal).__name__}")
+    check_bool("is_causal", is_causal, allow_none=True)
     if is_causal and not causal:
         raise ValueError("is_causal: True, but the layer was built with causal=False; build it with causal=True")
 
@@ -150,13 +148,12 @@ class TransformerEncoder(nn.Module):
         if not isinstance(encoder_layer, TransformerEncoderLayer):
             raise TypeError(f"encoder_layer: expected a varlen.nn.TransformerEncoderLayer, got "
                             f"{type(encoder_layer).__name__}")
-        check_int("num_layers", num_layers, minimum=1)
+        num_layers = check_int("num_layers", num_layers, minimum=1)
         if norm is not None and not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
             raise TypeError(f"norm: expected a torch.nn.LayerNorm, a torch.nn.RMSNorm or None, got "
                             f"{type(norm).__name__}")
-        for name, flag in (("enable_nested_tensor", enable_nested_tensor), ("mask_check", mask_check)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        check_bool("enable_nested_tensor", enable_nested_tensor)
+        check_bool("mask_check", mask_check)
         self.layers = nn.ModuleList(copy.deepcopy(encoder_layer) for _ in range(num_layers))
         self.num_layers = num_layers
         self.norm = norm

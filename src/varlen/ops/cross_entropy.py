@@ -21,7 +21,15 @@ from torch import Tensor
 
 from .. import capabilities
 from .._backend import refuse_double_backward, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_choice, check_dtype, checks_metadata, is_integer_dtype
+from .._checks import (
+    FLOAT_DTYPES,
+    accumulate_dtype,
+    check_choice,
+    check_dtype,
+    check_int,
+    checks_metadata,
+    is_integer_dtype,
+)
 from .._kernel_math import add_to_max_sum, exp, lowest_like, reduce_max_sum
 from .._launch import fast_launch
 from .._triton import tl, triton
@@ -225,8 +233,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, ignore_index: int = -100, 
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     check_dtype("logits", logits, FLOAT_DTYPES)
     _check_target_dtype(targets)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    ignore_index = check_int("ignore_index", ignore_index)
     if not -(2 ** 63) <= ignore_index < 2 ** 63:
         raise ValueError(f"ignore_index: expected an int64 value, got {ignore_index}")
     check_choice("reduction", reduction, REDUCTIONS)

@@ -24,26 +24,28 @@ from .._checks import (
     FLOAT_DTYPES,
     accumulate_dtype,
     check_dtype,
+    check_int,
     check_real,
     check_same_device,
     check_same_dtype,
     check_tensor,
+    is_int,
 )
 from ..jagged import JaggedTensor, as_jagged
 from ._norm_kernels import NormRows, max_cols
 
 
 def _normalized_shape(normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+    if is_int(normalized_shape):
         normalized_shape = (normalized_shape,)
     if isinstance(normalized_shape, torch.Size):
         normalized_shape = tuple(normalized_shape)
     if (not isinstance(normalized_shape, Sequence)
-            or not all(isinstance(n, int) and not isinstance(n, bool) for n in normalized_shape)):
+            or not all(is_int(n) for n in normalized_shape)):
         raise TypeError(f"normalized_shape: expected an int or a sequence of ints, got {normalized_shape!r}")
     if len(normalized_shape) == 0:
         raise ValueError("normalized_shape: expected at least one dim, got ()")
-    return tuple(normalized_shape)
+    return tuple(check_int("normalized_shape", n) for n in normalized_shape)
 
 
 def _check_affine(name: str, t, shape: tuple[int, ...], x: JaggedTensor) -> None:

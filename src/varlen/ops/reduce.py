@@ -22,7 +22,16 @@ from torch import Tensor
 
 from .. import _amp, capabilities
 from .._backend import gradient_op, through_custom_op
-from .._checks import FLOAT_DTYPES, accumulate_dtype, check_dtype, check_int, check_rows, normalize_dim
+from .._checks import (
+    FLOAT_DTYPES,
+    accumulate_dtype,
+    check_bool,
+    check_dtype,
+    check_int,
+    check_rows,
+    is_int,
+    normalize_dim,
+)
 from .._launch import fast_launch
 from .._triton import tl, triton
 from ..jagged import JaggedTensor, as_jagged
@@ -289,7 +298,7 @@ class _BroadcastRows(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------- public
 def _reduce_dims(x: JaggedTensor, dim) -> tuple[bool, list[int]]:
     """(whether the ragged dim is reduced, the inner dims reduced as dims of ``values``)."""
-    dims = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else dim
+    dims = (dim,) if is_int(dim) else dim
     if not isinstance(dims, (tuple, list)) or len(dims) == 0:
         raise TypeError(f"dim: expected an int or a non-empty tuple of ints, got {dim!r}")
     normalized = [normalize_dim("dim", check_int("dim", d), x.dim()) for d in dims]
@@ -305,8 +314,7 @@ def _reduce_dims(x: JaggedTensor, dim) -> tuple[bool, list[int]]:
 def _reduce(x, dim, keepdim: bool, mean: bool, backend: str | None):
     x = as_jagged(x, "x")
     check_dtype("x.values", x.values, FLOAT_DTYPES)
-    if not isinstance(keepdim, bool):
-        raise TypeError(f"keepdim: expected a bool, got {type(keepdim).__name__} {keepdim!r}")
+    check_bool("keepdim", keepdim)
     ragged, inner = _reduce_dims(x, dim)
     values = x.values
     if not ragged:

@@ -243,7 +243,7 @@ def select(x: JaggedTensor | torch.Tensor, dim: int, index: int, *, fill_value: 
     """
     x = as_jagged(x, "x")
     d = normalize_dim("dim", dim, x.dim())
-    check_int("index", index)
+    index = check_int("index", index)
     if fill_value is not None:
         if isinstance(fill_value, bool) or not isinstance(fill_value, numbers.Real):
             raise TypeError(f"fill_value: expected a real number or None, got {type(fill_value).__name__} "
