@@ -512,7 +512,7 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (16,), (20,), (40,)], ids=str)
 @pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
     """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements (at 40
     columns a block of 64, held in shared memory on sm_90: TMA fills the missing columns with zeros); the narrow
