@@ -4,6 +4,7 @@ against the whole batch in one process (tests/distributed_worker.py)."""
 import re
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -81,6 +82,7 @@ def test_head_chunks():
     assert head_chunks_for(1, 2, 0.0, None) == 1
     assert head_chunks_for(32, 2, 0.1, None) == 1  # dropout's mask is keyed on the head index in the call
     assert head_chunks_for(6, 2, 0.0, 3) == 3
+    assert type(head_chunks_for(6, 2, 0.0, np.int64(3))) is int  # (as torch takes numpy's ints)
     with pytest.raises(ValueError, match="head_chunks: got 4; it must divide the 6 kv heads"):
         head_chunks_for(6, 2, 0.0, 4)
     with pytest.raises(ValueError, match="head_chunks: got 2 with dropout_p=0.1"):

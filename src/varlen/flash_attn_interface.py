@@ -52,6 +52,7 @@ from ._checks import (
     check_scale,
     check_tensor,
     host_int,
+    is_int,
     is_integer_dtype,
 )
 from .attn.api import attention
@@ -206,8 +207,7 @@ def _window(window_size) -> tuple[int | None, int | None]:
             raise ValueError(f"window_size: expected (left, right) ints or a tensor of shape (2,), got a tensor of "
                              f"shape {tuple(window_size.shape)}")
         window_size = window_size.tolist()  # read on the host (a device-to-host copy on a GPU)
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(
-            isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in window_size):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(is_int(s) for s in window_size):
         raise ValueError(f"window_size: expected (left, right) ints, -1 for unbounded; got {window_size!r}")
     return tuple(None if s < 0 else int(s) for s in window_size)
 

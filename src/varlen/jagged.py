@@ -9,7 +9,6 @@ to size its launch grid.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -23,6 +22,7 @@ from ._checks import (
     check_real,
     check_tensor,
     checks_metadata,
+    is_int,
 )
 from .offsets import check_offsets, check_offsets_tensor, read_on_host, segment_ids
 from .padding import jagged_to_padded, padded_to_jagged
@@ -231,7 +231,7 @@ class JaggedTensor:
                                 f"{type(lengths).__name__}")
             lengths = list(lengths)
             for b, n in enumerate(lengths):
-                if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                if not is_int(n):
                     raise TypeError(f"lengths: expected ints, got lengths[{b}] = {n!r}")
             host = torch.as_tensor(lengths, dtype=torch.int64)
             if host.shape != (B,):

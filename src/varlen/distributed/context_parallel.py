@@ -20,7 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 from .. import _amp
 from .._backend import refuse_double_backward
-from .._checks import accumulate_dtype, check_choice, check_tensor
+from .._checks import accumulate_dtype, check_choice, check_int, check_tensor, is_int, type_name
 from ..attn import api, function
 from ..attn.options import AttentionOptions
 from ..jagged import JaggedTensor
@@ -203,8 +203,9 @@ def head_chunks_for(kv_heads: int, world: int, dropout_p: float, requested: int 
     is keyed on the head's index inside the call.
     """
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int):
-            raise TypeError(f"head_chunks: expected an int or None, got {type(requested).__name__}")
+        if not is_int(requested):
+            raise TypeError(f"head_chunks: expected an int or None, got {type_name(requested)}")
+        requested = check_int("head_chunks", requested)
         if requested < 1 or kv_heads % requested:
             raise ValueError(f"head_chunks: got {requested}; it must divide the {kv_heads} kv heads")
         if requested > 1 and dropout_p > 0:
