@@ -533,9 +533,9 @@ def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
                          ids=["128x1", "256x1"])
 def test_gpu_16_bit_backward_one_value_per_thread(plan, device, poison_empty):
     """The 16-bit cooperative backward's tile held as 16-bit values, at one column: one or two values per thread
-    (the automatic plan's tiles hold more since the narrow tiles; the kernel still takes these). 8448 rows: 66 tiles of
-    128, as many as an H100's or H200's bound allows."""
-    lengths = [0, 8448, 5, 3000]
+    (the automatic plan's tiles hold more since the narrow tiles; the kernel still takes these). The longest sequence
+    has as many tiles of 128 rows as this GPU's bound allows (66 on an H100 or H200)."""
+    lengths = [0, softmax_ops.cooperative_max_chunks(device) * 128, 5, 3000]
     x = random_jagged(lengths, (1,), dtype=torch.bfloat16, device=device)
     y = softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len)
     g = torch.randn_like(y)

@@ -82,7 +82,7 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         i = torch.arange(Lq, device=qb.device).view(-1, 1)
         j = torch.arange(Lk, device=qb.device).view(1, -1)
         if query_offset is not None:
-            shift = int(query_offset if isinstance(query_offset, int) else query_offset[b])
+            shift = int(query_offset[b] if isinstance(query_offset, torch.Tensor) else query_offset)
         else:
             shift = Lk - Lq if align == "bottom_right" else 0
         if bias is not None:
@@ -99,7 +99,7 @@ def attention_reference(q, k, v, *, causal: bool = False, window: tuple[int | No
         if right is not None and right >= 0:
             visible &= j <= i + shift + right
         if prefix_len is not None:
-            visible |= j < int(prefix_len if isinstance(prefix_len, int) else prefix_len[b])
+            visible |= j < int(prefix_len[b] if isinstance(prefix_len, torch.Tensor) else prefix_len)
         if document_ids is not None:
             # A document is a run of equal ids: number the runs along the row.
             ids = document_ids[b]

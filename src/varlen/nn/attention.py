@@ -65,6 +65,8 @@ class MultiheadAttention(nn.Module):
         check_bool("bias", bias)
         check_bool("causal", causal)
         parse_window(window)
+        if window is not None:  # (numpy's ints as Python's: a compiled forward reads them)
+            window = tuple(None if side is None else int(side) for side in window)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.batch_first = True  # (torch.nn.TransformerEncoder reads its layers' self_attn.batch_first)
         self.head_dim = embed_dim // num_heads

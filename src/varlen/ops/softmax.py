@@ -494,16 +494,17 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
                       shared: bool) -> SoftmaxPlan | None:
     """Blocks of 64 columns, 4 warps (2 in the first shared tier), where a sequence's tiles fit
     :func:`cooperative_max_chunks`: float32 tiles holding 64 KiB of input (32 columns and twice the rows past
-    :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of
-    ``HELD_16_BLOCK_T`` rows (twice that where those would pass the bound); the 16-bit forward's chunks of
-    ``REREAD_CHUNK_ROWS`` rows read twice in tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns
-    keep the elements per tile), or, where ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns,
-    its chunks held in shared memory (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, 1-4 in the 32- and
-    64-bit forward) hold tiles of up to :data:`NARROW_BLOCK_T` rows instead (:data:`NARROW_TILE_ELEMS`). None off
-    the GPU or under the interpreter (whose programs run one at a time: a wait would never end). H100, % of copy
-    bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%, float32 86% vs 60%. The
-    16-bit forward held in registers ran at 53% at best (16K elements per tile), below split's 56%; read twice, 63%
-    (its loops pipelined, the re-read last tile first); held in shared memory, 78-79% (bench/NOTES.md)."""
+    :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of ``HELD_16_BLOCK_T`` rows (twice that
+    where those would pass the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles
+    of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile), or, where
+    ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns, its chunks held in shared memory
+    (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, 1-4 in the 32- and 64-bit forward) hold tiles of
+    :data:`NARROW_TILE_ELEMS` or :data:`NARROW_TILE_ELEMS_32` elements instead, at most :data:`NARROW_BLOCK_T` rows,
+    8 warps from 4,096 elements. None off the GPU or under the interpreter (whose programs run one at a time: a wait
+    would never end). H100, % of copy bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78%
+    vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K elements per tile), below
+    split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first); held in shared memory, 78-79%
+    (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
