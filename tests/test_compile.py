@@ -275,6 +275,18 @@ def test_a_changing_scale_keeps_one_graph():
         assert_close(compiled(x, scale), varlen.attention(x, x, x, scale=scale).values)
 
 
+@pytest.mark.parametrize("name", ["sum", "sum over two dims", "inner sum", "softmax", "select"])
+def test_dims_as_dynamic_int_arguments_keep_one_graph(name):
+    """A dim passed as an int argument of a function compiled with dynamic shapes is symbolic; the ops take it as a
+    constant (the graph guards on it). Sets, sorts and `in` over symbolic dims failed the sum's fullgraph trace."""
+    fns = {"sum": lambda x, d: varlen.sum(x, d), "sum over two dims": lambda x, d: varlen.sum(x, (d, d + 1)),
+           "inner sum": lambda x, d: varlen.sum(x, d + 1).values, "softmax": lambda x, d: varlen.softmax(x, d).values,
+           "select": lambda x, d: varlen.select(x, d, -1, fill_value=0.0)}
+    compiled = torch.compile(fns[name], fullgraph=True, backend="aot_eager", dynamic=True)
+    x = random_jagged([3, 0, 5], (4, 2), device=DEVICE)
+    assert_close(compiled(x, 1), fns[name](x, 1))
+
+
 # ------------------------------------------------------------------------------- dropout compiled
 def test_compiled_dropout_backward_replays_the_forward_mask():
     """out = A v for the dropped attention matrix A, so <out, dout> = <v, dv> exactly when the backward

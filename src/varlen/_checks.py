@@ -219,4 +219,8 @@ def normalize_dim(name: str, dim: int, ndim: int) -> int:
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}: {dim} is out of range for a tensor of {ndim} dims "
                          f"(allowed: {-ndim} to {ndim - 1})")
-    return dim % ndim
+    # A Python int even where dim is symbolic (an int argument of a function compiled with dynamic shapes): the dim
+    # picks the computation, so a graph takes it as a constant (each comparison guards), and sets, sorts and `in` over
+    # symbolic dims failed a fullgraph trace.
+    dim %= ndim
+    return next(constant for constant in range(ndim) if dim == constant)
