@@ -39,6 +39,15 @@ def test_check_bool_names_numpy_bools():
         _checks.check_bool("flag", 1, allow_none=True)
 
 
+def test_other_checks_name_qualified_types():
+    with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor, got numpy\.ndarray$"):
+        _checks.check_tensor("x", np.zeros(3))
+    with pytest.raises(TypeError, match=r"^s: expected a real number, got str '1'$"):
+        _checks.check_real("s", "1")
+    with pytest.raises(TypeError, match=r"^g: expected a torch.Generator or None, got numpy\.random\..*Generator$"):
+        _checks.check_generator("g", np.random.default_rng(0))
+
+
 def test_public_functions_take_numpy_ints():
     """Each integer argument given as a numpy int gives what the Python int gives (and is stored as a Python int)."""
     x = random_jagged([3, 0, 5], (2, 4))

@@ -70,9 +70,16 @@ def _names(items: Iterable) -> str:
     return ", ".join(str(i).replace("torch.", "") for i in items)
 
 
+def type_name(value) -> str:
+    """``value``'s type as an error names it: ``int``, ``numpy.bool``, ``torch.Tensor`` (a bare ``bool`` would not tell
+    numpy's bool from Python's)."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def check_tensor(name: str, value, *, kind: str = "a torch.Tensor") -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected {kind}, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected {kind}, got {type_name(value)}")
     return value
 
 
@@ -121,13 +128,6 @@ def check_choice(name: str, value, allowed: Iterable) -> None:
         raise ValueError(f"{name}: got {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
 
 
-def type_name(value) -> str:
-    """``value``'s type as an error names it: ``int``, ``numpy.bool``, ``torch.Tensor`` (a bare ``bool`` would not tell
-    numpy's bool from Python's)."""
-    kind = type(value)
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
 def check_bool(name: str, value, *, allow_none: bool = False) -> bool | None:
     """A Python bool (or None where ``allow_none``), returned as is; TypeError naming the argument and the type it got
     otherwise. As torch's own flags, numpy's bool is refused."""
@@ -160,7 +160,7 @@ def check_int(name: str, value, *, minimum: int | None = None) -> int:
 def check_real(name: str, value) -> float:
     """A real number (not a bool), returned as a float; TypeError naming the argument otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected a real number, got {type_name(value)} {value!r}")
     return float(value)
 
 
@@ -194,7 +194,7 @@ def check_probability(name: str, value) -> float:
 
 def check_generator(name: str, value) -> None:
     if value is not None and not isinstance(value, torch.Generator):
-        raise TypeError(f"{name}: expected a torch.Generator or None, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a torch.Generator or None, got {type_name(value)}")
 
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:
