@@ -149,7 +149,7 @@ def _check_heads(hq: int, hk: int, hv: int, enable_gqa: bool) -> None:
                          "empty result for 0; varlen refuses it)")
     if hk != hv:
         raise ValueError(f"key, value: {hk} and {hv} heads; key and value must have the same number of heads")
-    if hq == hk or hk == 1 or (enable_gqa and hk > 0 and hq % hk == 0):
+    if hq == hk or hk == 1 or (enable_gqa and hq % hk == 0):
         return
     if enable_gqa:
         raise ValueError(f"query: {hq} heads are not a multiple of key/value's {hk} heads (enable_gqa=True "

@@ -17,6 +17,7 @@ from .._checks import (
     FLOAT_DTYPES,
     accumulate_dtype,
     check_dtype,
+    check_ndim,
     check_same_device,
     check_same_dtype,
 )
@@ -88,8 +89,7 @@ def forward_operands(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, alibi
     dense = problem.dense
     ndim, layout = (4, "(batch, seq, heads, dim)") if dense else (3, "(rows, heads, dim): jagged values")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != ndim:
-            raise ValueError(f"{name}: expected {ndim} dims {layout}, got shape {tuple(t.shape)}")
+        check_ndim(name, t, ndim, layout)
         check_dtype(name, t, FLOAT_DTYPES)
     check_same_dtype([("q", q), ("k", k), ("v", v)])
     tensors = [("q", q), ("k", k), ("v", v), ("bias", bias), ("alibi", alibi), ("cu_q", problem.cu_q),
