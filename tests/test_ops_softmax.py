@@ -166,15 +166,14 @@ def test_automatic_plan_choice(device):
 
 def test_gpu_plans_take_a_bounded_number_of_variants_over_any_batch(monkeypatch):
     """A stream of batches compiles a kernel variant per plan it meets: the single tile follows the longest sequence
-    in powers of two (at most 15: 1 to 16,384 rows, float32 at one column), the cooperative and shared-memory plans
-    have at most two tiers and the split and re-reading plans one (the README's bound). The plans of an H100-sized
-    GPU, chosen off the GPU."""
+    in powers of two (at most 13: 1 to 4,096 rows), the cooperative, shared-memory and re-reading plans have at most
+    two tiers and the split plan one (the README's bound). The plans of an H100-sized GPU, chosen off the GPU."""
     monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 132)
     monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: 132)
     monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
     gpu = torch.device("cuda")
     lengths = sorted({n for p in range(18) for n in (2**p - 1, 2**p, 2**p + 1)} | set(range(0, 300, 7)) | {70_000})
-    bounds = {"single": 15, "cooperative": 2, "shared": 2, "reread": 1, "split": 1}
+    bounds = {"single": 13, "cooperative": 2, "shared": 2, "reread": 2, "split": 1}
     for n_cols in (1, 3, 16, 40, 1024):
         for elem_size in (2, 4, 8):
             for inputs, shared in ((1, False), (1, elem_size == 2), (2, False)):
@@ -276,7 +275,7 @@ def test_float32_tiles_at_the_bounds(sms, inputs, monkeypatch):
 
 @pytest.mark.parametrize("sms", [132, 78])
 def test_narrow_cooperative_tiles(sms, monkeypatch):
-    """Blocks of 1-16 columns in the backward and 1-4 in the 32- and 64-bit forward hold tiles of NARROW_TILE_ELEMS
+    """Blocks of 1-16 columns in the backward and one float32 column in the forward hold tiles of NARROW_TILE_ELEMS
     elements (16-bit backward) or NARROW_TILE_ELEMS_32, at most NARROW_BLOCK_T rows, 8 warps from 4,096 elements, while
     a sequence's tiles fit the bound (then split); wider blocks and the 16-bit forward keep their tiles. The plan of a
     GPU with ``sms`` SMs, chosen off the GPU (nothing runs)."""
@@ -288,7 +287,7 @@ def test_narrow_cooperative_tiles(sms, monkeypatch):
     # (columns, element size, inputs): (rows, warps) of the tile
     tiles = {(1, 2, 2): (1024, 4), (4, 2, 2): (1024, 8), (16, 2, 2): (1024, 8), (1, 4, 2): (1024, 4),
              (4, 4, 2): (1024, 8), (8, 4, 2): (512, 8), (16, 4, 2): (256, 8), (16, 8, 2): (256, 8),
-             (1, 4, 1): (1024, 4), (2, 4, 1): (1024, 4), (4, 4, 1): (1024, 8), (4, 8, 1): (1024, 8)}
+             (1, 4, 1): (1024, 4)}
     for (n_cols, elem_size, inputs), (rows, warps) in tiles.items():
         for max_len in (20_000, most * rows, most * rows + 1):
             plan = softmax_ops.softmax_plan(64, max_len, n_cols, elem_size, gpu, inputs=inputs, aligned=False)
@@ -301,8 +300,58 @@ def test_narrow_cooperative_tiles(sms, monkeypatch):
     rows = softmax_ops.HELD_16_BLOCK_T
     assert softmax_ops.softmax_plan(64, most * rows, 32, 2, gpu, inputs=2).block_t == rows
     rows = softmax_ops.COOPERATIVE_TILE_BYTES // (softmax_ops.COOPERATIVE_COLS * 4)
-    assert softmax_ops.softmax_plan(64, most * rows, 8, 4, gpu).block_t == rows
+    assert softmax_ops.softmax_plan(64, most * rows, 32, 4, gpu).block_t == rows
     assert softmax_ops.softmax_plan(64, 20_000, 1, 2, gpu).rereads
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+def test_narrow_32_and_64_bit_forward_reads_chunks_twice(sms, monkeypatch):
+    """The 32- and 64-bit forward's blocks of 2-16 columns (one float64 column too) read chunks of
+    REREAD_NARROW_CHUNK_ELEMS elements twice, in tiles of REREAD_NARROW_TILE_ELEMS and 4 warps; a sequence past the
+    bound's chunks takes chunks of twice the rows, and one past that the split path. One float32 column and 32
+    columns keep their held tiles. The plan of a GPU with ``sms`` SMs, chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: sms)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: sms)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    most = softmax_ops.cooperative_max_chunks(gpu)
+    for n_cols, elem_size in ((2, 4), (3, 4), (4, 4), (8, 4), (16, 4), (1, 8), (2, 8), (4, 8), (16, 8)):
+        block_f = 1 << (n_cols - 1).bit_length()
+        block_t = softmax_ops.REREAD_NARROW_TILE_ELEMS // block_f
+        rows = softmax_ops.REREAD_NARROW_CHUNK_ELEMS // block_f
+        for max_len, chunk_rows in ((4097, rows), (most * rows, rows), (most * rows + 1, 2 * rows),
+                                    (2 * most * rows, 2 * rows), (2 * most * rows + 1, None)):
+            for aligned in (True, False):
+                plan = softmax_ops.softmax_plan(64, max_len, n_cols, elem_size, gpu, aligned=aligned)
+                if chunk_rows is None:
+                    assert not plan.cooperative, (n_cols, elem_size, max_len, plan)
+                    continue
+                assert plan == softmax_ops.SoftmaxPlan(block_t, block_f, chunk_rows, 4, cooperative=True), \
+                    (n_cols, elem_size, max_len, aligned, plan)
+                assert plan.rereads
+    assert not softmax_ops.softmax_plan(64, 20_000, 1, 4, gpu).rereads
+    assert not softmax_ops.softmax_plan(64, 20_000, 32, 4, gpu).rereads
+
+
+@pytest.mark.parametrize("elem_size", [2, 4, 8])
+def test_single_tile_stops_at_4096_rows_on_a_gpu(elem_size, monkeypatch):
+    """On a GPU one tile takes a whole sequence of at most SINGLE_MAX_ROWS rows (one column, forward and backward,
+    every dtype): longer ones go to the cooperative plans, whose programs share the sequence. The interpreter keeps
+    its 64K-element tiles. Plans of an H100-sized GPU, chosen off the GPU (nothing runs)."""
+    monkeypatch.setattr(softmax_ops, "sm_count", lambda device: 132)
+    monkeypatch.setattr(varlen.tiling, "sm_count", lambda device: 132)
+    monkeypatch.setattr(softmax_ops, "interpreter_enabled", lambda: False)
+    gpu = torch.device("cuda")
+    for inputs in (1, 2):
+        for aligned in (True, False):
+            at_most = softmax_ops.softmax_plan(64, softmax_ops.SINGLE_MAX_ROWS, 1, elem_size, gpu, inputs=inputs,
+                                               aligned=aligned)
+            past = softmax_ops.softmax_plan(64, softmax_ops.SINGLE_MAX_ROWS + 1, 1, elem_size, gpu, inputs=inputs,
+                                            aligned=aligned)
+            assert at_most.chunk_rows is None and at_most.block_t == softmax_ops.SINGLE_MAX_ROWS, at_most
+            assert past.cooperative, past
+    cpu = softmax_ops.softmax_plan(64, 8192, 1, elem_size, torch.device("cpu"))
+    assert cpu.chunk_rows is None and cpu.block_t == 8192
 
 
 def test_cooperative_plan_refuses_to_wait_under_the_interpreter(device, monkeypatch):
@@ -511,13 +560,15 @@ def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("inner", [(1,), (2,), (3,), (8,), (16,), (20,), (40,)], ids=str)
-@pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000]], ids=str)
+@pytest.mark.parametrize("lengths", [[0, 9000, 12000, 1], [0, 8448, 5, 3000], [4097, 17, 6000, 0]], ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
     """Fewer columns than a cooperative block: the 16-bit forward's chunks, scaled to keep their elements (at 40
     columns a block of 64, held in shared memory on sm_90: TMA fills the missing columns with zeros); the narrow
     tiles (NARROW_TILE_ELEMS, at most NARROW_BLOCK_T rows) of the backward at 1-16 columns and of the float32
-    forward at 1-4; the tiles of 64-column blocks beyond; rows of 16-byte multiples and not (3, 20, 40 columns)."""
+    forward at one column; the 32- and 64-bit forward's chunks read twice at 2-16 columns (one float64 column); the
+    tiles of 64-column blocks beyond; rows of 16-byte multiples and not (3, 20, 40 columns); sequences just past the
+    single tile's SINGLE_MAX_ROWS."""
     x = random_jagged(lengths, inner, dtype=dtype, device=device, requires_grad=True)
     g = torch.randn_like(x.values)
     y = varlen.softmax(x, 1)
@@ -525,6 +576,22 @@ def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
     ref_y, ref_dx = reference(x.values, lengths, g)
     assert_close(y.values, ref_y, dtype)
     assert_close(x.values.grad, ref_dx, dtype)
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("inner", [(2,), (16,)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_gpu_narrow_forward_chunks_doubled(inner, dtype, device, poison_empty):
+    """The 32- and 64-bit forward's narrow chunks read twice, in their second tier: the longest sequence is one row
+    past this GPU's bound in chunks of REREAD_NARROW_CHUNK_ELEMS elements, so its chunks take twice the rows."""
+    rows = softmax_ops.REREAD_NARROW_CHUNK_ELEMS // inner[0]
+    lengths = [softmax_ops.cooperative_max_chunks(device) * rows + 1, 0, 5, rows + 3]
+    x = random_jagged(lengths, inner, dtype=dtype, device=device)
+    plan = softmax_ops.softmax_plan(len(lengths), x.max_len, inner[0], x.values.element_size(), device,
+                                    aligned=softmax_ops.rows_aligned(x.values))
+    assert plan.rereads and plan.chunk_rows == 2 * rows, plan
+    ref_y, _ = reference(x.values, lengths)
+    assert_close(softmax_ops.softmax_fwd_triton(x.values, x.offsets, x.max_len), ref_y, dtype)
 
 
 @pytest.mark.gpu_only

@@ -11,8 +11,9 @@ rows at 4096 and 256 at 12000; the 16-bit forward's chunks held in shared memory
 columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
 CUDA device, its SM count stood in for). Then the ragged sum's kernels (one chunk per sequence and several) and the
 padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``), and
-whose rows of 3 columns go as flat runs. Last, the softmax's narrow tiles (1-16 columns backward, 1-4 in the 32- and
-64-bit forward) in every float dtype.
+whose rows of 3 columns go as flat runs. Last, the softmax's narrow tiles (1-16 columns backward, one float32 column
+forward) and the 32- and 64-bit forward's narrow chunks read twice (2-16 columns, one float64 column), in every float
+dtype.
 Outputs stay unwritten (nothing is run).
 """
 
@@ -33,8 +34,10 @@ varlen.tiling.sm_count = softmax.sm_count = lambda device: 132
 softmax_gluon.applies = lambda x: x.dtype in (torch.float16, torch.bfloat16) and x.shape[1] % 8 == 0  # (CPU tensors)
 # The benchmark's width, and narrow ones (blocks of fewer than 64 columns, whose tiles scale their rows).
 WIDTHS = (1024, 40, 3, 1)
-# The softmax's narrow tiles (softmax.NARROW_BLOCK_T rows at most).
+# The softmax's narrow tiles (softmax.NARROW_BLOCK_T rows at most), and the 32- and 64-bit forward's narrow chunks
+# read twice, in their first and second tiers (16 columns at 40,000 rows take the second).
 NARROW_WIDTHS = (1, 2, 4, 8, 16)
+NARROW_LENGTHS = (12000, 40000)
 
 
 def main():
@@ -77,12 +80,13 @@ def main():
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         for n_cols in NARROW_WIDTHS:
             x = torch.zeros(4096, n_cols, dtype=dtype)
-            fwd = softmax.softmax_plan(2, 12000, n_cols, x.element_size(), GPU, aligned=softmax.rows_aligned(x))
-            bwd = softmax.softmax_plan(2, 12000, n_cols, x.element_size(), GPU, inputs=2,
-                                       aligned=softmax.rows_aligned(x))
-            print(f"{dtype} {n_cols} columns, max_len 12000: {fwd}, {bwd}", flush=True)
-            y = softmax.softmax_fwd_triton(x, offsets, 12000, fwd)
-            softmax.softmax_bwd_triton(y, x, offsets, 12000, bwd)
+            for max_len in NARROW_LENGTHS:
+                fwd = softmax.softmax_plan(2, max_len, n_cols, x.element_size(), GPU, aligned=softmax.rows_aligned(x))
+                bwd = softmax.softmax_plan(2, max_len, n_cols, x.element_size(), GPU, inputs=2,
+                                           aligned=softmax.rows_aligned(x))
+                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {bwd}", flush=True)
+                y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
+                softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
 
 
 if __name__ == "__main__":

@@ -467,20 +467,34 @@ SHARED_TIERS = ((192, 64, 2), (512, 128, 4))
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
 # 64 x 64 60% at 4 warps, 71% at 2; sequences of 4K-16K rows, 256 x 64: 73.5%; bench/NOTES.md).
 HELD_16_BLOCK_T = 128
-# Narrow blocks (a score per head, or one per row): 1-16 columns in the backward, 1-4 in the 32- and 64-bit forward.
+# Narrow blocks (a score per head, or one per row): 1-16 columns in the backward, one float32 column in the forward.
 # They hold tiles of NARROW_TILE_ELEMS elements (16-bit backward) or NARROW_TILE_ELEMS_32 (the others), at most
 # NARROW_BLOCK_T rows, 8 warps from 4,096 elements: the tiles above, sized for 64 columns, leave a narrow tile 128-2,048
 # elements, bound by its program's fixed costs. (The 16-bit forward's chunks, read twice, scale their rows up
 # already.) H200, 2K-40K rows where the plan changed, % of copy, before / after (bench/NOTES.md, "The softmax's narrow
 # rows"): bf16 backward at 1, 2, 4, 8, 16 columns 13-19 / 36-37, 13-41 / 47, 23-50 / 54-56, 36-52 / 64-68, 50-62 /
-# 63-68; float32 forward at 1-4 columns 15-47 / 47-55 (one loss: 4 columns at 40K rows, 51 / 49), backward at 1-16
-# columns 25-76 / 61-77. Measured and left: the float32 forward at 8 columns (512 rows: 42-44 against 52-59), the bf16
-# backward at 32 (512 rows: 65 against 61-66).
+# 63-68; float32 forward at one column 15-44 / 47-52, backward at 1-16 columns 25-76 / 61-77. Measured and left: the
+# bf16 backward at 32 columns (512 rows: 65 against 61-66).
 NARROW_TILE_ELEMS = 16384
 NARROW_TILE_ELEMS_32 = 4096
 NARROW_BACKWARD_COLS = 16
-NARROW_FORWARD_COLS = 4
 NARROW_BLOCK_T = 1024
+# The 32- and 64-bit forward's blocks of 2-16 columns (one float64 column too: rows of at least 8 bytes) read their
+# chunks twice, in tiles of REREAD_NARROW_TILE_ELEMS elements, chunks of REREAD_NARROW_CHUNK_ELEMS, doubled where a
+# sequence's chunks would pass the bound. H200 sweep, % of copy at 4K / 16K / 40K rows, the held tiles
+# (1-4 columns; 256 rows at 8-16, or split past the bound) / these: float32 at 2 columns - / 56 / 54 against - / 60 /
+# 61, 4: 51 / 54 / 49 against 61 / 59 / 58, 8: 59 / 53 / 51 against 66 / 64 / 61, 16: 64 / 56 / 50 against 64 / 61 /
+# 57; float64 at 16K rows, 1, 2, 4 columns: 40, 44, 34 against 50, 55, 57. One float32 column read twice lost (27-41
+# against 47-53 held), as did 32 columns at 4K rows (64 against 67); tiles of 2,048 elements were within 3 points
+# (bench/NOTES.md, "The float32 forward's narrow chunks read twice").
+REREAD_NARROW_COLS = 16
+REREAD_NARROW_TILE_ELEMS = 1024
+REREAD_NARROW_CHUNK_ELEMS = 8192
+# The single tile's most rows on the GPU: one program per sequence of 8K-16K rows (one or two columns) ran at half
+# the cooperative plans' rate. H200, one column at 8,192 rows, % of copy, the single tile / the cooperative plan:
+# bf16 forward 24.7 / 42.1, backward 35.0 / 38.8, float32 45.3 / 53.3 and 62.9 / 64.6, float64 forward 21.2 / 48.1;
+# one loss, the float64 backward (87.0 / 81.3). At 4,096 rows the single tile wins (bf16 forward 39.2 against 37.4).
+SINGLE_MAX_ROWS = 4096
 
 
 def cooperative_max_chunks(device: torch.device) -> int:
@@ -498,13 +512,15 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
     where those would pass the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles
     of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile), or, where
     ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns, its chunks held in shared memory
-    (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, 1-4 in the 32- and 64-bit forward) hold tiles of
+    (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, one float32 column forward) hold tiles of
     :data:`NARROW_TILE_ELEMS` or :data:`NARROW_TILE_ELEMS_32` elements instead, at most :data:`NARROW_BLOCK_T` rows,
-    8 warps from 4,096 elements. None off the GPU or under the interpreter (whose programs run one at a time: a wait
-    would never end). H100, % of copy bandwidth against the split path: float32 forward 83% vs 62%, backward bf16 78%
-    vs 58%, float32 86% vs 60%. The 16-bit forward held in registers ran at 53% at best (16K elements per tile), below
-    split's 56%; read twice, 63% (its loops pipelined, the re-read last tile first); held in shared memory, 78-79%
-    (bench/NOTES.md)."""
+    8 warps from 4,096 elements; the 32- and 64-bit forward's blocks of 2-16 columns (or one float64 column) read
+    chunks of :data:`REREAD_NARROW_CHUNK_ELEMS` elements twice in tiles of :data:`REREAD_NARROW_TILE_ELEMS` (the
+    chunks doubled where a sequence's would pass the bound). None off the GPU or under the
+    interpreter (whose programs run one at a time: a wait would never end). H100, % of copy bandwidth against the
+    split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%, float32 86% vs 60%. The 16-bit forward held in
+    registers ran at 53% at best (16K elements per tile), below split's 56%; read twice, 63% (its loops pipelined, the
+    re-read last tile first); held in shared memory, 78-79% (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
@@ -516,7 +532,11 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
     if inputs == 1 and elem_size < 4:
         wider = COOPERATIVE_COLS // block_f
         block_t, chunk_rows = REREAD_BLOCK_T * wider, REREAD_CHUNK_ROWS * wider
-    elif block_f <= (NARROW_BACKWARD_COLS if inputs == 2 else NARROW_FORWARD_COLS):
+    elif inputs == 1 and block_f <= REREAD_NARROW_COLS and block_f * elem_size >= 8:
+        block_t, chunk_rows = REREAD_NARROW_TILE_ELEMS // block_f, REREAD_NARROW_CHUNK_ELEMS // block_f
+        if cdiv(max_len, chunk_rows) > cooperative_max_chunks(device):
+            chunk_rows *= 2  # (a second tier: at most two variants of the kernel per width, as the held tiles')
+    elif block_f <= (NARROW_BACKWARD_COLS if inputs == 2 else 1):
         narrow = True
         elems = NARROW_TILE_ELEMS if elem_size < 4 else NARROW_TILE_ELEMS_32
         block_t = chunk_rows = min(NARROW_BLOCK_T, elems // block_f)
@@ -540,7 +560,8 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`; ``aligned``: whether every row of
     the inputs and output starts a multiple of 16 elements from the last, :func:`rows_aligned`): ``single`` when a
     sequence fits one tile with every column or with rows of at least :data:`SINGLE_MIN_ROW_BYTES` per input (on a
-    GPU: a tile of :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`; rows not ``aligned``:
+    GPU: a tile of :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`, of at most
+    :data:`SINGLE_MAX_ROWS` rows; rows not ``aligned``:
     8K elements and :data:`UNALIGNED_MIN_ROW_BYTES` over the inputs; not for the 16-bit forward's rows where
     ``shared``, unless the tile holds every column; under the interpreter, whose cost is per program, 64K elements
     and rows of one 32-byte sector over the inputs), else ``cooperative`` where it applies
@@ -554,6 +575,8 @@ def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: 
     full_t = next_power_of_2(max(max_len, 1))
     if not on_gpu:
         budgets = (65536,)
+    elif full_t > SINGLE_MAX_ROWS:
+        budgets = ()
     elif elem_size == 4 and aligned:
         budgets = (SINGLE_TILE_ELEMS, SINGLE_WIDE_TILE_ELEMS)
     else:
