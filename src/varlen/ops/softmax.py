@@ -481,19 +481,19 @@ NARROW_BACKWARD_COLS = 16
 NARROW_BLOCK_T = 1024
 # The 32- and 64-bit forward's blocks of 2-16 columns (one float64 column too: rows of at least 8 bytes) read their
 # chunks twice, in tiles of REREAD_NARROW_TILE_ELEMS elements, chunks of REREAD_NARROW_CHUNK_ELEMS, doubled where a
-# sequence's chunks would pass the bound. H200 sweep, % of copy at 4K / 16K / 40K rows, the held tiles
-# (1-4 columns; 256 rows at 8-16, or split past the bound) / these: float32 at 2 columns - / 56 / 54 against - / 60 /
-# 61, 4: 51 / 54 / 49 against 61 / 59 / 58, 8: 59 / 53 / 51 against 66 / 64 / 61, 16: 64 / 56 / 50 against 64 / 61 /
-# 57; float64 at 16K rows, 1, 2, 4 columns: 40, 44, 34 against 50, 55, 57. One float32 column read twice lost (27-41
-# against 47-53 held), as did 32 columns at 4K rows (64 against 67); tiles of 2,048 elements were within 3 points
-# (bench/NOTES.md, "The float32 forward's narrow chunks read twice").
+# sequence's chunks would pass the bound. H200, % of copy at 2K-40K rows, the plans before (held tiles, or split past
+# the bound) / these: float32 at 2 columns 53-55 / 57-61, 4: 49-54 / 58-61, 8: 51-59 / 62-67, 16: 50-64 / 58-65;
+# float64 at 1-16 columns 19-43 / 43-58. Measured and left: one float32 column read twice (27-43 against 47-53 held),
+# 32 float32 columns (4K rows: 64 against 67 held); tiles of 2,048 elements were within 3 points (bench/NOTES.md,
+# "The 32- and 64-bit softmax forward's narrow chunks read twice, and the single tile's last rows").
 REREAD_NARROW_COLS = 16
 REREAD_NARROW_TILE_ELEMS = 1024
 REREAD_NARROW_CHUNK_ELEMS = 8192
-# The single tile's most rows on the GPU: one program per sequence of 8K-16K rows (one or two columns) ran at half
-# the cooperative plans' rate. H200, one column at 8,192 rows, % of copy, the single tile / the cooperative plan:
-# bf16 forward 24.7 / 42.1, backward 35.0 / 38.8, float32 45.3 / 53.3 and 62.9 / 64.6, float64 forward 21.2 / 48.1;
-# one loss, the float64 backward (87.0 / 81.3). At 4,096 rows the single tile wins (bf16 forward 39.2 against 37.4).
+# The single tile's most rows on the GPU: one program per sequence of 8K-16K rows (one or two columns) ran slower than
+# the cooperative plans. H200, one column at 8,192 rows, % of copy, the single tile / the cooperative plan
+# (bench/NOTES.md, "The 32- and 64-bit softmax forward's narrow chunks read twice, and the single tile's last rows"):
+# bf16 forward 24.2 / 37.5, backward 34.8 / 38.5, float32 44.9 / 53.1 and 62.9 / 64.7, float64 forward 20.6 / 48.0;
+# one loss, the float64 backward (87.2 / 80.9). At 4,096 rows the single tile wins (bf16 forward 39.2 against 37.4).
 SINGLE_MAX_ROWS = 4096
 
 
