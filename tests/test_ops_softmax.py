@@ -578,6 +578,39 @@ def test_gpu_narrow_columns(inner, lengths, dtype, device, poison_empty):
     assert_close(x.values.grad, ref_dx, dtype)
 
 
+# Narrow rows in a wider tensor: (columns, row stride, first column), off 16 bytes and not; the last takes every
+# other column of its 8 (a column stride of 2).
+NARROW_LAYOUTS = [(4, 7, 1), (2, 3, 0), (8, 12, 4), (1, 5, 2), (4, 8, -2)]
+
+
+@pytest.mark.parametrize("layout", NARROW_LAYOUTS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_narrow_forward_chunks_read_twice_from_strided_rows(layout, dtype, device, poison_empty):
+    """The 32- and 64-bit forward's narrow chunks read twice (tiles of REREAD_NARROW_TILE_ELEMS elements) from rows
+    that are a view of a wider tensor, against float64: the automatic plan on the GPU (several chunks a sequence,
+    which wait for each other), and everywhere the plan forced with one chunk a sequence (the interpreter runs one
+    program at a time)."""
+    n_cols, row_stride, first = layout
+    lengths = [0, 1, 17, 9000, 300]
+    if first < 0:  # every other column of a row of 2 * n_cols
+        big = torch.randn(sum(lengths), 2 * n_cols, dtype=dtype, device=device)
+        x = big[:, ::2]
+    else:
+        x = strided_rows(sum(lengths), layout, dtype, device)
+    offsets = varlen.jagged([torch.zeros(n) for n in lengths], device=device).offsets
+    ref_y, _ = reference(x, lengths)
+    block_f = 1 << (n_cols - 1).bit_length()
+    block_t = softmax_ops.REREAD_NARROW_TILE_ELEMS // block_f
+    plans = [softmax_ops.SoftmaxPlan(block_t, block_f, 16384, 4, cooperative=True)]
+    if device.type == "cuda":
+        auto = softmax_ops.softmax_plan(len(lengths), 9000, n_cols, x.element_size(), device,
+                                        aligned=softmax_ops.rows_aligned(x))
+        assert (auto.rereads and auto.block_t == block_t) == (n_cols > 1 or dtype == torch.float64), auto
+        plans.append(None)
+    for plan in plans:
+        assert_close(softmax_ops.softmax_fwd_triton(x, offsets, 9000, plan), ref_y, dtype, name=str(plan))
+
+
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("inner", [(2,), (16,)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
