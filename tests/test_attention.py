@@ -17,7 +17,7 @@ from utils import KERNEL_DEVICE, REL_TOL, assert_close, record_calls, rel_err
 from varlen._amp import float32_matmul_precision
 from varlen._checks import accumulate_dtype
 from varlen._triton import tl, triton
-from varlen.attn import reference, torch_backend
+from varlen.attn import cpu_fused, reference, torch_backend
 from varlen.attn.gluon import backward as gluon_backward
 from varlen.attn.gluon import backward_dq as gluon_backward_dq
 from varlen.attn.gluon import backward_wide as gluon_backward_wide
@@ -311,6 +311,43 @@ def test_cpu_chunked_path_by_length_buckets(case, monkeypatch):
     assert_close(lse, ref_lse, torch.float64, name="lse")
     for name, got, want in zip(("dq", "dk", "dv", "dbias")[:len(grads)], grads, ref_grads, strict=True):
         assert_close(got, want, torch.float64, name=name)
+
+
+# The fused CPU kernel's jagged cases with rows its buckets don't write: a sequence without keys (its output rows stay
+# 0), one without queries (its dk and dv rows stay 0), an empty one; and one whose buckets write every row.
+CPU_FUSED_POISON_CASES = [
+    AttnCase(True, (3, 0, 4, 1, 17), (2, 4, 5, 0, 9), 4, 2, 16, 16),
+    AttnCase(True, (17, 0, 1, 40), None, 4, 2, 40, 40, causal=True),
+    AttnCase(True, (5, 9, 2), None, 2, 1, 8, 8),
+]
+
+
+@pytest.mark.parametrize("case", CPU_FUSED_POISON_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_fused_path_reads_no_unwritten_memory(case, dtype, monkeypatch, poison_empty):
+    """The fused CPU path's results start uninitialized where its buckets write every row, else zeroed: with every
+    allocation poisoned with NaN (conftest.poison_empty), outputs, lse and gradients still match the float64
+    reference, so each row is written (or zeroed) before it is read. The calls take the fused path."""
+    forwards = record_calls(monkeypatch, cpu_fused, "forward")
+    inputs = case.make(dtype, torch.device("cpu"))
+    out, lse, grads = run_attention(case, inputs, "torch")
+    assert len(forwards) == 1
+    _check_against_reference(case, inputs, out, lse, grads, dtype)
+
+
+def test_cpu_fused_plan_writes_every_row_only_where_sequences_tile_the_rows():
+    """Results start uninitialized only where the taken sequences lie end to end over every row: a sequence left out
+    (no keys, or no queries), a row before the first sequence or after the last, or offsets changed in place after
+    their check so that rows of two sequences and rows of none add up to the row count, all keep zeroed results."""
+    t = torch.tensor
+    every = cpu_fused._writes_every_row
+    taken = t([True, True, True])
+    assert every(t([0, 2, 5]), t([2, 3, 3]), taken, 8)
+    assert every(t([0, 2, 2]), t([2, 0, 6]), t([True, False, True]), 8)  # an empty sequence, not taken
+    assert not every(t([0, 2, 5]), t([2, 3, 3]), t([True, False, True]), 8)  # a sequence with rows left out
+    assert not every(t([1, 2, 5]), t([1, 3, 3]), taken, 8)  # a row before the first sequence
+    assert not every(t([0, 2, 5]), t([2, 3, 2]), taken, 8)  # a row after the last
+    assert not every(t([0, 4, 2]), t([4, 0, 4]), t([True, False, True]), 8)  # rows 2-3 twice, 6-7 never
 
 
 def test_cpu_buckets_are_cut_once_per_offsets(monkeypatch):

@@ -5,11 +5,12 @@ run on jagged batches by length buckets.
 take GQA, causal masks (top-left) and a float mask, but only dense ``(B, H, S, D)`` batches with D == Dv.
 A jagged batch is cut into buckets of sequences of similar lengths (sorted, then split where one more
 kernel call costs less than the padding it saves: :func:`length_buckets`); each bucket is gathered into a
-padded ``(n, H, L, D)`` block with a key-padding mask and runs as one call, whose results are copied back
-slot by slot (``index_copy_``; padding slots into a spare row past the last, cut off at the end: no boolean
-masks, concatenations or scatters, which cost ~20% of a small call). On the CPU there is no device
-to wait for, so the host reads the offsets and loops over buckets freely. A plan is built once per
-offsets tensor and reused by every layer's forward and backward of that batch.
+padded ``(n, H, L, D)`` block (``index_select`` on the flat rows) with a key-padding mask and runs as one call,
+whose results are copied back slot by slot (``index_copy_``; padding slots into a spare row past the last, cut off
+at the end: no boolean masks, concatenations or scatters, which cost ~20% of a small call), into results left
+uninitialized where the buckets write every row. On the CPU there is no device to wait for, so the host reads
+the offsets and loops over buckets freely. A plan is built once per offsets tensor and reused by every layer's
+forward and backward of that batch.
 
 What the kernel can't do (dropout, ALiBi, softcap, windows, prefixes, documents, Dv != D, bottom-right
 causal masks between different lengths, a bias on a jagged batch, a bias or lse that needs a gradient, a negative
@@ -79,6 +80,17 @@ class _Bucket:
     key_mask: torch.Tensor | None  # (n, 1, 1, Lk), -inf on padding keys; None where no padding key is seen
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A batch's buckets, and whether they write every row of q's results (out, lse, dq) and of k's (dk, dv): where
+    they do, the results start uninitialized rather than zeroed (rows of sequences left out, or between sequences,
+    keep output 0)."""
+
+    buckets: tuple[_Bucket, ...]
+    writes_every_q_row: bool
+    writes_every_k_row: bool
+
+
 def length_buckets(q_lens: list[int], k_lens: list[int], weight: float,
                    call_cost: float = CALL_COST) -> list[tuple[int, int]]:
     """Split sequences sorted by decreasing q length into ranges ``[i, j)``, each one kernel call on a block
@@ -119,7 +131,7 @@ def bucket_members(problem: Problem, opts: AttentionOptions, q_len: torch.Tensor
 
 
 def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtype,
-                rows: tuple[int, int]) -> tuple[_Bucket, ...]:
+                rows: tuple[int, int]) -> _Plan:
     (cu_q, q_len), (cu_k, k_len) = (sequence_bounds(cu, total, longest) for cu, total, longest in
                                     ((problem.cu_q, rows[0], problem.max_q), (problem.cu_k, rows[1], problem.max_k)))
     # Sequences without a query or without a key are left out: their rows keep output 0 and lse -inf.
@@ -138,7 +150,18 @@ def _build_plan(problem: Problem, opts: AttentionOptions, mask_dtype: torch.dtyp
         q_slots = torch.where(q_valid, q_rows, rows[0]).flatten()
         k_slots = torch.where(k_valid, k_rows, rows[1]).flatten()
         buckets.append(_Bucket(q_rows, k_rows, q_slots, k_slots, key_mask))
-    return tuple(buckets)
+    taken = (q_len > 0) & (k_len > 0)
+    return _Plan(tuple(buckets), _writes_every_row(cu_q, q_len, taken, rows[0]),
+                 _writes_every_row(cu_k, k_len, taken, rows[1]))
+
+
+def _writes_every_row(starts: torch.Tensor, lengths: torch.Tensor, taken: torch.Tensor, total: int) -> bool:
+    """Whether the sequences ``taken`` (a mask) write every one of ``total`` rows: each sequence with rows is taken,
+    and the sequences lie end to end from row 0 to row ``total`` (offsets changed in place after their check, which
+    :func:`sequence_bounds` clamps, can leave rows of no sequence and rows of two)."""
+    ends = starts + lengths
+    return (bool((taken | (lengths == 0)).all()) and int(starts[0]) == 0 and int(ends[-1]) == total
+            and bool((starts[1:] == ends[:-1]).all()))
 
 
 def padded_rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,8 +177,7 @@ def padded_rows(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tens
 _plans = TensorCache(4)
 
 
-def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype,
-          rows: tuple[int, int]) -> tuple[_Bucket, ...]:
+def _plan(problem: Problem, opts: AttentionOptions, dtype: torch.dtype, rows: tuple[int, int]) -> _Plan:
     """The buckets for ``rows`` (q's and k's row counts) of values under the problem's offsets."""
     mask_dtype = _kernel_dtype(dtype)
     extra = (opts.causal, problem.heads, problem.head_dim, mask_dtype, rows, problem.max_q, problem.max_k)
@@ -174,6 +196,19 @@ def _inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(_kernel_dtype(t.dtype)) for t in tensors)
 
 
+def _gather(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``values[rows]`` for ``(n, L)`` rows: a padded ``(n, L, ...)`` block. ``index_select`` on the flat rows, 3-5x
+    faster than advanced indexing on the CPU (2-core x86, torch 2.13: 10-14 against 47 us for 248 rows of 4 x 64
+    float32), and a forward + backward gathers five blocks per bucket."""
+    return values.index_select(0, rows.flatten()).view(*rows.shape, *values.shape[1:])
+
+
+def _results(like: torch.Tensor, rows: int, every_row: bool, *shape: int) -> torch.Tensor:
+    """A result of ``rows`` rows and one spare past them (padding slots write there), zeroed unless the buckets
+    write ``every_row``."""
+    return (like.new_empty if every_row else like.new_zeros)(rows + 1, *shape)
+
+
 # --------------------------------------------------------------------------------------- forward
 def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
     """``(out, lse)`` in the layouts of ``options.py``."""
@@ -182,10 +217,11 @@ def forward(q, k, v, bias, problem: Problem, opts: AttentionOptions):
     plan = _plan(problem, opts, q.dtype, (q.shape[0], k.shape[0]))
     H, Dv, rows = problem.heads, problem.head_dim_v, q.shape[0]
     # One spare row past the last: every slot of a bucket is copied out, padding slots into the spare row.
-    out = q.new_zeros(rows + 1, H, Dv)
+    out = _results(q, rows, plan.writes_every_q_row, H, Dv)
     lse = torch.full((rows + 1, H), float("-inf"), dtype=accumulate_dtype(q.dtype))
-    for bucket in plan:
-        qb, kb, vb = (t[r].transpose(1, 2) for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
+    for bucket in plan.buckets:
+        qb, kb, vb = (_gather(t, r).transpose(1, 2)
+                      for t, r in ((q, bucket.q_rows), (k, bucket.k_rows), (v, bucket.k_rows)))
         o, lse_b = _FORWARD(*_inputs(qb, kb, vb), 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
         out.index_copy_(0, bucket.q_slots, o.transpose(1, 2).reshape(-1, H, Dv).to(out.dtype))
         lse.index_copy_(0, bucket.q_slots, lse_b.transpose(1, 2).reshape(-1, H).to(lse.dtype))
@@ -225,13 +261,14 @@ def backward(dout, q, k, v, out, lse, problem: Problem, opts: AttentionOptions, 
     # zero, so that they add nothing to dk and dv.
     lse_rows = torch.cat([_kernel_lse(lse.t()), lse.new_full((1, lse.shape[0]), float("inf"))])
     # One spare row past the last, as in the forward: padding slots' gradients (zeros) go there.
-    dq, dk, dv = (t.new_zeros(t.shape[0] + 1, *t.shape[1:]) for t in (q, k, v))
-    for bucket in plan:
+    dq = _results(q, q.shape[0], plan.writes_every_q_row, *q.shape[1:])
+    dk, dv = (_results(t, t.shape[0], plan.writes_every_k_row, *t.shape[1:]) for t in (k, v))
+    for bucket in plan.buckets:
         qr, kr = bucket.q_rows, bucket.k_rows
-        lse_b = lse_rows[bucket.q_slots.view(qr.shape)].transpose(1, 2).contiguous()
-        grads = _BACKWARD(*_inputs(dout[qr].transpose(1, 2), q[qr].transpose(1, 2), k[kr].transpose(1, 2),
-                                   v[kr].transpose(1, 2), out[qr].transpose(1, 2)), lse_b, 0.0, opts.causal,
-                          attn_mask=bucket.key_mask, scale=opts.scale)
+        lse_b = _gather(lse_rows, bucket.q_slots.view(qr.shape)).transpose(1, 2).contiguous()
+        grads = _BACKWARD(*_inputs(*(_gather(t, r).transpose(1, 2)
+                                     for t, r in ((dout, qr), (q, qr), (k, kr), (v, kr), (out, qr)))),
+                          lse_b, 0.0, opts.causal, attn_mask=bucket.key_mask, scale=opts.scale)
         for total, grad, slots in zip((dq, dk, dv), grads, (bucket.q_slots, bucket.k_slots, bucket.k_slots),
                                       strict=True):
             total.index_copy_(0, slots, grad.transpose(1, 2).reshape(-1, *total.shape[1:]).to(total.dtype))
