@@ -82,9 +82,8 @@ class _Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """A batch's buckets, and whether they write every row of q's results (out, lse, dq) and of k's (dk, dv): where
-    they do, the results start uninitialized rather than zeroed (rows of sequences left out, or between sequences,
-    keep output 0)."""
+    """A batch's buckets, and whether they write every row of q's results (out, dq) and of k's (dk, dv): where they
+    do, those start uninitialized rather than zeroed (rows of sequences left out, or of no sequence, keep 0)."""
 
     buckets: tuple[_Bucket, ...]
     writes_every_q_row: bool
