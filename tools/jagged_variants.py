@@ -35,7 +35,8 @@ softmax_gluon.applies = lambda x: x.dtype in (torch.float16, torch.bfloat16) and
 # The benchmark's width, and narrow ones (blocks of fewer than 64 columns, whose tiles scale their rows).
 WIDTHS = (1024, 40, 3, 1)
 # The softmax's narrow tiles (softmax.NARROW_BLOCK_T rows at most), and the 32- and 64-bit forward's narrow chunks
-# read twice, in their first and second tiers (16 columns at 40,000 rows take the second).
+# read twice, in their first and second tiers (16 columns at 40,000 rows take the second; main() adds each width's
+# first length past the first tier).
 NARROW_WIDTHS = (1, 2, 4, 8, 16)
 NARROW_LENGTHS = (12000, 40000)
 
@@ -80,7 +81,9 @@ def main():
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         for n_cols in NARROW_WIDTHS:
             x = torch.zeros(4096, n_cols, dtype=dtype)
-            for max_len in NARROW_LENGTHS:
+            # (and one row past the first tier's bound: the forward's narrow chunks read twice, doubled)
+            first_tier = softmax.REREAD_NARROW_CHUNK_ELEMS // (1 << (n_cols - 1).bit_length())
+            for max_len in (*NARROW_LENGTHS, softmax.cooperative_max_chunks(GPU) * first_tier + 1):
                 fwd = softmax.softmax_plan(2, max_len, n_cols, x.element_size(), GPU, aligned=softmax.rows_aligned(x))
                 bwd = softmax.softmax_plan(2, max_len, n_cols, x.element_size(), GPU, inputs=2,
                                            aligned=softmax.rows_aligned(x))

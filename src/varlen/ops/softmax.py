@@ -6,9 +6,9 @@ backward is ``dx = y * (dy - sum_t dy * y)``. Empty sequences produce nothing.
 
 Triton plan (one launch per step for the whole batch; inner dims flattened to F columns):
 
-* ``single``: when the longest sequence fits one tile, one program per (sequence, column block)
-  loads its whole column block once, reduces and writes: x is read once (forward), y and dy once
-  (backward): the minimal traffic.
+* ``single``: when the longest sequence fits one tile (on a GPU, of at most :data:`SINGLE_MAX_ROWS` rows), one
+  program per (sequence, column block) loads its whole column block once, reduces and writes: x is read once
+  (forward), y and dy once (backward): the minimal traffic.
 * ``split``: otherwise each sequence is cut into chunks of rows. A first kernel reduces each
   (sequence, chunk, column block) to partial statistics (online max and sum of exponentials;
   ``sum dy * y`` in backward); a second combines the partials of its sequence and writes its chunk.
@@ -18,11 +18,12 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
 * ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` chunks): one program
   per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
-  writes its chunk. The float32 forward and every backward hold the chunk in registers (one tile; 16-bit
-  inputs as their own 16-bit values), so each input is read once, as ``single``. The 16-bit forward holds
-  its chunk in shared memory on sm_90 (``_softmax_gluon``: TMA loads, a Gluon kernel); elsewhere it reads
-  its chunk again for the write, moments after the first read (held in registers, it ran slower than
-  split: see :func:`_cooperative_plan`).
+  writes its chunk. Every backward, and the 32- and 64-bit forward of 32 or more columns or of one float32
+  column, hold the chunk in registers (one tile; 16-bit inputs as their own 16-bit values), so each input is read
+  once, as ``single``. The 16-bit forward holds its chunk in shared memory on sm_90 (``_softmax_gluon``: TMA loads,
+  a Gluon kernel); elsewhere it reads its chunk again for the write, moments after the first read (held in
+  registers, it ran slower than split), as does the 32- and 64-bit forward of 2-16 columns (one float64 column):
+  see :func:`_cooperative_plan`.
   Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
   another, so the chunks a program waits for are held by programs already running or about to start; it
   never waits for one that can't start while the GPU holds at least as many programs as a sequence has
@@ -494,6 +495,8 @@ REREAD_NARROW_CHUNK_ELEMS = 8192
 # (bench/NOTES.md, "The 32- and 64-bit softmax forward's narrow chunks read twice, and the single tile's last rows"):
 # bf16 forward 24.2 / 37.5, backward 34.8 / 38.5, float32 44.9 / 53.1 and 62.9 / 64.7, float64 forward 20.6 / 48.0;
 # one loss, the float64 backward (87.2 / 80.9). At 4,096 rows the single tile wins (bf16 forward 39.2 against 37.4).
+# (On a GPU of fewer than 16 SMs a one-column backward of up to 8,192 rows can pass the narrow tiles' bound too: it
+# takes the split path there, which reads its inputs twice; not measured on such a GPU.)
 SINGLE_MAX_ROWS = 4096
 
 
