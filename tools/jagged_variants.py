@@ -31,7 +31,8 @@ padding = importlib.import_module("varlen.padding")
 # The plans are chosen for an H100; these tensors are CPU ones.
 GPU = torch.device("cuda")
 varlen.tiling.sm_count = softmax.sm_count = lambda device: 132
-softmax_gluon.applies = lambda x: x.dtype in (torch.float16, torch.bfloat16) and x.shape[1] % 8 == 0  # (CPU tensors)
+softmax_gluon.applies = lambda *xs: all(x.dtype in (torch.float16, torch.bfloat16, torch.float32)  # (CPU tensors)
+                                        and x.shape[1] * x.element_size() % 16 == 0 for x in xs)
 # The benchmark's width, and narrow ones (blocks of fewer than 64 columns, whose tiles scale their rows).
 WIDTHS = (1024, 40, 3, 1)
 # The softmax's narrow tiles (softmax.NARROW_BLOCK_T rows at most), and the 32- and 64-bit forward's narrow chunks
@@ -53,11 +54,16 @@ def main():
                 fwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, shared=softmax_gluon.applies(x),
                                                   aligned=aligned)
                 bwd = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2, aligned=aligned)
-                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {fwd_shared}, {bwd}", flush=True)
+                bwd_shared = softmax.softmax_plan(2, max_len, n_cols, size, GPU, inputs=2,
+                                                  shared=softmax_gluon.applies(x, x), aligned=aligned)
+                print(f"{dtype} {n_cols} columns, max_len {max_len}: {fwd}, {fwd_shared}, {bwd}, {bwd_shared}",
+                      flush=True)
                 y = softmax.softmax_fwd_triton(x, offsets, max_len, fwd)
                 if fwd_shared != fwd:
                     softmax.softmax_fwd_triton(x, offsets, max_len, fwd_shared)
                 softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd)
+                if bwd_shared != bwd:
+                    softmax.softmax_bwd_triton(y, x, offsets, max_len, bwd_shared)
             for max_len in (4, 4096, 70000):
                 # (the launchers' tiles for a GPU: these tensors' own device would give the interpreter's)
                 tiles = reduce_ops._sum_tiles(max_len, n_cols, size, GPU)

@@ -67,3 +67,27 @@ def share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, 
     for c0 in range(slots.shape[0], n_live, slots.shape[0]):
         m, s = merge_max_sum(m, s, *_slice_max_sum(part_max, part_sum, first, c0, n_live, n_cols, cols, col_ok, slots))
     return m, s
+
+
+
+@triton.jit
+def _slice_sum(part, first, c0, n_live, n_cols, cols, col_ok, slots):
+    """The sum per column of chunks ``c0 + slots``' partials (those below ``n_live``), as :func:`_slice_max_sum`."""
+    c = c0 + slots
+    ok = (c < n_live)[:, None] & col_ok[None, :]
+    return tl.sum(tl.load(part + (first + c)[:, None] * n_cols + cols[None, :], mask=ok, other=0.0,
+                          cache_modifier=".cg"), 0)
+
+
+@triton.jit
+def share_sum(dot, part_dot, tickets, b, chunk, group, n_chunks, n_live, n_cols, cols, col_ok, slots):
+    """As :func:`share_max_sum` for one statistic, a sum per column (the backward's ``sum y * dy``): publish this
+    chunk's ``dot`` (``part_dot``: ``(B, n_chunks, n_cols)``), wait for the group, and return the sum of its ``n_live``
+    chunks' partials, added in chunk order, ``len(slots)`` per load."""
+    first = b.to(tl.int64) * n_chunks
+    tl.store(part_dot + (first + chunk) * n_cols + cols, dot, mask=col_ok)
+    wait_for_group(tickets, group, n_live)
+    total = _slice_sum(part_dot, first, 0, n_live, n_cols, cols, col_ok, slots)
+    for c0 in range(slots.shape[0], n_live, slots.shape[0]):
+        total += _slice_sum(part_dot, first, c0, n_live, n_cols, cols, col_ok, slots)
+    return total

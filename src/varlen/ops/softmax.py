@@ -18,12 +18,13 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
 * ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` chunks): one program
   per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
-  writes its chunk. Every backward, and the 32- and 64-bit forward of 32 or more columns or of one float32
-  column, hold the chunk in registers (one tile; 16-bit inputs as their own 16-bit values), so each input is read
-  once, as ``single``. The 16-bit forward holds its chunk in shared memory on sm_90 (``_softmax_gluon``: TMA loads,
-  a Gluon kernel); elsewhere it reads its chunk again for the write, moments after the first read (held in
-  registers, it ran slower than split), as does the 32- and 64-bit forward of 2-16 columns (one float64 column):
-  see :func:`_cooperative_plan`.
+  writes its chunk. On sm_90, blocks of 64 columns of fp16, bf16 and float32 inputs (contiguous rows, TMA-aligned)
+  hold the chunk in shared memory, forward and backward (``_softmax_gluon``: TMA loads, Gluon kernels). Elsewhere
+  every backward, and the 32- and 64-bit forward of 32 or more columns or of one float32 column, hold the chunk in
+  registers (one tile; 16-bit inputs as their own 16-bit values), so each input is read once, as ``single``; the
+  16-bit forward reads its chunk again for the write, moments after the first read (held in registers, it ran slower
+  than split), as does the 32- and 64-bit forward of 2-16 columns (one float64 column): see
+  :func:`_cooperative_plan`.
   Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
   another, so the chunks a program waits for are held by programs already running or about to start; it
   never waits for one that can't start while the GPU holds at least as many programs as a sequence has
@@ -369,7 +370,8 @@ def _softmax_bwd_cooperative_kernel(y, dy, dx, offsets, total, part_dot, tickets
     tl.store(part_dot + (first + chunk) * n_cols + cols, tl.sum(y_held.to(ACC) * g_held.to(ACC), 0)[None, :],
              mask=col_ok)
     wait_for_group(tickets, group, n_live)
-    # The partials of SLICE tiles at once, added in tile order (as _cooperative.share_max_sum).
+    # The partials of SLICE tiles at once, added in tile order (as _cooperative.share_max_sum; the Gluon backward's
+    # _cooperative.share_sum in 1-D: this 2-D form, in the tile's own layout, keeps the narrow tiles' registers).
     dot = tl.zeros([1, BLOCK_F], ACC)
     for c0 in range(0, n_live, SLICE):
         c = (c0 + tl.arange(0, SLICE))[:, None]
@@ -417,7 +419,7 @@ class SoftmaxPlan:
     ``split`` path with chunks of ``chunk_rows`` rows (a multiple of ``block_t``), or with ``cooperative``
     the ``cooperative`` path, one chunk per program: held in registers where ``chunk_rows == block_t``,
     read twice in tiles of ``block_t`` rows where it is a larger multiple (the forward only), or with ``shared``
-    held in shared memory in tiles of ``block_t`` rows (the 16-bit forward's Gluon kernel, ``_softmax_gluon``).
+    held in shared memory in tiles of ``block_t`` rows (the Gluon kernels, ``_softmax_gluon``).
     """
 
     block_t: int
@@ -458,12 +460,23 @@ REREAD_BLOCK_T = 32
 # 3 deep 56.1%, 2 deep lower (bench/NOTES.md). Triton pipelines 64-column blocks of 16-byte-aligned rows only
 # (cp.async copies 4 to 16 bytes): narrower blocks load one tile at a time.
 REREAD_STAGES = 4
-# The 16-bit forward's chunks held in shared memory (_softmax_gluon, sm_90): (rows, rows per tile, warps), the first
-# whose chunks of a sequence fit the bound. H100 sweep (bench/NOTES.md; exponents then in an FMA form 1-1.5 points
-# faster, since dropped for its rounding), % of copy at bench/jagged_ops.py's shape / sequences of 4K-16K rows:
-# 192 x 64 at 2 warps 81.0 / (past the bound), 256 x 64 x 2 80.7 / 76.4, 512 x 128 x 4 80.0 / 78.6, 1024 rows 39-41
-# (one program per SM), against the re-read chunks' 63.2 / 61.8.
-SHARED_TIERS = ((192, 64, 2), (512, 128, 4))
+# Chunks held in shared memory (_softmax_gluon, sm_90), per (inputs, element size): tiers of (rows, rows per tile,
+# columns per block, warps), the first whose chunks of a sequence fit the bound; past the last, the other plans.
+# The 16-bit forward: H100 sweep (bench/NOTES.md; exponents then in an FMA form 1-1.5 points faster, since dropped for
+# its rounding), % of copy at bench/jagged_ops.py's shape / sequences of 4K-16K rows: 192 x 64 at 2 warps 81.0 / (past
+# the bound), 256 x 64 x 2 80.7 / 76.4, 512 x 128 x 4 80.0 / 78.6, 1024 rows 39-41 (one program per SM), against the
+# re-read chunks' 63.2 / 61.8; on an H200 no block of 128 columns beat it (44-65 against 59-68). The float32 forward and
+# both backwards: H200 sweep (bench/NOTES.md, "The softmax backward held in shared memory"), % of copy at that shape /
+# 16 sequences of 4K-8K rows / 128 of 128-2048, against the registers' tiles: float32 forward 192 x 64 in blocks of 32
+# columns, 2 warps, 78.2 / 77.2 / 80.6 against 68.9 / 67.6 / 70.2; 16-bit backward 128 x 64 x 2, 64 columns, 74.8 /
+# 75.1 / 77.1 (bf16) against 67.4 / 67.9 / 68.9; float32 backward 128 x 32 x 2, 64 columns, 82.7 / 81.2 / 85.1
+# against 74.0 / 77.2 / 76.0.
+SHARED_TIERS = {(1, 2): ((192, 64, 64, 2), (512, 128, 64, 4)), (1, 4): ((192, 64, 32, 2),),
+                (2, 2): ((128, 64, 64, 2),), (2, 4): ((128, 32, 64, 2),)}
+# The fewest columns for which a block is held in shared memory (else 33: a block of 64 columns): the 16-bit backward
+# at 40 columns ran at 34% of copy there against the registers' 38% (H200, 64 sequences of 128-4096 rows; at 64 and
+# 128 columns 54.7 / 61.6 against 53.4 / 57.6; float32 at 40 columns 49 against 45).
+SHARED_MIN_COLS = {(2, 2): 64}
 # The 16-bit backward holds its tile as the inputs' 16-bit values: 128 rows (32 KiB of input) where a sequence's
 # tiles of 128 rows fit the bound, else 256 (H100 sweep, bench/jagged_ops.py's shape: 128 x 64 78%, 256 x 64 76%,
 # 64 x 64 60% at 4 warps, 71% at 2; sequences of 4K-16K rows, 256 x 64: 73.5%; bench/NOTES.md).
@@ -509,13 +522,14 @@ def cooperative_max_chunks(device: torch.device) -> int:
 
 def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, device: torch.device,
                       shared: bool) -> SoftmaxPlan | None:
-    """Blocks of 64 columns, 4 warps (2 in the first shared tier), where a sequence's tiles fit
-    :func:`cooperative_max_chunks`: float32 tiles holding 64 KiB of input (32 columns and twice the rows past
-    :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of ``HELD_16_BLOCK_T`` rows (twice that
-    where those would pass the bound); the 16-bit forward's chunks of ``REREAD_CHUNK_ROWS`` rows read twice in tiles
-    of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns keep the elements per tile), or, where
-    ``shared`` (the input suits ``_softmax_gluon``) and a block has 64 columns, its chunks held in shared memory
-    (:data:`SHARED_TIERS`). Narrow blocks (1-16 columns backward, one float32 column forward) hold tiles of
+    """Where ``shared`` (the inputs suit ``_softmax_gluon``) and a block has 64 columns (and there are at least
+    :data:`SHARED_MIN_COLS`), chunks held in shared memory (:data:`SHARED_TIERS`, in blocks of the tier's columns)
+    where a sequence's fit :func:`cooperative_max_chunks`.
+    Else blocks of 64 columns, 4 warps, where a sequence's tiles fit the bound: float32 tiles holding 64 KiB of input
+    (32 columns and twice the rows past :data:`FLOAT32_WIDE_TILES` tiles of a sequence); the 16-bit backward's of
+    ``HELD_16_BLOCK_T`` rows (twice that where those would pass the bound); the 16-bit forward's chunks of
+    ``REREAD_CHUNK_ROWS`` rows read twice in tiles of ``REREAD_BLOCK_T`` (both scaled up where fewer than 64 columns
+    keep the elements per tile). Narrow blocks (1-16 columns backward, one float32 column forward) hold tiles of
     :data:`NARROW_TILE_ELEMS` or :data:`NARROW_TILE_ELEMS_32` elements instead, at most :data:`NARROW_BLOCK_T` rows,
     8 warps from 4,096 elements; the 32- and 64-bit forward's blocks of 2-16 columns (or one float64 column) read
     chunks of :data:`REREAD_NARROW_CHUNK_ELEMS` elements twice in tiles of :data:`REREAD_NARROW_TILE_ELEMS` (the
@@ -523,14 +537,15 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
     interpreter (whose programs run one at a time: a wait would never end). H100, % of copy bandwidth against the
     split path: float32 forward 83% vs 62%, backward bf16 78% vs 58%, float32 86% vs 60%. The 16-bit forward held in
     registers ran at 53% at best (16K elements per tile), below split's 56%; read twice, 63% (its loops pipelined, the
-    re-read last tile first); held in shared memory, 78-79% (bench/NOTES.md)."""
+    re-read last tile first); held in shared memory, 78-79%. H200, held in shared memory against registers: the
+    float32 forward 78% vs 69%, backward bf16 75% vs 67%, float32 83% vs 74% (bench/NOTES.md)."""
     if device.type != "cuda" or interpreter_enabled():
         return None
     block_f = min(next_power_of_2(n_cols), COOPERATIVE_COLS)
-    if inputs == 1 and elem_size < 4 and shared and block_f == COOPERATIVE_COLS:
-        for chunk_rows, block_t, warps in SHARED_TIERS:
+    if shared and block_f == COOPERATIVE_COLS and n_cols >= SHARED_MIN_COLS.get((inputs, elem_size), 0):
+        for chunk_rows, block_t, cols, warps in SHARED_TIERS.get((inputs, elem_size), ()):
             if cdiv(max_len, chunk_rows) <= cooperative_max_chunks(device):
-                return SoftmaxPlan(block_t, block_f, chunk_rows, warps, cooperative=True, shared=True)
+                return SoftmaxPlan(block_t, cols, chunk_rows, warps, cooperative=True, shared=True)
     narrow = False
     if inputs == 1 and elem_size < 4:
         wider = COOPERATIVE_COLS // block_f
@@ -560,7 +575,7 @@ def _cooperative_plan(max_len: int, n_cols: int, elem_size: int, inputs: int, de
 def softmax_plan(batch: int, max_len: int, n_cols: int, elem_size: int, device: torch.device,
                  inputs: int = 1, shared: bool = False, aligned: bool = True) -> SoftmaxPlan:
     """The plan for these sizes (``inputs``: tensors read per element, 1 forward, 2 backward; ``shared``: whether
-    ``_softmax_gluon`` takes the forward's input, :func:`_softmax_gluon.applies`; ``aligned``: whether every row of
+    ``_softmax_gluon`` takes the inputs, :func:`_softmax_gluon.applies`; ``aligned``: whether every row of
     the inputs and output starts a multiple of 16 elements from the last, :func:`rows_aligned`): ``single`` when a
     sequence fits one tile with every column or with rows of at least :data:`SINGLE_MIN_ROW_BYTES` per input (on a
     GPU: a tile of :data:`SINGLE_TILE_ELEMS`, or for float32 :data:`SINGLE_WIDE_TILE_ELEMS`, of at most
@@ -685,11 +700,11 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if dx.numel() == 0:
         return dx
     plan = plan or softmax_plan(batch, max_len, n_cols, y.element_size(), y.device, inputs=2,
-                                aligned=rows_aligned(y, dy, dx))
-    if plan.rereads or plan.shared:
+                                shared=_softmax_gluon.applies(y, dy), aligned=rows_aligned(y, dy, dx))
+    if plan.rereads:
         raise ValueError(f"plan: the cooperative backward holds its chunk in one tile of registers (chunk_rows == "
-                         f"block_t, not shared); got chunk_rows {plan.chunk_rows}, block_t {plan.block_t}, shared "
-                         f"{plan.shared}")
+                         f"block_t) or in shared memory (shared=True), not read twice; got chunk_rows "
+                         f"{plan.chunk_rows}, block_t {plan.block_t}")
     n_col_tiles, n_chunks, n_programs = _launch_shape(plan, batch, max_len, n_cols, y.device)
     acc = acc_type(y.dtype)
     tiles = dict(ACC=acc, BLOCK_T=plan.block_t, BLOCK_F=plan.block_f, num_warps=plan.num_warps,
@@ -700,6 +715,10 @@ def softmax_bwd_triton(y: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         return dx
     part_dtype = accumulate_dtype(y.dtype)
     part_dot = torch.empty((batch, n_chunks, n_cols), dtype=part_dtype, device=y.device)
+    if plan.shared:
+        _softmax_gluon.launch_backward(y, dy, dx, offsets, part_dot, _tickets(batch, n_col_tiles, y.device), n_chunks,
+                                       n_col_tiles, plan, BWD_COMBINE_SLICE)
+        return dx
     if plan.cooperative:
         # (_opaque is PTX, absent from the interpreter, which runs one-tile cooperative plans only, and from ROCm;
         # it takes an even number of values.)
