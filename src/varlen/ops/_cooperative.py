@@ -1,5 +1,5 @@
 """The cooperative kernels' claim, wait and combine (``softmax.py``'s Triton kernels, ``_softmax_gluon.py``'s Gluon
-one, which calls these Triton helpers with tensors that carry its layouts).
+ones, which call these Triton helpers with tensors that carry their layouts).
 
 A cooperative program takes the next chunk in the order programs start (a claim counter), so the chunks of a
 (sequence, column block) are taken one after another; it publishes its chunk's statistics and waits until every
