@@ -564,8 +564,8 @@ def test_bad_inputs(device):
 def test_gpu_sizes_every_plan(lengths, dtype, device, poison_empty):
     """Single tile (the 16-bit backward up to 256 rows, float32 up to 512 in tiles of 8K elements and 1024 in tiles
     of 16K, float64 up to 1024: test_single_tile_rows_wide_enough), cooperative (on sm_90 chunks held in shared
-    memory: the 16-bit forward's 192 rows up to 12672 (12000 near that bound) and 512 up to 33792 (33000), the float32
-    forward's 192 rows up to 12672, both backwards' 128 rows up to 8448; past those and elsewhere in registers:
+    memory: the forward's 192 rows up to 12672 (12000 near that bound) and 512 up to 33792 (33000), the backward's
+    128 rows up to 8448 and 256 up to 16896 (12000); elsewhere in registers:
     float32 tiles of 64 columns up to 8192 rows forward and 4096 backward, then of 32 columns and twice the rows up to
     33792 and 16896 (12000 both, 33000 the forward); the 16-bit backward in tiles of 128 rows up to 8448 and 256
     beyond; the 16-bit forward's chunks read twice), split across many programs (a few long sequences), and one very

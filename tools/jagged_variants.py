@@ -6,9 +6,9 @@
 Covers bf16, fp16 and float32, forward and backward, at lengths of the ``single`` path (4 rows; 256, where the 16-bit
 backward's tiles have rows of 64 bytes; 1024, float32's tiles of 16K elements), the
 ``cooperative`` path (tiles held in registers: float32 forward and every backward, the 16-bit one in tiles of 128
-rows at 4096 and 256 at 12000; chunks held in shared memory by the Gluon kernels: the 16-bit forward's 192 rows at
-12000 and 512 at 33000, the float32 forward's 192 rows, both backwards' 128 rows at 4096; the 16-bit forward's read
-twice where those kernels don't take the input) and the ``split`` path, at 1024
+rows at 4096 and 256 at 12000; chunks held in shared memory by the Gluon kernels: the forward's 192 rows at 12000
+and 512 at 33000, the backward's 128 rows at 4096 and 256 at 12000; the 16-bit forward's read twice where those
+kernels don't take the input) and the ``split`` path, at 1024
 columns as ``bench/jagged_ops.py`` and at 40, 3 and 1. The plans are those of a 132-SM GPU (``softmax_plan`` for a
 CUDA device, its SM count stood in for). Then the ragged sum's kernels (one chunk per sequence and several) and the
 padding copies' at the same widths, whose rows of 40 columns the kernels load 8 elements at a time (``ROW_ALIGN``), and

@@ -470,9 +470,11 @@ REREAD_STAGES = 4
 # 16 sequences of 4K-8K rows / 128 of 128-2048, against the registers' tiles: float32 forward 192 x 64 in blocks of 32
 # columns, 2 warps, 78.2 / 77.2 / 80.6 against 68.9 / 67.6 / 70.2; 16-bit backward 128 x 64 x 2, 64 columns, 74.8 /
 # 75.1 / 77.1 (bf16) against 67.4 / 67.9 / 68.9; float32 backward 128 x 32 x 2, 64 columns, 82.7 / 81.2 / 85.1
-# against 74.0 / 77.2 / 76.0.
-SHARED_TIERS = {(1, 2): ((192, 64, 64, 2), (512, 128, 64, 4)), (1, 4): ((192, 64, 32, 2),),
-                (2, 2): ((128, 64, 64, 2),), (2, 4): ((128, 32, 64, 2),)}
+# against 74.0 / 77.3 / 76.0. Their second tiers, past the first's bound (8 sequences up to 16,896 rows backward,
+# 25,000 forward), against the registers' tiles there: bf16 backward 256 x 64 x 2 69.5 against 59.1, float32 backward
+# 256 x 64 x 2 in blocks of 32 columns 75.1 against 69.2, float32 forward 512 x 128 x 4 68.1 against 61.6.
+SHARED_TIERS = {(1, 2): ((192, 64, 64, 2), (512, 128, 64, 4)), (1, 4): ((192, 64, 32, 2), (512, 128, 32, 4)),
+                (2, 2): ((128, 64, 64, 2), (256, 64, 64, 2)), (2, 4): ((128, 32, 64, 2), (256, 64, 32, 2))}
 # The fewest columns for which a block is held in shared memory (else 33: a block of 64 columns): the 16-bit backward
 # at 40 columns ran at 34% of copy there against the registers' 38% (H200, 64 sequences of 128-4096 rows; at 64 and
 # 128 columns 54.7 / 61.6 against 53.4 / 57.6; float32 at 40 columns 49 against 45).
