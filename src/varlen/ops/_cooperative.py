@@ -69,7 +69,6 @@ def share_max_sum(m, s, part_max, part_sum, tickets, b, chunk, group, n_chunks, 
     return m, s
 
 
-
 @triton.jit
 def _slice_sum(part, first, c0, n_live, n_cols, cols, col_ok, slots):
     """The sum per column of chunks ``c0 + slots``' partials (those below ``n_live``), as :func:`_slice_max_sum`."""

@@ -51,7 +51,7 @@ from ..tiling import known_multiple, row_align
 from ._cooperative import claim_chunk, share_max_sum, share_sum
 
 ROW_BYTES = (128, 256)  # of a block's row: the TMA box's (one or two 128-byte swizzle spans)
-MAX_CHUNK_BYTES = 128 * 1024  # of input per program (an H100 SM has 227 KiB of shared memory)
+MAX_CHUNK_BYTES = 128 * 1024  # of input per program, over its inputs (an H100 SM has 227 KiB of shared memory)
 VECTOR_BYTES = 16  # per thread along a row: one 16-byte shared-memory load
 
 

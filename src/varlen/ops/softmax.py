@@ -18,13 +18,13 @@ Triton plan (one launch per step for the whole batch; inner dims flattened to F 
 * ``cooperative`` (GPU only, sequences of at most :func:`cooperative_max_chunks` chunks): one program
   per (sequence, chunk of rows, column block) reduces its chunk, publishes the chunk's statistics, waits
   until every chunk of its (sequence, column block) has published, combines them in chunk order and
-  writes its chunk. On sm_90, blocks of 64 columns of fp16, bf16 and float32 inputs (contiguous rows, TMA-aligned)
-  hold the chunk in shared memory, forward and backward (``_softmax_gluon``: TMA loads, Gluon kernels). Elsewhere
-  every backward, and the 32- and 64-bit forward of 32 or more columns or of one float32 column, hold the chunk in
-  registers (one tile; 16-bit inputs as their own 16-bit values), so each input is read once, as ``single``; the
-  16-bit forward reads its chunk again for the write, moments after the first read (held in registers, it ran slower
-  than split), as does the 32- and 64-bit forward of 2-16 columns (one float64 column): see
-  :func:`_cooperative_plan`.
+  writes its chunk. On sm_90, fp16, bf16 and float32 inputs of more than 32 columns (contiguous rows, TMA-aligned;
+  the 16-bit backward from 64 columns) hold the chunk in shared memory, forward and backward, in blocks of 128 or 256
+  bytes of a row (``_softmax_gluon``: TMA loads, Gluon kernels; :data:`SHARED_TIERS`). Elsewhere every backward, and
+  the 32- and 64-bit forward of 32 or more columns or of one float32 column, hold the chunk in registers (one tile;
+  16-bit inputs as their own 16-bit values), so each input is read once, as ``single``; the 16-bit forward reads its
+  chunk again for the write, moments after the first read (held in registers, it ran slower than split), as does the
+  32- and 64-bit forward of 2-16 columns (one float64 column): see :func:`_cooperative_plan`.
   Programs take their chunks in the order they start (a claim counter), a sequence's chunks one after
   another, so the chunks a program waits for are held by programs already running or about to start; it
   never waits for one that can't start while the GPU holds at least as many programs as a sequence has
