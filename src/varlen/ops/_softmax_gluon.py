@@ -71,6 +71,18 @@ if HAVE_GLUON:
         fence_async_shared()
         return landed
 
+    @gluon.jit
+    def _claim_rows(tickets, offsets, total, n_chunks, n_col_tiles, CHUNK_ROWS: gl.constexpr, BLOCK_T: gl.constexpr,
+                    BLOCK_F: gl.constexpr):
+        # The claimed chunk (_cooperative.claim_chunk), its rows [lo, hi) of its sequence in n_tiles tiles, and its
+        # block's first column (a chunk past its sequence's end, chunk >= n_live, has none).
+        b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks, n_col_tiles,
+                                                                        CHUNK_ROWS)
+        lo = chunk.to(gl.int64) * CHUNK_ROWS
+        hi = gl.minimum(lo + CHUNK_ROWS, length)
+        n_tiles = ((hi - lo + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
+        return b, group, chunk, start, n_live, lo, hi, n_tiles, col_tile * BLOCK_F
+
     @fast_launch
     @gluon.jit(do_not_specialize=["total", "n_chunks"])
     def _softmax_shared_kernel(x_desc, y, offsets, total, part_max, part_sum, tickets, n_cols, n_chunks, n_col_tiles,
@@ -90,13 +102,9 @@ if HAVE_GLUON:
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_T, BLOCK_F], dtype))
         landed = _init_landed(N_TILES)
 
-        b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
-                                                                        n_col_tiles, CHUNK_ROWS)
+        b, group, chunk, start, n_live, lo, hi, n_tiles, col0 = _claim_rows(tickets, offsets, total, n_chunks,
+                                                                             n_col_tiles, CHUNK_ROWS, BLOCK_T, BLOCK_F)
         if chunk < n_live:
-            lo = chunk.to(gl.int64) * CHUNK_ROWS
-            hi = gl.minimum(lo + CHUNK_ROWS, length)
-            n_tiles = ((hi - lo + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
-            col0 = col_tile * BLOCK_F
             for t in range(n_tiles):
                 mbarrier.expect(landed.index(t), BLOCK_T * BLOCK_F * dtype.primitive_bitwidth // 8)
                 tma.async_copy_global_to_shared(x_desc, [(start + lo + t * BLOCK_T).to(gl.int32), col0],
@@ -143,13 +151,9 @@ if HAVE_GLUON:
         dy_tiles = gl.allocate_shared_memory(dtype, [N_TILES, BLOCK_T, BLOCK_F], smem_layout)
         landed = _init_landed(N_TILES)
 
-        b, col_tile, group, chunk, start, length, n_live = claim_chunk(tickets, offsets, total, n_chunks,
-                                                                        n_col_tiles, CHUNK_ROWS)
+        b, group, chunk, start, n_live, lo, hi, n_tiles, col0 = _claim_rows(tickets, offsets, total, n_chunks,
+                                                                             n_col_tiles, CHUNK_ROWS, BLOCK_T, BLOCK_F)
         if chunk < n_live:
-            lo = chunk.to(gl.int64) * CHUNK_ROWS
-            hi = gl.minimum(lo + CHUNK_ROWS, length)
-            n_tiles = ((hi - lo + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
-            col0 = col_tile * BLOCK_F
             for t in range(n_tiles):
                 mbarrier.expect(landed.index(t), 2 * BLOCK_T * BLOCK_F * dtype.primitive_bitwidth // 8)
                 row0 = (start + lo + t * BLOCK_T).to(gl.int32)
