@@ -32,6 +32,12 @@ def per_sequence_softmax(values, lengths):
     return torch.cat([torch.softmax(part, 0) for part in values.split(lengths)])
 
 
+def per_sequence_softmax_backward(y, g, lengths):
+    """torch's softmax backward over each sequence's positions, in ``y``'s dtype."""
+    return torch.cat([torch._softmax_backward_data(gp, yp, 0, yp.dtype)
+                      for yp, gp in zip(y.split(lengths), g.split(lengths), strict=True)])
+
+
 def reference(values, lengths, grad=None):
     """Per-sequence float64 softmax over positions, and its autograd gradient for ``grad``."""
     x = values.detach().to(torch.float64).requires_grad_(grad is not None)
@@ -689,12 +695,6 @@ def _shared_cases():
                 name = f"{'fwd' if inputs == 1 else 'bwd'}-{str(dtype)[6:]}-{chunk_rows}x{block_t}x{block_f}w{warps}"
                 cases.append(pytest.param(inputs, dtype, plan, id=name))
     return cases
-
-
-def per_sequence_softmax_backward(y, g, lengths):
-    """torch's softmax backward over each sequence's positions, in ``y``'s dtype."""
-    return torch.cat([torch._softmax_backward_data(gp, yp, 0, yp.dtype)
-                      for yp, gp in zip(y.split(lengths), g.split(lengths), strict=True)])
 
 
 @pytest.mark.gpu_only
